@@ -1,0 +1,229 @@
+//! The client-facing API surface: which endpoint a request is for, and errors in the client's format.
+
+use bytes::Bytes;
+use serde_json::json;
+
+/// The client protocol, which decides how errors are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientFormat {
+    OpenAi,
+    Anthropic,
+}
+
+/// The endpoints the proxy serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    ChatCompletions,
+    Completions,
+    Messages,
+    Models,
+    Health,
+    Ready,
+}
+
+impl Endpoint {
+    /// Map a path (without query) to an endpoint.
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        // Tolerate one trailing slash, as OpenAI's own API does.
+        let path = path.strip_suffix('/').filter(|p| !p.is_empty()).unwrap_or(path);
+        Some(match path {
+            "/v1/chat/completions" => Endpoint::ChatCompletions,
+            "/v1/completions" => Endpoint::Completions,
+            "/v1/messages" => Endpoint::Messages,
+            "/v1/models" => Endpoint::Models,
+            "/health" => Endpoint::Health,
+            "/ready" => Endpoint::Ready,
+            _ => return None,
+        })
+    }
+
+    pub fn method(self) -> http::Method {
+        match self {
+            Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => {
+                http::Method::POST
+            }
+            Endpoint::Models | Endpoint::Health | Endpoint::Ready => http::Method::GET,
+        }
+    }
+
+    /// The path sent upstream.
+    pub fn upstream_path(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Messages => "/v1/messages",
+            Endpoint::Models => "/v1/models",
+            Endpoint::Health => "/health",
+            Endpoint::Ready => "/ready",
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions => "chat_completions",
+            Endpoint::Completions => "completions",
+            Endpoint::Messages => "messages",
+            Endpoint::Models => "models",
+            Endpoint::Health => "health",
+            Endpoint::Ready => "ready",
+        }
+    }
+}
+
+/// The client format of a path, known or not: `/v1/messages` speaks Anthropic, everything else OpenAI.
+pub fn client_format_for_path(path: &str) -> ClientFormat {
+    if path.trim_end_matches('/') == "/v1/messages" {
+        ClientFormat::Anthropic
+    } else {
+        ClientFormat::OpenAi
+    }
+}
+
+/// What went wrong, which fixes the status and the error type names in both formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    InvalidRequest,
+    NotFound,
+    MethodNotAllowed,
+    LengthRequired,
+    PayloadTooLarge,
+    BadGateway,
+    Unavailable,
+    GatewayTimeout,
+    Internal,
+}
+
+impl ErrorKind {
+    pub fn status(self) -> u16 {
+        match self {
+            ErrorKind::InvalidRequest => 400,
+            ErrorKind::NotFound => 404,
+            ErrorKind::MethodNotAllowed => 405,
+            ErrorKind::LengthRequired => 411,
+            ErrorKind::PayloadTooLarge => 413,
+            ErrorKind::Internal => 500,
+            ErrorKind::BadGateway => 502,
+            ErrorKind::Unavailable => 503,
+            ErrorKind::GatewayTimeout => 504,
+        }
+    }
+
+    fn openai_type(self) -> &'static str {
+        match self {
+            ErrorKind::InvalidRequest
+            | ErrorKind::NotFound
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::LengthRequired
+            | ErrorKind::PayloadTooLarge => "invalid_request_error",
+            ErrorKind::BadGateway
+            | ErrorKind::Unavailable
+            | ErrorKind::GatewayTimeout
+            | ErrorKind::Internal => "server_error",
+        }
+    }
+
+    fn anthropic_type(self) -> &'static str {
+        match self {
+            ErrorKind::InvalidRequest
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::LengthRequired => "invalid_request_error",
+            ErrorKind::NotFound => "not_found_error",
+            ErrorKind::PayloadTooLarge => "request_too_large",
+            ErrorKind::Unavailable => "overloaded_error",
+            ErrorKind::BadGateway | ErrorKind::GatewayTimeout | ErrorKind::Internal => "api_error",
+        }
+    }
+}
+
+/// An error the proxy itself answers with. The message names what to fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    pub kind: ErrorKind,
+    /// Machine-readable code in OpenAI's `error.code` (e.g. `model_not_found`).
+    pub code: &'static str,
+    /// The request field at fault, for OpenAI's `error.param`.
+    pub param: Option<&'static str>,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(kind: ErrorKind, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            kind,
+            code,
+            param: None,
+            message: message.into(),
+        }
+    }
+
+    pub fn invalid(param: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            kind: ErrorKind::InvalidRequest,
+            code: "invalid_request",
+            param: Some(param),
+            message: message.into(),
+        }
+    }
+
+    pub fn status(&self) -> u16 {
+        self.kind.status()
+    }
+
+    /// The JSON body in the client's format.
+    pub fn body(&self, format: ClientFormat) -> Bytes {
+        let value = match format {
+            ClientFormat::OpenAi => json!({
+                "error": {
+                    "message": self.message,
+                    "type": self.kind.openai_type(),
+                    "param": self.param,
+                    "code": self.code,
+                }
+            }),
+            ClientFormat::Anthropic => json!({
+                "type": "error",
+                "error": {
+                    "type": self.kind.anthropic_type(),
+                    "message": self.message,
+                }
+            }),
+        };
+        Bytes::from(value.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_error_shape() {
+        let error = ApiError::new(ErrorKind::NotFound, "model_not_found", "no such model");
+        let body: serde_json::Value = serde_json::from_slice(&error.body(ClientFormat::OpenAi)).unwrap();
+        assert_eq!(body["error"]["message"], "no such model");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert_eq!(body["error"]["code"], "model_not_found");
+        assert_eq!(error.status(), 404);
+    }
+
+    #[test]
+    fn anthropic_error_shape() {
+        let error = ApiError::new(ErrorKind::PayloadTooLarge, "body_too_large", "too big");
+        let body: serde_json::Value =
+            serde_json::from_slice(&error.body(ClientFormat::Anthropic)).unwrap();
+        assert_eq!(body["type"], "error");
+        assert_eq!(body["error"]["type"], "request_too_large");
+        assert_eq!(body["error"]["message"], "too big");
+        assert_eq!(error.status(), 413);
+    }
+
+    #[test]
+    fn paths_map_to_endpoints_and_formats() {
+        assert_eq!(Endpoint::from_path("/v1/chat/completions/"), Some(Endpoint::ChatCompletions));
+        assert_eq!(Endpoint::from_path("/v1/messages"), Some(Endpoint::Messages));
+        assert_eq!(Endpoint::from_path("/v2/x"), None);
+        assert_eq!(client_format_for_path("/v1/messages"), ClientFormat::Anthropic);
+        assert_eq!(client_format_for_path("/v1/completions"), ClientFormat::OpenAi);
+    }
+}

@@ -1,0 +1,140 @@
+//! Where the proxy's configuration lives: the current routing table (swapped whole with arc-swap)
+//! and the file source that hot-reloads it.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use async_trait::async_trait;
+use pingora_core::server::ShutdownWatch;
+use pingora_core::services::background::BackgroundService;
+use sha2::{Digest, Sha256};
+use switchyard_snapshot::{ConfigErrors, Snapshot};
+
+use crate::routing::{EndpointRegistry, RoutingTable};
+
+/// The embedded default configuration: three local workers, as `switchyard-sim --workers 3` starts them.
+pub const EMBEDDED_DEFAULT: &str = include_str!("../../conf/default.yaml");
+
+/// The live configuration. Readers take an `Arc` and keep it for the whole request.
+#[derive(Default)]
+pub struct ConfigStore {
+    table: ArcSwapOption<RoutingTable>,
+    registry: EndpointRegistry,
+}
+
+/// What applying a snapshot did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// A new table is live.
+    Swapped { version: u64 },
+    /// Same content as the live one: nothing changed.
+    Unchanged { version: u64 },
+}
+
+impl ConfigStore {
+    pub fn current(&self) -> Option<Arc<RoutingTable>> {
+        self.table.load_full()
+    }
+
+    /// Make `snapshot` live unless it routes exactly like the current one.
+    /// A snapshot with version 0 gets the next version after the current one.
+    pub fn apply(&self, snapshot: Snapshot) -> Applied {
+        let current = self.table.load_full();
+        let current_version = current.as_ref().map_or(0, |t| t.snapshot.version);
+        if let Some(current) = &current {
+            if current.snapshot.fingerprint == snapshot.fingerprint {
+                return Applied::Unchanged {
+                    version: current_version,
+                };
+            }
+        }
+        let snapshot = if snapshot.version == 0 {
+            snapshot.with_version(current_version + 1)
+        } else {
+            snapshot
+        };
+        let version = snapshot.version;
+        let table = RoutingTable::build(Arc::new(snapshot), &self.registry);
+        self.table.store(Some(Arc::new(table)));
+        Applied::Swapped { version }
+    }
+}
+
+/// Reads the configuration files: returns a digest of their bytes and the compiled result.
+pub fn read_files(paths: &[PathBuf]) -> (String, Result<Snapshot, ConfigErrors>) {
+    let mut hasher = Sha256::new();
+    let mut errors = Vec::new();
+    for file in switchyard_snapshot::parse::expand_paths(paths, &mut errors) {
+        hasher.update(file.display().to_string().as_bytes());
+        match std::fs::read(&file) {
+            Ok(bytes) => hasher.update(&bytes),
+            Err(error) => hasher.update(error.to_string().as_bytes()),
+        }
+    }
+    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let result = if errors.is_empty() {
+        switchyard_snapshot::load_paths(paths)
+    } else {
+        Err(ConfigErrors(errors))
+    };
+    (digest, result)
+}
+
+/// Polls configuration files and applies each valid change; an invalid edit is reported and the
+/// last good snapshot keeps serving. Polling (rather than inotify) also follows Kubernetes
+/// ConfigMap mounts, whose files change by symlink swap.
+pub struct FileWatcher {
+    pub store: Arc<ConfigStore>,
+    pub paths: Vec<PathBuf>,
+    pub interval: Duration,
+    /// Digest of the files as first loaded, so an edit made before the watcher starts is seen.
+    pub loaded_digest: String,
+}
+
+impl FileWatcher {
+    fn poll(&self, last_digest: &mut String) {
+        let (digest, result) = read_files(&self.paths);
+        if &digest == last_digest {
+            return;
+        }
+        *last_digest = digest;
+        match result {
+            Ok(snapshot) => match self.store.apply(snapshot) {
+                Applied::Swapped { version } => {
+                    tracing::info!(version, "configuration reloaded");
+                }
+                Applied::Unchanged { version } => {
+                    tracing::debug!(version, "configuration files changed; routing unchanged");
+                }
+            },
+            Err(errors) => {
+                for error in errors.iter() {
+                    tracing::error!(
+                        source = %error.source_name,
+                        document = %error.document,
+                        field = %error.field,
+                        message = %error.message,
+                        "configuration rejected; keeping the last good snapshot"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl BackgroundService for FileWatcher {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut last_digest = self.loaded_digest.clone();
+        let mut ticker = tokio::time::interval(self.interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => self.poll(&mut last_digest),
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}

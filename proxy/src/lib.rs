@@ -1,0 +1,13 @@
+//! Switchyard's data plane: a Pingora proxy that routes OpenAI- and Anthropic-format LLM requests
+//! to a pool of vLLM workers.
+//!
+//! The binary (`switchyard-proxy`) wires these together: a [`config::ConfigStore`] holds the live
+//! routing table, a source (files today) feeds it snapshots, and [`proxy::Gateway`] serves
+//! requests from whatever table is live when each request arrives.
+
+pub mod api;
+pub mod config;
+pub mod proxy;
+pub mod request;
+pub mod routing;
+pub mod translate;

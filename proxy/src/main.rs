@@ -1,0 +1,127 @@
+//! `switchyard-proxy`: serve the gateway on a Pingora server.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use pingora_core::apps::HttpServerOptions;
+use pingora_core::server::Server;
+use pingora_core::server::configuration::{Opt, ServerConf};
+use pingora_core::services::background::background_service;
+use pingora_proxy::ProxyServiceBuilder;
+use switchyard_proxy::config::{self, ConfigStore, FileWatcher};
+use switchyard_proxy::proxy::{Gateway, Settings};
+
+#[derive(Parser, Debug)]
+#[command(name = "switchyard-proxy", version, about = "Inference gateway in front of vLLM workers")]
+struct Args {
+    /// Configuration files or directories of YAML documents; watched and reloaded on change.
+    /// Without it the embedded default (conf/default.yaml) is served.
+    #[arg(long, value_name = "PATH")]
+    config: Vec<PathBuf>,
+    /// Address to listen on (HTTP/1.1 and cleartext HTTP/2).
+    #[arg(long, default_value = "127.0.0.1:8080", env = "SWITCHYARD_LISTEN")]
+    listen: String,
+    /// Largest request body accepted, in bytes; larger requests get 413.
+    #[arg(long, default_value_t = 32 * 1024 * 1024)]
+    max_body_bytes: usize,
+    /// How often configuration files are checked for changes, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    reload_interval_ms: u64,
+    /// Longest silence from a worker before the request fails with 504, in seconds.
+    #[arg(long, default_value_t = 600)]
+    upstream_read_timeout_s: u64,
+    /// Worker threads (default: number of CPUs).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Seconds to keep serving in-flight requests after SIGTERM.
+    #[arg(long, default_value_t = 10)]
+    grace_period_s: u64,
+    /// Log as JSON lines instead of text.
+    #[arg(long)]
+    log_json: bool,
+    /// Validate the configuration, print every error, and exit.
+    #[arg(long)]
+    check: bool,
+}
+
+fn init_tracing(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,pingora_core=warn,pingora_proxy=warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    init_tracing(args.log_json);
+
+    let (loaded_digest, initial) = if args.config.is_empty() {
+        (
+            String::new(),
+            switchyard_snapshot::load_str(switchyard_snapshot::EMBEDDED_SOURCE, config::EMBEDDED_DEFAULT),
+        )
+    } else {
+        config::read_files(&args.config)
+    };
+    let snapshot = match initial {
+        Ok(snapshot) => snapshot,
+        Err(errors) => {
+            eprintln!("{errors}");
+            std::process::exit(2);
+        }
+    };
+    if args.check {
+        println!(
+            "configuration OK: {} pool(s), {} model(s)",
+            snapshot.pools.len(),
+            snapshot.models.len()
+        );
+        return Ok(());
+    }
+
+    let store = Arc::new(ConfigStore::default());
+    store.apply(snapshot);
+
+    let conf = ServerConf {
+        threads: args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
+        grace_period_seconds: Some(args.grace_period_s),
+        graceful_shutdown_timeout_seconds: Some(args.grace_period_s),
+        ..ServerConf::default()
+    };
+    let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
+    server.bootstrap();
+
+    let settings = Settings {
+        max_body_bytes: args.max_body_bytes,
+        upstream_read_timeout: Duration::from_secs(args.upstream_read_timeout_s),
+    };
+    let mut server_options = HttpServerOptions::default();
+    server_options.h2c = true;
+    let mut proxy = ProxyServiceBuilder::new(&server.configuration, Gateway::new(store.clone(), settings))
+        .name("switchyard-proxy")
+        .server_options(server_options)
+        .build();
+    proxy.add_tcp(&args.listen);
+    server.add_service(proxy);
+
+    if !args.config.is_empty() {
+        let watcher = FileWatcher {
+            store,
+            paths: args.config.clone(),
+            interval: Duration::from_millis(args.reload_interval_ms.max(50)),
+            loaded_digest,
+        };
+        server.add_service(background_service("config watcher", watcher));
+    }
+
+    tracing::info!(listen = %args.listen, "switchyard-proxy starting");
+    let _ = Context::context(Ok::<(), std::io::Error>(()), "");
+    server.run_forever();
+}

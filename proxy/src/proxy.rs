@@ -1,0 +1,653 @@
+//! The Pingora `ProxyHttp` implementation: read and check the request, choose a worker, forward,
+//! translate when needed, and answer every failure in the client's own error format.
+//!
+//! Reading the body before choosing the upstream: Pingora replays a body consumed in
+//! `request_filter` only from its retry buffer (64 KiB). We keep the whole body in the request
+//! context and hand it on from `request_body_filter`. That filter only runs when the retry buffer
+//! holds something, so buffering is switched on just before the last 64 KiB of the body is read:
+//! the buffer is then never truncated, the filter runs on every attempt (retries included), and
+//! it swaps the buffer's tail for the full body. `upstream_request_filter` sets Content-Length to
+//! the length of what is really sent.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use pingora_core::upstreams::peer::{HttpPeer, Peer};
+use pingora_error::{Error, ErrorType, Result};
+use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::{FailToProxy, ProxyHttp, Session};
+use serde_json::json;
+use switchyard_snapshot::snapshot::AnthropicMessages;
+
+use crate::api::{ApiError, ClientFormat, Endpoint, ErrorKind, client_format_for_path};
+use crate::config::ConfigStore;
+use crate::request;
+use crate::routing::{InFlight, PoolRuntime, RoutingTable};
+use crate::translate::{self, StreamTranslator};
+
+/// Bytes Pingora's retry buffer holds (pingora-core `BODY_BUF_LIMIT`).
+const RETRY_BUFFER_BYTES: usize = 64 * 1024;
+
+/// Proxy-wide settings that do not come from the snapshot.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Largest request body accepted; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// Longest silence allowed while waiting on a worker (a long prefill counts as silence).
+    pub upstream_read_timeout: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            max_body_bytes: 32 * 1024 * 1024,
+            upstream_read_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// The gateway: one instance serves every request.
+pub struct Gateway {
+    store: Arc<ConfigStore>,
+    settings: Settings,
+}
+
+impl Gateway {
+    pub fn new(store: Arc<ConfigStore>, settings: Settings) -> Gateway {
+        Gateway { store, settings }
+    }
+}
+
+/// Where a request is going, decided in `request_filter`.
+#[derive(Debug)]
+pub struct Route {
+    /// Kept so the snapshot the decision was made on outlives a reload mid-request.
+    pub table: Arc<RoutingTable>,
+    pub pool: Arc<PoolRuntime>,
+    pub requested_model: String,
+    pub upstream_model: String,
+    pub stream: bool,
+    /// Anthropic request to an OpenAI-only pool.
+    pub translate: bool,
+    /// Indexes of workers already tried.
+    pub tried: Vec<usize>,
+    /// The worker of the current attempt, counted as in flight.
+    pub current: Option<InFlight>,
+    pub last_connect_error: Option<String>,
+}
+
+#[derive(Debug, Default)]
+enum ResponseMode {
+    #[default]
+    PassThrough,
+    /// Buffer the whole answer and translate it at the end (non-streaming, or an error status).
+    TranslateWhole { buffer: BytesMut, status: u16 },
+    TranslateStream(Box<StreamTranslator>),
+}
+
+/// Per-request state.
+pub struct RequestCtx {
+    request_id: String,
+    started: Instant,
+    format: ClientFormat,
+    endpoint: Option<Endpoint>,
+    /// The body sent upstream (model rewritten, or translated).
+    body: Bytes,
+    route: Option<Route>,
+    /// An error decided by us, answered by `fail_to_proxy` in the client's format.
+    failure: Option<ApiError>,
+    response: ResponseMode,
+    status: u16,
+}
+
+fn request_id(session: &Session) -> String {
+    let incoming = session
+        .req_header()
+        .headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()));
+    match incoming {
+        Some(id) => id.to_owned(),
+        None => format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>()),
+    }
+}
+
+impl Gateway {
+    /// Write a complete JSON response. When the request body was not read, the connection is
+    /// closed afterwards so unread bytes are never taken for the next request.
+    async fn respond_json(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        status: u16,
+        body: Bytes,
+        extra: &[(&'static str, String)],
+    ) -> Result<()> {
+        ctx.status = status;
+        let mut header = ResponseHeader::build(status, Some(4 + extra.len()))?;
+        header.insert_header("content-type", "application/json")?;
+        header.insert_header("content-length", body.len().to_string())?;
+        header.insert_header("x-request-id", ctx.request_id.as_str())?;
+        for (name, value) in extra {
+            header.insert_header(*name, value.as_str())?;
+        }
+        if !session.as_mut().is_body_done() {
+            session.set_keepalive(None);
+            header.insert_header("connection", "close")?;
+        }
+        session.write_response_header(Box::new(header), false).await?;
+        session.write_response_body(Some(body), true).await?;
+        Ok(())
+    }
+
+    async fn respond_error(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        error: ApiError,
+    ) -> Result<bool> {
+        tracing::info!(
+            request_id = %ctx.request_id,
+            status = error.status(),
+            code = error.code,
+            reason = %error.message,
+            "request rejected"
+        );
+        let body = error.body(ctx.format);
+        let extra: Vec<(&'static str, String)> = match error.kind {
+            ErrorKind::MethodNotAllowed => ctx
+                .endpoint
+                .map(|e| vec![("allow", e.method().to_string())])
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        self.respond_json(session, ctx, error.status(), body, &extra).await?;
+        ctx.failure = Some(error);
+        Ok(true)
+    }
+
+    /// Read the whole request body within the size limit (see the module note on buffering).
+    async fn read_body(&self, session: &mut Session) -> std::result::Result<Bytes, ApiError> {
+        let limit = self.settings.max_body_bytes;
+        let too_large = || {
+            ApiError::new(
+                ErrorKind::PayloadTooLarge,
+                "request_too_large",
+                format!("request body exceeds the limit of {limit} bytes; shorten the prompt"),
+            )
+        };
+        let declared = match session.req_header().headers.get(http::header::CONTENT_LENGTH) {
+            Some(value) => Some(
+                value
+                    .to_str()
+                    .ok()
+                    .and_then(|v| v.trim().parse::<usize>().ok())
+                    .ok_or_else(|| ApiError::invalid("body", "invalid Content-Length header"))?,
+            ),
+            None => None,
+        };
+        if declared.is_some_and(|length| length > limit) {
+            return Err(too_large());
+        }
+        if declared.is_none() {
+            session.as_mut().enable_retry_buffering();
+        }
+        let mut body = BytesMut::with_capacity(declared.unwrap_or(0));
+        loop {
+            if declared.is_some_and(|length| length.saturating_sub(body.len()) <= RETRY_BUFFER_BYTES) {
+                session.as_mut().enable_retry_buffering();
+            }
+            match session.read_request_body().await {
+                Ok(Some(chunk)) => {
+                    if body.len() + chunk.len() > limit {
+                        return Err(too_large());
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(None) => break,
+                Err(error) => {
+                    return Err(ApiError::invalid(
+                        "body",
+                        format!("could not read the request body: {}", error.etype().as_str()),
+                    ));
+                }
+            }
+        }
+        if session.as_ref().retry_buffer_truncated() {
+            return Err(ApiError::new(
+                ErrorKind::LengthRequired,
+                "length_required",
+                format!(
+                    "request bodies over {} KiB must be sent with a Content-Length header",
+                    RETRY_BUFFER_BYTES / 1024
+                ),
+            ));
+        }
+        Ok(body.freeze())
+    }
+
+    /// Decide where an inference request goes and prepare the body sent there.
+    async fn route(
+        &self,
+        session: &mut Session,
+        endpoint: Endpoint,
+    ) -> std::result::Result<(Route, Bytes), ApiError> {
+        let table = self.store.current().ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::Unavailable,
+                "not_ready",
+                "the gateway has no configuration loaded yet; retry shortly",
+            )
+        })?;
+        let body = self.read_body(session).await?;
+        let parsed = request::parse(endpoint, &body)?;
+        let model = table.model(&parsed.model).ok_or_else(|| ApiError {
+            kind: ErrorKind::NotFound,
+            code: "model_not_found",
+            param: Some("model"),
+            message: format!(
+                "the model '{}' does not exist; GET /v1/models lists the models you can use",
+                parsed.model
+            ),
+        })?;
+        let target = table.pick_target(model).ok_or_else(|| {
+            ApiError::new(ErrorKind::Unavailable, "no_target", format!("model '{}' has no usable target", model.name))
+        })?;
+        let pool = table.pool(&target.pool).cloned().ok_or_else(|| {
+            ApiError::new(ErrorKind::Internal, "pool_missing", format!("pool {} is not loaded", target.pool))
+        })?;
+        if pool.workers.is_empty() {
+            return Err(ApiError::new(
+                ErrorKind::Unavailable,
+                "no_workers",
+                format!("model '{}' has no workers available right now; retry shortly", parsed.model),
+            ));
+        }
+        let translate = endpoint == Endpoint::Messages
+            && pool.config.anthropic_messages == AnthropicMessages::Translate;
+        let upstream_body = if translate {
+            translate::messages_request_to_chat(&body, &target.upstream_model)?
+        } else {
+            request::with_model(&body, &parsed, &target.upstream_model)
+        };
+        let route = Route {
+            upstream_model: target.upstream_model.clone(),
+            requested_model: parsed.model,
+            stream: parsed.stream,
+            translate,
+            pool,
+            table,
+            tried: Vec::new(),
+            current: None,
+            last_connect_error: None,
+        };
+        Ok((route, upstream_body))
+    }
+
+    async fn list_models(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        let Some(table) = self.store.current() else {
+            let error = ApiError::new(ErrorKind::Unavailable, "not_ready", "no configuration loaded yet");
+            return self.respond_error(session, ctx, error).await;
+        };
+        let anthropic = session.req_header().headers.contains_key("anthropic-version");
+        let names: Vec<&String> = table.snapshot.models.keys().collect();
+        let body = if anthropic {
+            let data: Vec<_> = names
+                .iter()
+                .map(|name| json!({"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}))
+                .collect();
+            json!({
+                "data": data,
+                "has_more": false,
+                "first_id": names.first(),
+                "last_id": names.last(),
+            })
+        } else {
+            let created = table.created_at;
+            let data: Vec<_> = names
+                .iter()
+                .map(|name| json!({"id": name, "object": "model", "created": created, "owned_by": "switchyard"}))
+                .collect();
+            json!({"object": "list", "data": data})
+        };
+        self.respond_json(session, ctx, 200, Bytes::from(body.to_string()), &[]).await?;
+        Ok(true)
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = RequestCtx;
+
+    fn new_ctx(&self) -> RequestCtx {
+        RequestCtx {
+            request_id: String::new(),
+            started: Instant::now(),
+            format: ClientFormat::OpenAi,
+            endpoint: None,
+            body: Bytes::new(),
+            route: None,
+            failure: None,
+            response: ResponseMode::PassThrough,
+            status: 0,
+        }
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        ctx.request_id = request_id(session);
+        let path = session.req_header().uri.path().to_owned();
+        ctx.format = client_format_for_path(&path);
+        let Some(endpoint) = Endpoint::from_path(&path) else {
+            let error = ApiError::new(
+                ErrorKind::NotFound,
+                "unknown_url",
+                format!(
+                    "unknown path '{path}'; this gateway serves POST /v1/chat/completions, \
+                     /v1/completions, /v1/messages and GET /v1/models"
+                ),
+            );
+            return self.respond_error(session, ctx, error).await;
+        };
+        ctx.endpoint = Some(endpoint);
+        let method = session.req_header().method.clone();
+        if method != endpoint.method() {
+            let error = ApiError::new(
+                ErrorKind::MethodNotAllowed,
+                "method_not_allowed",
+                format!("{path} accepts {} requests, not {method}", endpoint.method()),
+            );
+            return self.respond_error(session, ctx, error).await;
+        }
+        match endpoint {
+            Endpoint::Health => {
+                self.respond_json(session, ctx, 200, Bytes::from_static(br#"{"status":"ok"}"#), &[]).await?;
+                return Ok(true);
+            }
+            Endpoint::Ready => {
+                let (status, body) = match self.store.current() {
+                    Some(table) => (200, json!({"status": "ready", "config_version": table.snapshot.version})),
+                    None => (503, json!({"status": "not ready", "reason": "no configuration loaded yet"})),
+                };
+                self.respond_json(session, ctx, status, Bytes::from(body.to_string()), &[]).await?;
+                return Ok(true);
+            }
+            Endpoint::Models => return self.list_models(session, ctx).await,
+            Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => {}
+        }
+        match self.route(session, endpoint).await {
+            Ok((route, body)) => {
+                ctx.route = Some(route);
+                ctx.body = body;
+                Ok(false)
+            }
+            Err(error) => self.respond_error(session, ctx, error).await,
+        }
+    }
+
+    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut RequestCtx) -> Result<Box<HttpPeer>> {
+        let Some(route) = ctx.route.as_mut() else {
+            return Err(Error::explain(ErrorType::InternalError, "upstream_peer without a route"));
+        };
+        route.current = None;
+        let picked = route.pool.pick(&route.tried).and_then(|index| {
+            let worker = route.pool.workers.get(index)?;
+            Some((index, worker.clone(), worker.socket?))
+        });
+        let Some((index, worker, socket)) = picked else {
+            let error = if route.tried.is_empty() {
+                ApiError::new(
+                    ErrorKind::Unavailable,
+                    "no_workers",
+                    format!("no worker of model '{}' can take the request; retry shortly", route.requested_model),
+                )
+            } else {
+                ApiError::new(
+                    ErrorKind::BadGateway,
+                    "upstream_unreachable",
+                    format!(
+                        "could not reach a worker for model '{}' after {} attempt(s)",
+                        route.requested_model,
+                        route.tried.len()
+                    ),
+                )
+            };
+            let status = error.status();
+            ctx.failure = Some(error);
+            return Err(Error::explain(ErrorType::HTTPStatus(status), "no worker to try"));
+        };
+        route.tried.push(index);
+        route.current = Some(InFlight::start(&worker));
+        let mut peer = HttpPeer::new(socket, false, String::new());
+        peer.options.connection_timeout = Some(Duration::from_millis(route.pool.config.connect_timeout_ms));
+        peer.options.read_timeout = Some(self.settings.upstream_read_timeout);
+        Ok(Box::new(peer))
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        if ctx.route.is_some() {
+            // Replace Pingora's replay of the body's tail with the whole (rewritten) body.
+            *body = Some(if end_of_stream { ctx.body.clone() } else { Bytes::new() });
+        }
+        Ok(())
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        upstream_request: &mut RequestHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        let Some(route) = &ctx.route else {
+            return Ok(());
+        };
+        if route.translate {
+            upstream_request.set_uri(http::Uri::from_static("/v1/chat/completions"));
+            upstream_request.remove_header("anthropic-version");
+            upstream_request.remove_header("anthropic-beta");
+        }
+        upstream_request.remove_header(&http::header::TRANSFER_ENCODING);
+        upstream_request.insert_header(http::header::CONTENT_LENGTH, ctx.body.len().to_string())?;
+        upstream_request.insert_header(http::header::CONTENT_TYPE, "application/json")?;
+        // The client's gateway credentials are not the worker's business.
+        upstream_request.remove_header(&http::header::AUTHORIZATION);
+        upstream_request.remove_header("x-api-key");
+        // Responses are inspected (translation, accounting): keep them uncompressed.
+        upstream_request.remove_header(&http::header::ACCEPT_ENCODING);
+        upstream_request.insert_header("x-request-id", ctx.request_id.as_str())?;
+        Ok(())
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        upstream_response: &mut ResponseHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        ctx.status = upstream_response.status.as_u16();
+        upstream_response.insert_header("x-request-id", ctx.request_id.as_str())?;
+        let Some(route) = &ctx.route else {
+            return Ok(());
+        };
+        if route.translate {
+            upstream_response.remove_header(&http::header::CONTENT_LENGTH);
+            let streaming = route.stream && ctx.status < 400;
+            ctx.response = if streaming {
+                upstream_response.insert_header(http::header::CONTENT_TYPE, "text/event-stream")?;
+                ResponseMode::TranslateStream(Box::new(StreamTranslator::new(&route.requested_model)))
+            } else {
+                upstream_response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
+                ResponseMode::TranslateWhole {
+                    buffer: BytesMut::new(),
+                    status: ctx.status,
+                }
+            };
+        }
+        Ok(())
+    }
+
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<Option<Duration>> {
+        let client_model = ctx.route.as_ref().map_or("", |r| r.requested_model.as_str());
+        match &mut ctx.response {
+            ResponseMode::PassThrough => {}
+            ResponseMode::TranslateStream(translator) => {
+                let mut out = BytesMut::new();
+                if let Some(chunk) = body.take() {
+                    out.extend_from_slice(&translator.feed(&chunk));
+                }
+                if end_of_stream {
+                    out.extend_from_slice(&translator.finish());
+                }
+                *body = (!out.is_empty()).then(|| out.freeze());
+            }
+            ResponseMode::TranslateWhole { buffer, status } => {
+                if let Some(chunk) = body.take() {
+                    buffer.extend_from_slice(&chunk);
+                }
+                if end_of_stream {
+                    let translated = if *status >= 400 {
+                        translate::error_to_anthropic(*status, buffer)
+                    } else {
+                        translate::chat_response_to_message(buffer, client_model)
+                    };
+                    *body = Some(translated);
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        peer: &HttpPeer,
+        ctx: &mut RequestCtx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        if let Some(route) = ctx.route.as_mut() {
+            let attempts = route.tried.len();
+            tracing::warn!(
+                request_id = %ctx.request_id,
+                worker = %peer.address(),
+                attempt = attempts,
+                error = e.etype().as_str(),
+                "could not connect to worker"
+            );
+            route.last_connect_error = Some(e.etype().as_str().to_owned());
+            let may_retry = attempts < route.pool.config.max_attempts as usize
+                && route.pool.pick(&route.tried).is_some();
+            e.set_retry(may_retry);
+        }
+        e
+    }
+
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        _session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut RequestCtx,
+        client_reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("worker {}", peer.address()));
+        // A pooled connection the worker had already closed fails before the worker saw the
+        // request: safe to retry. Anything after a response started is not.
+        let retry = client_reused
+            && ctx.status == 0
+            && ctx.route.as_ref().is_some_and(|r| r.tried.len() < r.pool.config.max_attempts as usize);
+        e.set_retry(retry);
+        e
+    }
+
+    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut RequestCtx) -> FailToProxy {
+        if session.response_written().is_some() {
+            // Headers already went out: all that is left is to end the connection.
+            return FailToProxy {
+                error_code: 0,
+                can_reuse_downstream: false,
+            };
+        }
+        let error = ctx.failure.clone().unwrap_or_else(|| {
+            let worker_count = ctx.route.as_ref().map_or(0, |r| r.tried.len());
+            match e.etype() {
+                ErrorType::ConnectTimedout | ErrorType::ConnectRefused | ErrorType::ConnectError
+                | ErrorType::ConnectNoRoute | ErrorType::TLSHandshakeFailure => ApiError::new(
+                    ErrorKind::BadGateway,
+                    "upstream_unreachable",
+                    format!("could not connect to a worker ({worker_count} tried); retry shortly"),
+                ),
+                ErrorType::ReadTimedout | ErrorType::WriteTimedout => ApiError::new(
+                    ErrorKind::GatewayTimeout,
+                    "upstream_timeout",
+                    "the worker did not answer in time",
+                ),
+                ErrorType::HTTPStatus(status) => ApiError::new(
+                    if *status == 503 { ErrorKind::Unavailable } else { ErrorKind::BadGateway },
+                    "upstream_error",
+                    format!("upstream error {status}"),
+                ),
+                _ => match e.esource() {
+                    pingora_error::ErrorSource::Downstream => ApiError::invalid("body", "the request could not be read"),
+                    pingora_error::ErrorSource::Internal | pingora_error::ErrorSource::Unset => {
+                        ApiError::new(ErrorKind::Internal, "internal_error", "internal gateway error")
+                    }
+                    pingora_error::ErrorSource::Upstream => ApiError::new(
+                        ErrorKind::BadGateway,
+                        "upstream_error",
+                        "the worker closed the connection before answering",
+                    ),
+                },
+            }
+        });
+        let status = error.status();
+        let code = match self.respond_json(session, ctx, status, error.body(ctx.format), &[]).await {
+            Ok(()) => status,
+            Err(_) => 0,
+        };
+        ctx.failure = Some(error);
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+
+    async fn logging(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+        let route = ctx.route.as_ref();
+        let worker = route
+            .and_then(|r| r.current.as_ref())
+            .map(|f| f.worker().address.as_str())
+            .unwrap_or("");
+        tracing::info!(
+            request_id = %ctx.request_id,
+            endpoint = ctx.endpoint.map_or("unknown", Endpoint::label),
+            model = route.map_or("", |r| r.requested_model.as_str()),
+            upstream_model = route.map_or("", |r| r.upstream_model.as_str()),
+            pool = %route.map_or(String::new(), |r| r.pool.config.id.to_string()),
+            worker,
+            attempts = route.map_or(0, |r| r.tried.len()),
+            status = ctx.status,
+            error = e.map(|e| e.etype().as_str()),
+            last_connect_error = route.and_then(|r| r.last_connect_error.as_deref()),
+            duration_ms = ctx.started.elapsed().as_millis() as u64,
+            "request"
+        );
+        // Release the in-flight slot now rather than when Pingora drops the context.
+        if let Some(route) = ctx.route.as_mut() {
+            route.current = None;
+        }
+    }
+}

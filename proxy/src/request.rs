@@ -1,0 +1,234 @@
+//! Reading the request JSON: validate what routing needs, and rewrite the model name in place.
+//!
+//! The body is scanned once with borrowed views (no tree of values is built for a multi-megabyte
+//! prompt), and the model name is replaced by splicing bytes so everything else reaches the worker
+//! exactly as the client sent it.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use bytes::{Bytes, BytesMut};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::api::{ApiError, Endpoint};
+
+/// What routing needs from a request body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedRequest {
+    /// The model the client asked for.
+    pub model: String,
+    pub stream: bool,
+    /// Byte range of the `"model"` value (quotes included) in the body.
+    model_span: Range<usize>,
+}
+
+#[derive(Deserialize)]
+struct MessageHead<'a> {
+    #[serde(borrow)]
+    #[allow(dead_code)] // read to require it; routing by role arrives with the policy engine
+    role: Cow<'a, str>,
+}
+
+#[derive(Deserialize)]
+struct RequestHead<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(borrow, default)]
+    messages: Option<Vec<MessageHead<'a>>>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+}
+
+/// Parse and validate a request body for `endpoint`.
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        return Err(ApiError::invalid(
+            "body",
+            if body.iter().all(u8::is_ascii_whitespace) {
+                "request body is empty: send a JSON object with at least \"model\"".to_owned()
+            } else {
+                "request body must be a JSON object".to_owned()
+            },
+        ));
+    }
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let head: RequestHead<'_> = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if inner.is_syntax() || inner.is_eof() {
+            ApiError::invalid("body", format!("malformed JSON: {inner}"))
+        } else if path == "." {
+            ApiError::invalid("body", format!("invalid request: {inner}"))
+        } else {
+            ApiError::invalid("body", format!("invalid field '{path}': {inner}"))
+        }
+    })?;
+    deserializer
+        .end()
+        .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?;
+
+    let raw_model = head
+        .model
+        .ok_or_else(|| ApiError::invalid("model", "missing required field 'model'"))?;
+    let model: String = serde_json::from_str(raw_model.get())
+        .map_err(|_| ApiError::invalid("model", "'model' must be a string"))?;
+    if model.trim().is_empty() {
+        return Err(ApiError::invalid("model", "'model' must not be empty"));
+    }
+
+    match endpoint {
+        Endpoint::ChatCompletions => require_messages(head.messages.as_deref())?,
+        Endpoint::Messages => {
+            require_messages(head.messages.as_deref())?;
+            match head.max_tokens {
+                Some(0) => return Err(ApiError::invalid("max_tokens", "'max_tokens' must be at least 1")),
+                Some(_) => {}
+                None => {
+                    return Err(ApiError::invalid(
+                        "max_tokens",
+                        "missing required field 'max_tokens'",
+                    ));
+                }
+            }
+        }
+        Endpoint::Completions => require_prompt(head.prompt)?,
+        Endpoint::Models | Endpoint::Health | Endpoint::Ready => {}
+    }
+
+    let model_span = span_within(body, raw_model.get())
+        .ok_or_else(|| ApiError::invalid("model", "could not locate 'model' in the body"))?;
+    Ok(ParsedRequest {
+        model,
+        stream: head.stream.unwrap_or(false),
+        model_span,
+    })
+}
+
+fn require_messages(messages: Option<&[MessageHead<'_>]>) -> Result<(), ApiError> {
+    match messages {
+        None => Err(ApiError::invalid("messages", "missing required field 'messages'")),
+        Some([]) => Err(ApiError::invalid("messages", "'messages' must contain at least one message")),
+        Some(_) => Ok(()),
+    }
+}
+
+fn require_prompt(prompt: Option<&RawValue>) -> Result<(), ApiError> {
+    let prompt = prompt.ok_or_else(|| ApiError::invalid("prompt", "missing required field 'prompt'"))?;
+    let value: serde_json::Value = serde_json::from_str(prompt.get())
+        .map_err(|e| ApiError::invalid("prompt", format!("invalid 'prompt': {e}")))?;
+    let valid = match &value {
+        serde_json::Value::String(_) => true,
+        serde_json::Value::Array(items) if !items.is_empty() => {
+            items.iter().all(|i| i.is_string())
+                || items.iter().all(|i| i.is_u64())
+                || items
+                    .iter()
+                    .all(|i| i.as_array().is_some_and(|t| t.iter().all(|x| x.is_u64())))
+        }
+        _ => false,
+    };
+    if valid {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            "prompt",
+            "'prompt' must be a string, a non-empty array of strings, or token ids",
+        ))
+    }
+}
+
+/// The byte range of `part` inside `whole`, when `part` is a slice of it.
+fn span_within(whole: &[u8], part: &str) -> Option<Range<usize>> {
+    let start = (part.as_ptr() as usize).checked_sub(whole.as_ptr() as usize)?;
+    let end = start.checked_add(part.len())?;
+    (whole.get(start..end)? == part.as_bytes()).then_some(start..end)
+}
+
+/// The body with its `"model"` value replaced by `upstream_model` (no copy when unchanged).
+pub fn with_model(body: &Bytes, parsed: &ParsedRequest, upstream_model: &str) -> Bytes {
+    if parsed.model == upstream_model {
+        return body.clone();
+    }
+    let encoded = serde_json::Value::String(upstream_model.to_owned()).to_string();
+    let (Some(before), Some(after)) = (
+        body.get(..parsed.model_span.start),
+        body.get(parsed.model_span.end..),
+    ) else {
+        return body.clone();
+    };
+    let mut out = BytesMut::with_capacity(before.len() + encoded.len() + after.len());
+    out.extend_from_slice(before);
+    out.extend_from_slice(encoded.as_bytes());
+    out.extend_from_slice(after);
+    out.freeze()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<ParsedRequest, ApiError> {
+        parse(Endpoint::ChatCompletions, body.as_bytes())
+    }
+
+    #[test]
+    fn reads_model_and_stream() {
+        let parsed = chat(r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        assert_eq!(parsed.model, "m");
+        assert!(parsed.stream);
+    }
+
+    #[test]
+    fn rewrites_only_the_model_value() {
+        let text = r#"{ "messages":[{"role":"user","content":"\"model\": x"}], "model" : "alias\u0041", "n":1}"#;
+        let body = Bytes::from(text);
+        let parsed = chat(text).unwrap();
+        assert_eq!(parsed.model, "aliasA");
+        let out = with_model(&body, &parsed, "Org/real \"model\"");
+        let value: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(value["model"], "Org/real \"model\"");
+        assert_eq!(value["messages"][0]["content"], "\"model\": x");
+        assert_eq!(value["n"], 1);
+    }
+
+    #[test]
+    fn rejects_bad_bodies_with_a_reason() {
+        let cases = [
+            ("", "empty"),
+            ("[1]", "JSON object"),
+            ("{\"model\":", "malformed JSON"),
+            (r#"{"messages":[{"role":"user"}]}"#, "missing required field 'model'"),
+            (r#"{"model":5,"messages":[{"role":"user"}]}"#, "must be a string"),
+            (r#"{"model":"m"}"#, "missing required field 'messages'"),
+            (r#"{"model":"m","messages":[]}"#, "at least one message"),
+            (r#"{"model":"m","messages":[{"content":"x"}]}"#, "messages[0]"),
+            (r#"{"model":"m","stream":"yes","messages":[{"role":"user"}]}"#, "stream"),
+            (r#"{"model":"m","model":"n","messages":[{"role":"user"}]}"#, "duplicate field"),
+            (r#"{"model":"m","messages":[{"role":"user"}]} trailing"#, "malformed JSON"),
+        ];
+        for (body, expected) in cases {
+            let error = chat(body).unwrap_err();
+            assert_eq!(error.status(), 400, "{body}");
+            assert!(error.message.contains(expected), "{body}: {}", error.message);
+        }
+    }
+
+    #[test]
+    fn completions_need_a_prompt_and_messages_need_max_tokens() {
+        assert!(parse(Endpoint::Completions, br#"{"model":"m","prompt":"hi"}"#).is_ok());
+        assert!(parse(Endpoint::Completions, br#"{"model":"m","prompt":[1,2,3]}"#).is_ok());
+        assert!(parse(Endpoint::Completions, br#"{"model":"m"}"#).is_err());
+        assert!(parse(Endpoint::Completions, br#"{"model":"m","prompt":{}}"#).is_err());
+        let messages = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+        let error = parse(Endpoint::Messages, messages).unwrap_err();
+        assert!(error.message.contains("max_tokens"));
+        let ok = br#"{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}"#;
+        assert!(parse(Endpoint::Messages, ok).is_ok());
+    }
+}

@@ -1,0 +1,567 @@
+//! Anthropic Messages ⇄ OpenAI Chat Completions, for targets that only speak OpenAI.
+//!
+//! Requests are translated whole; responses either whole (non-streaming, errors) or event by
+//! event (streaming) so a translated stream still reaches the client chunk by chunk.
+
+use bytes::{Bytes, BytesMut};
+use serde_json::{Map, Value, json};
+
+use crate::api::{ApiError, ErrorKind};
+
+/// Translate an Anthropic Messages request body into an OpenAI Chat Completions body.
+pub fn messages_request_to_chat(body: &[u8], upstream_model: &str) -> Result<Bytes, ApiError> {
+    let request: Map<String, Value> = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?;
+    let mut out = Map::new();
+    out.insert("model".into(), Value::String(upstream_model.to_owned()));
+
+    let mut messages = Vec::new();
+    if let Some(system) = request.get("system") {
+        let text = text_of(system, "system")?;
+        if !text.is_empty() {
+            messages.push(json!({"role": "system", "content": text}));
+        }
+    }
+    let input = request
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ApiError::invalid("messages", "'messages' must be an array"))?;
+    for (index, message) in input.iter().enumerate() {
+        translate_message(message, index, &mut messages)?;
+    }
+    out.insert("messages".into(), Value::Array(messages));
+
+    for (from, to) in [
+        ("max_tokens", "max_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("stop_sequences", "stop"),
+    ] {
+        if let Some(value) = request.get(from) {
+            out.insert(to.into(), value.clone());
+        }
+    }
+    if let Some(user) = request.get("metadata").and_then(|m| m.get("user_id")) {
+        out.insert("user".into(), user.clone());
+    }
+    let stream = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    if stream {
+        out.insert("stream".into(), Value::Bool(true));
+        // Anthropic's final event carries usage; ask the worker for it.
+        out.insert("stream_options".into(), json!({"include_usage": true}));
+    }
+    if let Some(tools) = request.get("tools").and_then(Value::as_array) {
+        let tools: Vec<Value> = tools
+            .iter()
+            .map(|tool| {
+                json!({
+                    "type": "function",
+                    "function": {
+                        "name": tool.get("name").cloned().unwrap_or(Value::Null),
+                        "description": tool.get("description").cloned().unwrap_or(Value::Null),
+                        "parameters": tool.get("input_schema").cloned().unwrap_or_else(|| json!({"type": "object"})),
+                    }
+                })
+            })
+            .collect();
+        out.insert("tools".into(), Value::Array(tools));
+    }
+    if let Some(choice) = request.get("tool_choice") {
+        let translated = match choice.get("type").and_then(Value::as_str) {
+            Some("auto") => json!("auto"),
+            Some("any") => json!("required"),
+            Some("none") => json!("none"),
+            Some("tool") => json!({"type": "function", "function": {"name": choice.get("name")}}),
+            _ => return Err(ApiError::invalid("tool_choice", "unknown 'tool_choice.type'")),
+        };
+        out.insert("tool_choice".into(), translated);
+    }
+    Ok(Bytes::from(Value::Object(out).to_string()))
+}
+
+fn text_of(value: &Value, field: &'static str) -> Result<String, ApiError> {
+    match value {
+        Value::String(text) => Ok(text.clone()),
+        Value::Array(blocks) => Ok(blocks
+            .iter()
+            .filter(|b| b.get("type").and_then(Value::as_str) == Some("text"))
+            .filter_map(|b| b.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n")),
+        _ => Err(ApiError::invalid(field, format!("'{field}' must be a string or an array of content blocks"))),
+    }
+}
+
+fn translate_message(message: &Value, index: usize, out: &mut Vec<Value>) -> Result<(), ApiError> {
+    let role = message.get("role").and_then(Value::as_str).unwrap_or("user");
+    let content = message.get("content").unwrap_or(&Value::Null);
+    let blocks = match content {
+        Value::String(text) => {
+            out.push(json!({"role": role, "content": text}));
+            return Ok(());
+        }
+        Value::Array(blocks) => blocks,
+        _ => {
+            return Err(ApiError::invalid(
+                "messages",
+                format!("messages[{index}].content must be a string or an array of content blocks"),
+            ));
+        }
+    };
+    let mut parts = Vec::new();
+    let mut tool_calls = Vec::new();
+    for block in blocks {
+        match block.get("type").and_then(Value::as_str) {
+            Some("text") => parts.push(json!({"type": "text", "text": block.get("text")})),
+            Some("image") => {
+                let source = block.get("source").unwrap_or(&Value::Null);
+                let url = match source.get("type").and_then(Value::as_str) {
+                    Some("base64") => format!(
+                        "data:{};base64,{}",
+                        source.get("media_type").and_then(Value::as_str).unwrap_or("image/png"),
+                        source.get("data").and_then(Value::as_str).unwrap_or_default()
+                    ),
+                    Some("url") => source.get("url").and_then(Value::as_str).unwrap_or_default().to_owned(),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            "messages",
+                            format!("messages[{index}]: image source must be base64 or url"),
+                        ));
+                    }
+                };
+                parts.push(json!({"type": "image_url", "image_url": {"url": url}}));
+            }
+            Some("tool_use") => tool_calls.push(json!({
+                "id": block.get("id"),
+                "type": "function",
+                "function": {
+                    "name": block.get("name"),
+                    "arguments": block.get("input").map_or_else(|| "{}".to_owned(), Value::to_string),
+                }
+            })),
+            Some("tool_result") => {
+                let text = match block.get("content") {
+                    Some(content) => text_of(content, "messages")?,
+                    None => String::new(),
+                };
+                out.push(json!({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text}));
+            }
+            // Reasoning blocks from earlier turns have no Chat Completions form; drop them.
+            Some("thinking" | "redacted_thinking") => {}
+            other => {
+                return Err(ApiError::invalid(
+                    "messages",
+                    format!("messages[{index}]: unsupported content block type {other:?}"),
+                ));
+            }
+        }
+    }
+    if role == "assistant" {
+        let text: Vec<&str> = parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect();
+        let mut message = json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { Value::String(text.join("")) }});
+        if !tool_calls.is_empty() {
+            message["tool_calls"] = Value::Array(tool_calls);
+        }
+        out.push(message);
+    } else if !parts.is_empty() {
+        out.push(json!({"role": role, "content": parts}));
+    }
+    Ok(())
+}
+
+fn stop_reason(finish_reason: Option<&str>) -> Value {
+    match finish_reason {
+        Some("stop") => json!("end_turn"),
+        Some("length") => json!("max_tokens"),
+        Some("tool_calls") | Some("function_call") => json!("tool_use"),
+        Some(_) => json!("end_turn"),
+        None => Value::Null,
+    }
+}
+
+fn anthropic_usage(usage: Option<&Value>) -> Value {
+    let number = |key: &str| usage.and_then(|u| u.get(key)).and_then(Value::as_u64).unwrap_or(0);
+    let cached = usage
+        .and_then(|u| u.get("prompt_tokens_details"))
+        .and_then(|d| d.get("cached_tokens"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    json!({
+        "input_tokens": number("prompt_tokens").saturating_sub(cached),
+        "output_tokens": number("completion_tokens"),
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    })
+}
+
+/// Translate a whole (non-streaming) Chat Completions response into a Messages response.
+pub fn chat_response_to_message(body: &[u8], client_model: &str) -> Bytes {
+    let Ok(response) = serde_json::from_slice::<Value>(body) else {
+        return error_to_anthropic(502, body);
+    };
+    let choice = response.get("choices").and_then(|c| c.get(0));
+    let message = choice.and_then(|c| c.get("message"));
+    let mut content = Vec::new();
+    if let Some(text) = message.and_then(|m| m.get("content")).and_then(Value::as_str) {
+        if !text.is_empty() {
+            content.push(json!({"type": "text", "text": text}));
+        }
+    }
+    if let Some(calls) = message.and_then(|m| m.get("tool_calls")).and_then(Value::as_array) {
+        for call in calls {
+            let function = call.get("function");
+            let arguments = function
+                .and_then(|f| f.get("arguments"))
+                .and_then(Value::as_str)
+                .unwrap_or("{}");
+            content.push(json!({
+                "type": "tool_use",
+                "id": call.get("id"),
+                "name": function.and_then(|f| f.get("name")),
+                "input": serde_json::from_str::<Value>(arguments).unwrap_or_else(|_| json!({})),
+            }));
+        }
+    }
+    let id = response.get("id").and_then(Value::as_str).unwrap_or("unknown");
+    Bytes::from(
+        json!({
+            "id": format!("msg_{id}"),
+            "type": "message",
+            "role": "assistant",
+            "model": client_model,
+            "content": content,
+            "stop_reason": stop_reason(choice.and_then(|c| c.get("finish_reason")).and_then(Value::as_str)),
+            "stop_sequence": Value::Null,
+            "usage": anthropic_usage(response.get("usage")),
+        })
+        .to_string(),
+    )
+}
+
+/// Translate an upstream error body (OpenAI shape or anything else) into an Anthropic error.
+pub fn error_to_anthropic(status: u16, body: &[u8]) -> Bytes {
+    let parsed = serde_json::from_slice::<Value>(body).ok();
+    let message = parsed
+        .as_ref()
+        .and_then(|v| v.get("error"))
+        .and_then(|e| e.get("message").and_then(Value::as_str).or_else(|| e.as_str()))
+        .or_else(|| parsed.as_ref().and_then(|v| v.get("message")).and_then(Value::as_str))
+        .map(str::to_owned)
+        .unwrap_or_else(|| format!("upstream answered with status {status}"));
+    let kind = match status {
+        400 | 422 => ErrorKind::InvalidRequest,
+        404 => ErrorKind::NotFound,
+        413 => ErrorKind::PayloadTooLarge,
+        503 => ErrorKind::Unavailable,
+        504 => ErrorKind::GatewayTimeout,
+        _ => ErrorKind::BadGateway,
+    };
+    ApiError::new(kind, "upstream_error", message).body(crate::api::ClientFormat::Anthropic)
+}
+
+/// Turns an OpenAI Chat Completions SSE stream into Anthropic Messages SSE events, incrementally.
+#[derive(Debug)]
+pub struct StreamTranslator {
+    client_model: String,
+    pending: BytesMut,
+    started: bool,
+    finished: bool,
+    /// Index and kind of the content block now open.
+    open_block: Option<(usize, OpenBlock)>,
+    next_block: usize,
+    stop_reason: Value,
+    usage: Option<Value>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OpenBlock {
+    Text,
+    Tool { openai_index: u64 },
+}
+
+impl StreamTranslator {
+    pub fn new(client_model: &str) -> StreamTranslator {
+        StreamTranslator {
+            client_model: client_model.to_owned(),
+            pending: BytesMut::new(),
+            started: false,
+            finished: false,
+            open_block: None,
+            next_block: 0,
+            stop_reason: Value::Null,
+            usage: None,
+        }
+    }
+
+    /// Feed bytes from upstream; returns the Anthropic events they complete.
+    pub fn feed(&mut self, chunk: &[u8]) -> Bytes {
+        self.pending.extend_from_slice(chunk);
+        let mut out = String::new();
+        while let Some((end, separator)) = find_event_end(&self.pending) {
+            let event = self.pending.split_to(end + separator);
+            let text = String::from_utf8_lossy(event.get(..end).unwrap_or_default()).into_owned();
+            let data: Vec<&str> = text
+                .lines()
+                .filter_map(|line| line.strip_prefix("data:"))
+                .map(str::trim_start)
+                .collect();
+            if data.is_empty() {
+                continue;
+            }
+            self.on_data(&data.join("\n"), &mut out);
+        }
+        Bytes::from(out)
+    }
+
+    /// Call at the end of the upstream body: closes the message if upstream did not.
+    pub fn finish(&mut self) -> Bytes {
+        let mut out = String::new();
+        if !self.pending.is_empty() {
+            let rest = String::from_utf8_lossy(&self.pending).into_owned();
+            self.pending.clear();
+            for line in rest.lines() {
+                if let Some(data) = line.strip_prefix("data:") {
+                    self.on_data(data.trim_start(), &mut out);
+                }
+            }
+        }
+        self.close(&mut out);
+        Bytes::from(out)
+    }
+
+    fn on_data(&mut self, data: &str, out: &mut String) {
+        if self.finished {
+            return;
+        }
+        if data == "[DONE]" {
+            self.close(out);
+            return;
+        }
+        let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+            return;
+        };
+        if let Some(error) = chunk.get("error") {
+            let message = error.get("message").and_then(Value::as_str).unwrap_or("upstream error");
+            emit(out, "error", &json!({"type": "error", "error": {"type": "api_error", "message": message}}));
+            self.finished = true;
+            return;
+        }
+        self.start(&chunk, out);
+        if let Some(usage) = chunk.get("usage").filter(|u| !u.is_null()) {
+            self.usage = Some(usage.clone());
+        }
+        let Some(choice) = chunk.get("choices").and_then(|c| c.get(0)) else {
+            return;
+        };
+        let delta = choice.get("delta");
+        if let Some(text) = delta.and_then(|d| d.get("content")).and_then(Value::as_str) {
+            if !text.is_empty() {
+                if !matches!(self.open_block, Some((_, OpenBlock::Text))) {
+                    let index = self.open(OpenBlock::Text, out);
+                    emit(out, "content_block_start", &json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}));
+                }
+                let index = self.open_block.map_or(0, |(i, _)| i);
+                emit(out, "content_block_delta", &json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}));
+            }
+        }
+        if let Some(calls) = delta.and_then(|d| d.get("tool_calls")).and_then(Value::as_array) {
+            for call in calls {
+                let openai_index = call.get("index").and_then(Value::as_u64).unwrap_or(0);
+                let function = call.get("function");
+                if !matches!(self.open_block, Some((_, OpenBlock::Tool { openai_index: open })) if open == openai_index) {
+                    let index = self.open(OpenBlock::Tool { openai_index }, out);
+                    emit(out, "content_block_start", &json!({
+                        "type": "content_block_start",
+                        "index": index,
+                        "content_block": {"type": "tool_use", "id": call.get("id"), "name": function.and_then(|f| f.get("name")), "input": {}},
+                    }));
+                }
+                if let Some(arguments) = function.and_then(|f| f.get("arguments")).and_then(Value::as_str) {
+                    if !arguments.is_empty() {
+                        let index = self.open_block.map_or(0, |(i, _)| i);
+                        emit(out, "content_block_delta", &json!({"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": arguments}}));
+                    }
+                }
+            }
+        }
+        if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
+            self.stop_reason = stop_reason(Some(reason));
+        }
+    }
+
+    fn start(&mut self, chunk: &Value, out: &mut String) {
+        if self.started {
+            return;
+        }
+        self.started = true;
+        let id = chunk.get("id").and_then(Value::as_str).unwrap_or("unknown");
+        emit(out, "message_start", &json!({
+            "type": "message_start",
+            "message": {
+                "id": format!("msg_{id}"), "type": "message", "role": "assistant",
+                "model": self.client_model, "content": [], "stop_reason": null, "stop_sequence": null,
+                "usage": {"input_tokens": 0, "output_tokens": 0},
+            }
+        }));
+    }
+
+    fn open(&mut self, kind: OpenBlock, out: &mut String) -> usize {
+        self.close_block(out);
+        let index = self.next_block;
+        self.next_block += 1;
+        self.open_block = Some((index, kind));
+        index
+    }
+
+    fn close_block(&mut self, out: &mut String) {
+        if let Some((index, _)) = self.open_block.take() {
+            emit(out, "content_block_stop", &json!({"type": "content_block_stop", "index": index}));
+        }
+    }
+
+    fn close(&mut self, out: &mut String) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        if !self.started {
+            self.start(&Value::Null, out);
+        }
+        self.close_block(out);
+        let usage = anthropic_usage(self.usage.as_ref());
+        emit(out, "message_delta", &json!({
+            "type": "message_delta",
+            "delta": {"stop_reason": if self.stop_reason.is_null() { json!("end_turn") } else { self.stop_reason.clone() }, "stop_sequence": null},
+            "usage": usage,
+        }));
+        emit(out, "message_stop", &json!({"type": "message_stop"}));
+    }
+}
+
+fn emit(out: &mut String, event: &str, data: &Value) {
+    out.push_str("event: ");
+    out.push_str(event);
+    out.push_str("\ndata: ");
+    out.push_str(&data.to_string());
+    out.push_str("\n\n");
+}
+
+/// End of the first complete SSE event in `buffer` and the length of its separator.
+fn find_event_end(buffer: &[u8]) -> Option<(usize, usize)> {
+    let lf = buffer.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
+    let crlf = buffer.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_translation_covers_system_blocks_tools_and_stream() {
+        let body = json!({
+            "model": "claude-alias", "max_tokens": 64, "stream": true,
+            "system": [{"type": "text", "text": "be brief"}],
+            "stop_sequences": ["END"],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Oslo"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}
+            ],
+            "tools": [{"name": "weather", "description": "d", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "any"}
+        });
+        let out: Value = serde_json::from_slice(&messages_request_to_chat(body.to_string().as_bytes(), "qwen").unwrap()).unwrap();
+        assert_eq!(out["model"], "qwen");
+        assert_eq!(out["messages"][0], json!({"role": "system", "content": "be brief"}));
+        assert_eq!(out["messages"][1]["content"][0]["text"], "weather?");
+        assert_eq!(out["messages"][2]["tool_calls"][0]["function"]["arguments"], "{\"city\":\"Oslo\"}");
+        assert_eq!(out["messages"][3], json!({"role": "tool", "tool_call_id": "t1", "content": "sunny"}));
+        assert_eq!(out["stop"], json!(["END"]));
+        assert_eq!(out["stream_options"]["include_usage"], true);
+        assert_eq!(out["tools"][0]["function"]["name"], "weather");
+        assert_eq!(out["tool_choice"], "required");
+    }
+
+    #[test]
+    fn response_translation_maps_content_and_usage() {
+        let body = json!({
+            "id": "c1", "choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
+        });
+        let out: Value = serde_json::from_slice(&chat_response_to_message(body.to_string().as_bytes(), "alias")).unwrap();
+        assert_eq!(out["type"], "message");
+        assert_eq!(out["model"], "alias");
+        assert_eq!(out["content"][0], json!({"type": "text", "text": "hi"}));
+        assert_eq!(out["stop_reason"], "max_tokens");
+        assert_eq!(out["usage"]["input_tokens"], 6);
+        assert_eq!(out["usage"]["cache_read_input_tokens"], 4);
+        assert_eq!(out["usage"]["output_tokens"], 3);
+    }
+
+    fn events(text: &str) -> Vec<(String, Value)> {
+        text.split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let mut lines = e.lines();
+                let name = lines.next().unwrap().strip_prefix("event: ").unwrap().to_owned();
+                let data = lines.next().unwrap().strip_prefix("data: ").unwrap();
+                (name, serde_json::from_str(data).unwrap())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn stream_translation_survives_arbitrary_chunk_boundaries() {
+        let upstream = concat!(
+            "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n",
+            "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hel\"}}]}\n\n",
+            "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo\"},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"id\":\"c1\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2}}\n\n",
+            "data: [DONE]\n\n"
+        );
+        for split in [1, 7, 50, upstream.len()] {
+            let mut translator = StreamTranslator::new("alias");
+            let mut out = Vec::new();
+            for piece in upstream.as_bytes().chunks(split) {
+                out.extend_from_slice(&translator.feed(piece));
+            }
+            out.extend_from_slice(&translator.finish());
+            let events = events(std::str::from_utf8(&out).unwrap());
+            let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+            assert_eq!(names, ["message_start", "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop", "message_delta", "message_stop"], "split {split}");
+            assert_eq!(events[0].1["message"]["model"], "alias");
+            let text: String = events.iter().filter_map(|(_, d)| d["delta"]["text"].as_str()).collect();
+            assert_eq!(text, "Hello");
+            assert_eq!(events[5].1["delta"]["stop_reason"], "end_turn");
+            assert_eq!(events[5].1["usage"]["output_tokens"], 2);
+        }
+    }
+
+    #[test]
+    fn stream_translation_emits_tool_use_blocks() {
+        let upstream = concat!(
+            "data: {\"id\":\"c2\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"weather\",\"arguments\":\"\"}}]}}]}\n\n",
+            "data: {\"id\":\"c2\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"city\\\":\"}}]}}]}\n\n",
+            "data: {\"id\":\"c2\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"\\\"Oslo\\\"}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
+            "data: [DONE]\n\n"
+        );
+        let mut translator = StreamTranslator::new("alias");
+        let mut out = translator.feed(upstream.as_bytes()).to_vec();
+        out.extend_from_slice(&translator.finish());
+        let events = events(std::str::from_utf8(&out).unwrap());
+        assert_eq!(events[1].1["content_block"]["type"], "tool_use");
+        assert_eq!(events[1].1["content_block"]["name"], "weather");
+        let json: String = events.iter().filter_map(|(_, d)| d["delta"]["partial_json"].as_str()).collect();
+        assert_eq!(json, "{\"city\":\"Oslo\"}");
+        let delta = events.iter().find(|(n, _)| n == "message_delta").unwrap();
+        assert_eq!(delta.1["delta"]["stop_reason"], "tool_use");
+    }
+}

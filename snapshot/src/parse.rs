@@ -1,0 +1,233 @@
+//! Reading YAML (files, directories or strings) into [`Document`]s, collecting every error.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::documents::{API_VERSION, Document, Kind, ObjectMeta, Origin, Spec};
+use crate::error::{ConfigError, ConfigErrors};
+
+/// Name used for configuration compiled into the binary.
+pub const EMBEDDED_SOURCE: &str = "<embedded default>";
+
+/// The raw envelope of a document before its kind is known.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Envelope {
+    api_version: Option<String>,
+    kind: Option<String>,
+    metadata: Option<serde_json::Value>,
+    spec: Option<serde_json::Value>,
+}
+
+/// Parse every document in one YAML text. Empty documents are skipped.
+pub fn parse_str(source: &str, text: &str) -> Result<Vec<Document>, ConfigErrors> {
+    let mut documents = Vec::new();
+    let mut errors = Vec::new();
+    for (position, yaml) in serde_norway::Deserializer::from_str(text).enumerate() {
+        let origin = Origin {
+            source: source.to_owned(),
+            index: position + 1,
+        };
+        let value = match serde_json::Value::deserialize(yaml) {
+            Ok(value) => value,
+            Err(error) => {
+                // A syntax error stops the YAML stream: report it and what came before.
+                errors.push(whole_document_error(&origin, format!("invalid YAML: {error}")));
+                break;
+            }
+        };
+        if value.is_null() {
+            continue;
+        }
+        match parse_document(origin, value) {
+            Ok(document) => documents.push(document),
+            Err(mut document_errors) => errors.append(&mut document_errors),
+        }
+    }
+    if errors.is_empty() {
+        Ok(documents)
+    } else {
+        Err(ConfigErrors(errors))
+    }
+}
+
+/// Read files and directories (every `*.yaml` / `*.yml` inside, sorted by name, not recursive).
+pub fn parse_paths(paths: &[PathBuf]) -> Result<Vec<Document>, ConfigErrors> {
+    let mut documents = Vec::new();
+    let mut errors = Vec::new();
+    for file in expand_paths(paths, &mut errors) {
+        let source = file.display().to_string();
+        match std::fs::read_to_string(&file) {
+            Ok(text) => match parse_str(&source, &text) {
+                Ok(mut parsed) => documents.append(&mut parsed),
+                Err(ConfigErrors(mut parse_errors)) => errors.append(&mut parse_errors),
+            },
+            Err(error) => errors.push(ConfigError {
+                source_name: source,
+                document: "file".to_owned(),
+                field: String::new(),
+                message: format!("cannot read: {error}"),
+            }),
+        }
+    }
+    if errors.is_empty() {
+        Ok(documents)
+    } else {
+        Err(ConfigErrors(errors))
+    }
+}
+
+/// The files a set of paths stands for, in a stable order.
+pub fn expand_paths(paths: &[PathBuf], errors: &mut Vec<ConfigError>) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for path in paths {
+        if path.is_dir() {
+            match std::fs::read_dir(path) {
+                Ok(entries) => {
+                    let mut in_dir: Vec<PathBuf> = entries
+                        .filter_map(|entry| entry.ok().map(|e| e.path()))
+                        .filter(|p| p.is_file() && is_yaml(p))
+                        .collect();
+                    in_dir.sort();
+                    files.append(&mut in_dir);
+                }
+                Err(error) => errors.push(ConfigError {
+                    source_name: path.display().to_string(),
+                    document: "directory".to_owned(),
+                    field: String::new(),
+                    message: format!("cannot list: {error}"),
+                }),
+            }
+        } else {
+            files.push(path.clone());
+        }
+    }
+    files
+}
+
+fn is_yaml(path: &Path) -> bool {
+    matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("yaml" | "yml")
+    )
+}
+
+fn parse_document(origin: Origin, value: serde_json::Value) -> Result<Document, Vec<ConfigError>> {
+    let envelope: Envelope = serde_json::from_value(value)
+        .map_err(|e| vec![whole_document_error(&origin, format!("not a document: {e}"))])?;
+    let mut errors = Vec::new();
+    let label = format!("document {}", origin.index);
+    let error = |field: &str, message: String| ConfigError {
+        source_name: origin.source.clone(),
+        document: label.clone(),
+        field: field.to_owned(),
+        message,
+    };
+
+    match envelope.api_version.as_deref() {
+        Some(API_VERSION) => {}
+        Some(other) => errors.push(error(
+            "apiVersion",
+            format!("unsupported apiVersion '{other}', expected '{API_VERSION}'"),
+        )),
+        None => errors.push(error(
+            "apiVersion",
+            format!("missing; expected '{API_VERSION}'"),
+        )),
+    }
+    let kind = match envelope.kind.as_deref() {
+        Some(kind) => match Kind::parse(kind) {
+            Some(kind) => Some(kind),
+            None => {
+                let known: Vec<&str> = Kind::ALL.iter().map(|k| k.as_str()).collect();
+                errors.push(error(
+                    "kind",
+                    format!("unknown kind '{kind}', expected one of {}", known.join(", ")),
+                ));
+                None
+            }
+        },
+        None => {
+            errors.push(error("kind", "missing".to_owned()));
+            None
+        }
+    };
+    let metadata = match envelope.metadata {
+        Some(value) => match serde_path_to_error::deserialize::<_, ObjectMeta>(value) {
+            Ok(meta) => Some(meta),
+            Err(e) => {
+                errors.push(error(&field_path("metadata", e.path()), e.inner().to_string()));
+                None
+            }
+        },
+        None => {
+            errors.push(error("metadata.name", "missing".to_owned()));
+            None
+        }
+    };
+    let document_name = match (&kind, &metadata) {
+        (Some(kind), Some(meta)) => {
+            format!("{kind} {}/{}", meta.namespace_or_default(), meta.name)
+        }
+        _ => label.clone(),
+    };
+    let spec = match (kind, envelope.spec) {
+        (Some(kind), Some(value)) => match parse_spec(kind, value) {
+            Ok(spec) => Some(spec),
+            Err((path, message)) => {
+                errors.push(ConfigError {
+                    source_name: origin.source.clone(),
+                    document: document_name.clone(),
+                    field: path,
+                    message,
+                });
+                None
+            }
+        },
+        (Some(_), None) => {
+            errors.push(error("spec", "missing".to_owned()));
+            None
+        }
+        (None, _) => None,
+    };
+    match (metadata, spec) {
+        (Some(metadata), Some(spec)) if errors.is_empty() => Ok(Document {
+            origin,
+            metadata,
+            spec,
+        }),
+        _ => Err(errors),
+    }
+}
+
+fn parse_spec(kind: Kind, value: serde_json::Value) -> Result<Spec, (String, String)> {
+    fn typed<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> Result<T, (String, String)> {
+        serde_path_to_error::deserialize(value)
+            .map_err(|e| (field_path("spec", e.path()), e.inner().to_string()))
+    }
+    Ok(match kind {
+        Kind::InferencePool => Spec::InferencePool(typed(value)?),
+        Kind::InferenceModel => Spec::InferenceModel(typed(value)?),
+    })
+}
+
+fn field_path(root: &str, path: &serde_path_to_error::Path) -> String {
+    let rest = path.to_string();
+    if rest == "." || rest.is_empty() {
+        root.to_owned()
+    } else if rest.starts_with('[') {
+        format!("{root}{rest}")
+    } else {
+        format!("{root}.{rest}")
+    }
+}
+
+fn whole_document_error(origin: &Origin, message: String) -> ConfigError {
+    ConfigError {
+        source_name: origin.source.clone(),
+        document: format!("document {}", origin.index),
+        field: String::new(),
+        message,
+    }
+}
