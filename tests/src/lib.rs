@@ -1,1 +1,36 @@
-//! placeholder
+//! Harness for Switchyard's end-to-end tests: builds and starts the real binaries on 127.0.0.1,
+//! runs small in-process test upstreams, and cleans up every child it started.
+//!
+//! Use: `let upstream = Upstream::start("w1").await; let proxy = Proxy::start(&config_yaml(..), &[]).await;`
+//! then talk HTTP to `proxy.url()`.
+
+pub mod process;
+pub mod upstream;
+
+pub use process::{Proxy, free_port, workspace_root};
+pub use upstream::{Received, Upstream, UpstreamOptions};
+
+/// A config with one pool (`pool`, serving `served`) over `endpoints`, and aliases → that pool.
+pub fn pool_config(pool: &str, served: &str, endpoints: &[String], extra_pool_spec: &str, aliases: &[&str]) -> String {
+    let mut yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata:\n  name: {pool}\nspec:\n  model: {served}\n  endpoints: [{}]\n{extra_pool_spec}",
+        endpoints.join(", ")
+    );
+    for alias in aliases {
+        yaml.push_str(&model_doc(alias, pool, None));
+    }
+    yaml
+}
+
+/// An InferenceModel document named after `alias` (sanitised) pointing at `pool`.
+pub fn model_doc(alias: &str, pool: &str, upstream_model: Option<&str>) -> String {
+    let name: String = alias
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    let model_line = upstream_model.map(|m| format!("\n      model: {m}")).unwrap_or_default();
+    format!(
+        "\n---\napiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata:\n  name: {name}\nspec:\n  modelName: \"{alias}\"\n  targets:\n    - pool: {pool}{model_line}\n"
+    )
+}

@@ -1,0 +1,148 @@
+//! Building and running the real `switchyard-*` binaries as child processes.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// The workspace root (this crate lives in `<root>/tests`).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// A port that was free a moment ago on 127.0.0.1.
+pub fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    listener.local_addr().expect("local addr").port()
+}
+
+/// Path of a workspace binary, built once per test process with the same profile as the tests.
+pub fn binary(name: &str) -> PathBuf {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let dir = BUILT
+        .get_or_init(|| {
+            let root = workspace_root();
+            let target = std::env::var_os("CARGO_TARGET_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| root.join("target"));
+            let profile_dir = target.join(if cfg!(debug_assertions) { "debug" } else { "release" });
+            if std::env::var_os("SWITCHYARD_SKIP_BUILD").is_none() {
+                let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+                let mut command = Command::new(cargo);
+                command.current_dir(&root).args(["build", "--bins", "--quiet"]);
+                if !cfg!(debug_assertions) {
+                    command.arg("--release");
+                }
+                let status = command.status().map_err(|e| format!("cargo build: {e}"))?;
+                if !status.success() {
+                    return Err(format!("cargo build --bins failed: {status}"));
+                }
+            }
+            Ok(profile_dir)
+        })
+        .clone()
+        .expect("workspace binaries build");
+    let path = dir.join(name);
+    assert!(path.exists(), "{} not found; run `cargo build --bins`", path.display());
+    path
+}
+
+/// A running `switchyard-proxy`, killed on drop. Its stderr is collected for assertions.
+pub struct Proxy {
+    child: Child,
+    pub port: u16,
+    pub config_dir: tempfile::TempDir,
+    pub config_path: PathBuf,
+    log: Arc<Mutex<String>>,
+}
+
+impl Proxy {
+    /// Start the proxy on a free port with `config_yaml` written to a temp file, plus `args`;
+    /// returns once `/ready` answers 200.
+    pub async fn start(config_yaml: &str, args: &[&str]) -> Proxy {
+        let config_dir = tempfile::tempdir().expect("tempdir");
+        let config_path = config_dir.path().join("switchyard.yaml");
+        std::fs::write(&config_path, config_yaml).expect("write config");
+        let port = free_port();
+        let mut child = Command::new(binary("switchyard-proxy"))
+            .arg("--config")
+            .arg(&config_path)
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--threads", "2", "--grace-period-s", "1"])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn switchyard-proxy");
+        let log = Arc::new(Mutex::new(String::new()));
+        if let Some(stderr) = child.stderr.take() {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    eprintln!("[proxy] {line}");
+                    if let Ok(mut log) = log.lock() {
+                        log.push_str(&line);
+                        log.push('\n');
+                    }
+                }
+            });
+        }
+        let mut proxy = Proxy { child, port, config_dir, config_path, log };
+        proxy.wait_ready(Duration::from_secs(30)).await;
+        proxy
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Everything the proxy has logged so far.
+    pub fn log(&self) -> String {
+        self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Wait until the log contains `needle`, or panic at the deadline.
+    pub async fn wait_for_log(&self, needle: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !self.log().contains(needle) {
+            assert!(Instant::now() < deadline, "proxy never logged {needle:?}; log:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Replace the config file atomically (write then rename), as editors and ConfigMaps do.
+    pub fn write_config(&self, yaml: &str) {
+        let temp = self.config_dir.path().join(".switchyard.yaml.tmp");
+        std::fs::write(&temp, yaml).expect("write config");
+        std::fs::rename(&temp, &self.config_path).expect("rename config");
+    }
+
+    async fn wait_ready(&mut self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let client = reqwest::Client::new();
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("switchyard-proxy exited early with {status}; log:\n{}", self.log());
+            }
+            if let Ok(response) = client.get(format!("{}/ready", self.url())).send().await {
+                if response.status() == 200 {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "switchyard-proxy not ready in {timeout:?}; log:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,207 @@
+//! A small in-process stand-in for a vLLM worker: records exactly what it received and answers in
+//! OpenAI (and optionally Anthropic) format, streaming included. Streams can be gated so a test
+//! decides when each chunk leaves, which proves pass-through without timing assumptions.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use tokio::sync::Semaphore;
+
+/// One request as the upstream saw it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub method: Method,
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Received {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).expect("upstream received JSON")
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct UpstreamOptions {
+    /// Content chunks per streamed answer (default 3).
+    pub stream_chunks: Option<usize>,
+    /// When set, each streamed chunk waits for a permit from [`Upstream::release`].
+    pub gated: bool,
+    /// Serve `/v1/messages` (Anthropic format) as vLLM does; otherwise it is a 404.
+    pub anthropic_native: bool,
+}
+
+struct Shared {
+    name: String,
+    options: UpstreamOptions,
+    received: Mutex<Vec<Received>>,
+    gate: Semaphore,
+}
+
+/// A running test upstream; stops when dropped.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Upstream {
+    pub async fn start(name: &str) -> Upstream {
+        Upstream::start_with(name, UpstreamOptions::default()).await
+    }
+
+    pub async fn start_with(name: &str, options: UpstreamOptions) -> Upstream {
+        let shared = Arc::new(Shared {
+            name: name.to_owned(),
+            options,
+            received: Mutex::new(Vec::new()),
+            gate: Semaphore::new(0),
+        });
+        let app = Router::new()
+            .fallback(handle)
+            .layer(DefaultBodyLimit::disable())
+            .with_state(shared.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind upstream");
+        let addr = listener.local_addr().expect("upstream addr");
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Upstream { addr, shared, task }
+    }
+
+    /// `host:port` for a pool's endpoints list.
+    pub fn endpoint(&self) -> String {
+        self.addr.to_string()
+    }
+
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    pub fn received(&self) -> Vec<Received> {
+        self.shared.received.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// Let `chunks` more streamed chunks out (gated upstreams only).
+    pub fn release(&self, chunks: usize) {
+        self.shared.gate.add_permits(chunks);
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn sse(events: Vec<String>, shared: Arc<Shared>) -> Response {
+    let stream = futures_util::stream::unfold((events.into_iter(), shared), |(mut events, shared)| async move {
+        let event = events.next()?;
+        if shared.options.gated {
+            if let Ok(permit) = shared.gate.acquire().await {
+                permit.forget();
+            }
+        }
+        Some((Ok::<_, std::convert::Infallible>(Bytes::from(event)), (events, shared)))
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(stream))
+        .expect("sse response")
+}
+
+async fn handle(
+    State(shared): State<Arc<Shared>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let path = uri.path().to_owned();
+    if let Ok(mut received) = shared.received.lock() {
+        received.push(Received { method: method.clone(), path: path.clone(), headers, body: body.clone() });
+    }
+    if path == "/health" {
+        return StatusCode::OK.into_response();
+    }
+    let request: Value = match serde_json::from_slice(&body) {
+        Ok(value) => value,
+        Err(e) => {
+            let error = json!({"error": {"message": format!("upstream could not parse body: {e}"), "type": "BadRequestError", "code": 400}});
+            return (StatusCode::BAD_REQUEST, axum::Json(error)).into_response();
+        }
+    };
+    let model = request["model"].as_str().unwrap_or_default().to_owned();
+    let stream = request["stream"].as_bool().unwrap_or(false);
+    let chunks = shared.options.stream_chunks.unwrap_or(3);
+    let name = shared.name.clone();
+    let reply = format!("{name} saw {} bytes", body.len());
+    match path.as_str() {
+        "/v1/chat/completions" | "/v1/completions" if stream => {
+            let chat = path == "/v1/chat/completions";
+            let mut events: Vec<String> = (0..chunks)
+                .map(|i| {
+                    let text = format!("{name}-{i} ");
+                    let choice = if chat {
+                        json!({"index": 0, "delta": {"content": text}, "finish_reason": if i + 1 == chunks { json!("stop") } else { Value::Null }})
+                    } else {
+                        json!({"index": 0, "text": text, "finish_reason": if i + 1 == chunks { json!("stop") } else { Value::Null }})
+                    };
+                    format!("data: {}\n\n", json!({"id": "cmpl-test", "object": "chat.completion.chunk", "model": model, "choices": [choice]}))
+                })
+                .collect();
+            if request["stream_options"]["include_usage"].as_bool() == Some(true) {
+                events.push(format!(
+                    "data: {}\n\n",
+                    json!({"id": "cmpl-test", "object": "chat.completion.chunk", "model": model, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": chunks, "total_tokens": 7 + chunks}})
+                ));
+            }
+            events.push("data: [DONE]\n\n".to_owned());
+            sse(events, shared)
+        }
+        "/v1/chat/completions" => axum::Json(json!({
+            "id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+        }))
+        .into_response(),
+        "/v1/completions" => axum::Json(json!({
+            "id": "cmpl-test", "object": "text_completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "text": reply, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+        }))
+        .into_response(),
+        "/v1/messages" if shared.options.anthropic_native && stream => {
+            let mut events = vec![format!(
+                "event: message_start\ndata: {}\n\n",
+                json!({"type": "message_start", "message": {"id": "msg_test", "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 7, "output_tokens": 0}}})
+            )];
+            events.push(format!("event: content_block_start\ndata: {}\n\n", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})));
+            for i in 0..chunks {
+                events.push(format!("event: content_block_delta\ndata: {}\n\n", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": format!("{name}-{i} ")}})));
+            }
+            events.push(format!("event: content_block_stop\ndata: {}\n\n", json!({"type": "content_block_stop", "index": 0})));
+            events.push(format!("event: message_delta\ndata: {}\n\n", json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": chunks}})));
+            events.push(format!("event: message_stop\ndata: {}\n\n", json!({"type": "message_stop"})));
+            sse(events, shared)
+        }
+        "/v1/messages" if shared.options.anthropic_native => axum::Json(json!({
+            "id": "msg_test", "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": reply}], "stop_reason": "end_turn", "stop_sequence": null,
+            "usage": {"input_tokens": 7, "output_tokens": 3},
+        }))
+        .into_response(),
+        _ => (
+            StatusCode::NOT_FOUND,
+            axum::Json(json!({"error": {"message": format!("{path} not served here"), "type": "NotFoundError", "code": 404}})),
+        )
+            .into_response(),
+    }
+}
