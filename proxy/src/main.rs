@@ -4,7 +4,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use clap::Parser;
 use pingora_core::apps::HttpServerOptions;
 use pingora_core::server::Server;
@@ -50,7 +49,8 @@ struct Args {
 fn init_tracing(json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,pingora_core=warn,pingora_proxy=warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     if json {
         builder.json().init();
     } else {
@@ -122,6 +122,5 @@ fn main() -> anyhow::Result<()> {
     }
 
     tracing::info!(listen = %args.listen, "switchyard-proxy starting");
-    let _ = Context::context(Ok::<(), std::io::Error>(()), "");
     server.run_forever();
 }

@@ -1,0 +1,92 @@
+//! `/v1/messages`: passed through to workers that serve it, translated for OpenAI-only pools.
+
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use switchyard_e2e::{Proxy, Upstream, UpstreamOptions, pool_config};
+
+fn events(text: &str) -> Vec<(String, Value)> {
+    text.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let name = e.lines().find_map(|l| l.strip_prefix("event: ")).unwrap().to_owned();
+            let data = e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+            (name, serde_json::from_str(data).unwrap())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn native_pools_receive_messages_unchanged_but_for_the_model() {
+    let worker = Upstream::start_with("native", UpstreamOptions { anthropic_native: true, ..Default::default() }).await;
+    let proxy = Proxy::start(&pool_config("p", "served", &[worker.endpoint()], "", &["claude-local"]), &[]).await;
+    let request = json!({"model": "claude-local", "max_tokens": 16, "system": "terse", "messages": [{"role": "user", "content": "hi"}]});
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/messages", proxy.url()))
+        .header("x-api-key", "client-key")
+        .header("anthropic-version", "2023-06-01")
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["type"], "message");
+    let received = worker.received().pop().unwrap();
+    assert_eq!(received.path, "/v1/messages");
+    let mut expected = request;
+    expected["model"] = json!("served");
+    assert_eq!(received.json(), expected);
+    assert!(!received.headers.contains_key("x-api-key"));
+}
+
+#[tokio::test]
+async fn openai_only_pools_get_chat_completions_and_answers_come_back_as_messages() {
+    let worker = Upstream::start("openai-only").await;
+    let proxy = Proxy::start(
+        &pool_config("p", "served", &[worker.endpoint()], "  anthropicMessages: translate\n", &["claude-compat"]),
+        &[],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let request = json!({
+        "model": "claude-compat", "max_tokens": 16, "system": "terse",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    });
+    let response = client.post(format!("{}/v1/messages", proxy.url())).json(&request).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(response.headers()["content-type"].to_str().unwrap().starts_with("application/json"));
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["type"], "message");
+    assert_eq!(body["model"], "claude-compat");
+    assert!(body["content"][0]["text"].as_str().unwrap().starts_with("openai-only saw"));
+    assert_eq!(body["stop_reason"], "end_turn");
+    assert_eq!(body["usage"]["output_tokens"], 3);
+
+    let received = worker.received().pop().unwrap();
+    assert_eq!(received.path, "/v1/chat/completions");
+    let sent = received.json();
+    assert_eq!(sent["model"], "served");
+    assert_eq!(sent["messages"][0], json!({"role": "system", "content": "terse"}));
+    assert_eq!(sent["max_tokens"], 16);
+
+    // Streaming: OpenAI chunks become Anthropic events.
+    let mut streaming = request.clone();
+    streaming["stream"] = json!(true);
+    let response = client.post(format!("{}/v1/messages", proxy.url())).json(&streaming).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let mut text = String::new();
+    let mut stream = response.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+    }
+    let events = events(&text);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names.first(), Some(&"message_start"));
+    assert_eq!(names.last(), Some(&"message_stop"));
+    let joined: String = events.iter().filter_map(|(_, d)| d["delta"]["text"].as_str()).collect();
+    assert_eq!(joined, "openai-only-0 openai-only-1 openai-only-2 ");
+    let delta = events.iter().find(|(n, _)| n == "message_delta").unwrap();
+    assert_eq!(delta.1["usage"]["output_tokens"], 3);
+    assert_eq!(worker.received().pop().unwrap().json()["stream_options"]["include_usage"], true);
+}
