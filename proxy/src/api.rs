@@ -25,7 +25,10 @@ impl Endpoint {
     /// Map a path (without query) to an endpoint.
     pub fn from_path(path: &str) -> Option<Endpoint> {
         // Tolerate one trailing slash, as OpenAI's own API does.
-        let path = path.strip_suffix('/').filter(|p| !p.is_empty()).unwrap_or(path);
+        let path = path
+            .strip_suffix('/')
+            .filter(|p| !p.is_empty())
+            .unwrap_or(path);
         Some(match path {
             "/v1/chat/completions" => Endpoint::ChatCompletions,
             "/v1/completions" => Endpoint::Completions,
@@ -124,9 +127,9 @@ impl ErrorKind {
 
     fn anthropic_type(self) -> &'static str {
         match self {
-            ErrorKind::InvalidRequest
-            | ErrorKind::MethodNotAllowed
-            | ErrorKind::LengthRequired => "invalid_request_error",
+            ErrorKind::InvalidRequest | ErrorKind::MethodNotAllowed | ErrorKind::LengthRequired => {
+                "invalid_request_error"
+            }
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::PayloadTooLarge => "request_too_large",
             ErrorKind::Unavailable => "overloaded_error",
@@ -200,7 +203,8 @@ mod tests {
     #[test]
     fn openai_error_shape() {
         let error = ApiError::new(ErrorKind::NotFound, "model_not_found", "no such model");
-        let body: serde_json::Value = serde_json::from_slice(&error.body(ClientFormat::OpenAi)).unwrap();
+        let body: serde_json::Value =
+            serde_json::from_slice(&error.body(ClientFormat::OpenAi)).unwrap();
         assert_eq!(body["error"]["message"], "no such model");
         assert_eq!(body["error"]["type"], "invalid_request_error");
         assert_eq!(body["error"]["code"], "model_not_found");
@@ -220,10 +224,22 @@ mod tests {
 
     #[test]
     fn paths_map_to_endpoints_and_formats() {
-        assert_eq!(Endpoint::from_path("/v1/chat/completions/"), Some(Endpoint::ChatCompletions));
-        assert_eq!(Endpoint::from_path("/v1/messages"), Some(Endpoint::Messages));
+        assert_eq!(
+            Endpoint::from_path("/v1/chat/completions/"),
+            Some(Endpoint::ChatCompletions)
+        );
+        assert_eq!(
+            Endpoint::from_path("/v1/messages"),
+            Some(Endpoint::Messages)
+        );
         assert_eq!(Endpoint::from_path("/v2/x"), None);
-        assert_eq!(client_format_for_path("/v1/messages"), ClientFormat::Anthropic);
-        assert_eq!(client_format_for_path("/v1/completions"), ClientFormat::OpenAi);
+        assert_eq!(
+            client_format_for_path("/v1/messages"),
+            ClientFormat::Anthropic
+        );
+        assert_eq!(
+            client_format_for_path("/v1/completions"),
+            ClientFormat::OpenAi
+        );
     }
 }

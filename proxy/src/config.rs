@@ -43,12 +43,12 @@ impl ConfigStore {
     pub fn apply(&self, snapshot: Snapshot) -> Applied {
         let current = self.table.load_full();
         let current_version = current.as_ref().map_or(0, |t| t.snapshot.version);
-        if let Some(current) = &current {
-            if current.snapshot.fingerprint == snapshot.fingerprint {
-                return Applied::Unchanged {
-                    version: current_version,
-                };
-            }
+        if let Some(current) = &current
+            && current.snapshot.fingerprint == snapshot.fingerprint
+        {
+            return Applied::Unchanged {
+                version: current_version,
+            };
         }
         let snapshot = if snapshot.version == 0 {
             snapshot.with_version(current_version + 1)
@@ -73,7 +73,11 @@ pub fn read_files(paths: &[PathBuf]) -> (String, Result<Snapshot, ConfigErrors>)
             Err(error) => hasher.update(error.to_string().as_bytes()),
         }
     }
-    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let digest: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let result = if errors.is_empty() {
         switchyard_snapshot::load_paths(paths)
     } else {

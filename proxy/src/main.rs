@@ -14,7 +14,11 @@ use switchyard_proxy::config::{self, ConfigStore, FileWatcher};
 use switchyard_proxy::proxy::{Gateway, Settings};
 
 #[derive(Parser, Debug)]
-#[command(name = "switchyard-proxy", version, about = "Inference gateway in front of vLLM workers")]
+#[command(
+    name = "switchyard-proxy",
+    version,
+    about = "Inference gateway in front of vLLM workers"
+)]
 struct Args {
     /// Configuration files or directories of YAML documents; watched and reloaded on change.
     /// Without it the embedded default (conf/default.yaml) is served.
@@ -47,9 +51,12 @@ struct Args {
 }
 
 fn init_tracing(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,pingora_core=warn,pingora_proxy=warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr)
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,pingora_core=warn,pingora_proxy=warn")
+    });
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     if json {
         builder.json().init();
@@ -65,7 +72,10 @@ fn main() -> anyhow::Result<()> {
     let (loaded_digest, initial) = if args.config.is_empty() {
         (
             String::new(),
-            switchyard_snapshot::load_str(switchyard_snapshot::EMBEDDED_SOURCE, config::EMBEDDED_DEFAULT),
+            switchyard_snapshot::load_str(
+                switchyard_snapshot::EMBEDDED_SOURCE,
+                config::EMBEDDED_DEFAULT,
+            ),
         )
     } else {
         config::read_files(&args.config)
@@ -90,7 +100,9 @@ fn main() -> anyhow::Result<()> {
     store.apply(snapshot);
 
     let conf = ServerConf {
-        threads: args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
+        threads: args
+            .threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
         grace_period_seconds: Some(args.grace_period_s),
         graceful_shutdown_timeout_seconds: Some(args.grace_period_s),
         ..ServerConf::default()
@@ -104,10 +116,11 @@ fn main() -> anyhow::Result<()> {
     };
     let mut server_options = HttpServerOptions::default();
     server_options.h2c = true;
-    let mut proxy = ProxyServiceBuilder::new(&server.configuration, Gateway::new(store.clone(), settings))
-        .name("switchyard-proxy")
-        .server_options(server_options)
-        .build();
+    let mut proxy =
+        ProxyServiceBuilder::new(&server.configuration, Gateway::new(store.clone(), settings))
+            .name("switchyard-proxy")
+            .server_options(server_options)
+            .build();
     proxy.add_tcp(&args.listen);
     server.add_service(proxy);
 

@@ -83,7 +83,10 @@ enum ResponseMode {
     #[default]
     PassThrough,
     /// Buffer the whole answer and translate it at the end (non-streaming, or an error status).
-    TranslateWhole { buffer: BytesMut, status: u16 },
+    TranslateWhole {
+        buffer: BytesMut,
+        status: u16,
+    },
     TranslateStream(Box<StreamTranslator>),
 }
 
@@ -111,7 +114,11 @@ fn request_id(session: &Session) -> String {
         .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()));
     match incoming {
         Some(id) => id.to_owned(),
-        None => format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>()),
+        None => format!(
+            "{:016x}{:016x}",
+            rand::random::<u64>(),
+            rand::random::<u64>()
+        ),
     }
 }
 
@@ -138,7 +145,9 @@ impl Gateway {
             session.set_keepalive(None);
             header.insert_header("connection", "close")?;
         }
-        session.write_response_header(Box::new(header), false).await?;
+        session
+            .write_response_header(Box::new(header), false)
+            .await?;
         session.write_response_body(Some(body), true).await?;
         Ok(())
     }
@@ -164,7 +173,8 @@ impl Gateway {
                 .unwrap_or_default(),
             _ => Vec::new(),
         };
-        self.respond_json(session, ctx, error.status(), body, &extra).await?;
+        self.respond_json(session, ctx, error.status(), body, &extra)
+            .await?;
         ctx.failure = Some(error);
         Ok(true)
     }
@@ -179,7 +189,11 @@ impl Gateway {
                 format!("request body exceeds the limit of {limit} bytes; shorten the prompt"),
             )
         };
-        let declared = match session.req_header().headers.get(http::header::CONTENT_LENGTH) {
+        let declared = match session
+            .req_header()
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+        {
             Some(value) => Some(
                 value
                     .to_str()
@@ -197,7 +211,9 @@ impl Gateway {
         }
         let mut body = BytesMut::with_capacity(declared.unwrap_or(0));
         loop {
-            if declared.is_some_and(|length| length.saturating_sub(body.len()) <= RETRY_BUFFER_BYTES) {
+            if declared
+                .is_some_and(|length| length.saturating_sub(body.len()) <= RETRY_BUFFER_BYTES)
+            {
                 session.as_mut().enable_retry_buffering();
             }
             match session.read_request_body().await {
@@ -211,7 +227,10 @@ impl Gateway {
                 Err(error) => {
                     return Err(ApiError::invalid(
                         "body",
-                        format!("could not read the request body: {}", error.etype().as_str()),
+                        format!(
+                            "could not read the request body: {}",
+                            error.etype().as_str()
+                        ),
                     ));
                 }
             }
@@ -254,16 +273,27 @@ impl Gateway {
             ),
         })?;
         let target = table.pick_target(model).ok_or_else(|| {
-            ApiError::new(ErrorKind::Unavailable, "no_target", format!("model '{}' has no usable target", model.name))
+            ApiError::new(
+                ErrorKind::Unavailable,
+                "no_target",
+                format!("model '{}' has no usable target", model.name),
+            )
         })?;
         let pool = table.pool(&target.pool).cloned().ok_or_else(|| {
-            ApiError::new(ErrorKind::Internal, "pool_missing", format!("pool {} is not loaded", target.pool))
+            ApiError::new(
+                ErrorKind::Internal,
+                "pool_missing",
+                format!("pool {} is not loaded", target.pool),
+            )
         })?;
         if pool.workers.is_empty() {
             return Err(ApiError::new(
                 ErrorKind::Unavailable,
                 "no_workers",
-                format!("model '{}' has no workers available right now; retry shortly", parsed.model),
+                format!(
+                    "model '{}' has no workers available right now; retry shortly",
+                    parsed.model
+                ),
             ));
         }
         let translate = endpoint == Endpoint::Messages
@@ -289,10 +319,17 @@ impl Gateway {
 
     async fn list_models(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         let Some(table) = self.store.current() else {
-            let error = ApiError::new(ErrorKind::Unavailable, "not_ready", "no configuration loaded yet");
+            let error = ApiError::new(
+                ErrorKind::Unavailable,
+                "not_ready",
+                "no configuration loaded yet",
+            );
             return self.respond_error(session, ctx, error).await;
         };
-        let anthropic = session.req_header().headers.contains_key("anthropic-version");
+        let anthropic = session
+            .req_header()
+            .headers
+            .contains_key("anthropic-version");
         let names: Vec<&String> = table.snapshot.models.keys().collect();
         let body = if anthropic {
             let data: Vec<_> = names
@@ -313,7 +350,8 @@ impl Gateway {
                 .collect();
             json!({"object": "list", "data": data})
         };
-        self.respond_json(session, ctx, 200, Bytes::from(body.to_string()), &[]).await?;
+        self.respond_json(session, ctx, 200, Bytes::from(body.to_string()), &[])
+            .await?;
         Ok(true)
     }
 }
@@ -357,21 +395,38 @@ impl ProxyHttp for Gateway {
             let error = ApiError::new(
                 ErrorKind::MethodNotAllowed,
                 "method_not_allowed",
-                format!("{path} accepts {} requests, not {method}", endpoint.method()),
+                format!(
+                    "{path} accepts {} requests, not {method}",
+                    endpoint.method()
+                ),
             );
             return self.respond_error(session, ctx, error).await;
         }
         match endpoint {
             Endpoint::Health => {
-                self.respond_json(session, ctx, 200, Bytes::from_static(br#"{"status":"ok"}"#), &[]).await?;
+                self.respond_json(
+                    session,
+                    ctx,
+                    200,
+                    Bytes::from_static(br#"{"status":"ok"}"#),
+                    &[],
+                )
+                .await?;
                 return Ok(true);
             }
             Endpoint::Ready => {
                 let (status, body) = match self.store.current() {
-                    Some(table) => (200, json!({"status": "ready", "config_version": table.snapshot.version})),
-                    None => (503, json!({"status": "not ready", "reason": "no configuration loaded yet"})),
+                    Some(table) => (
+                        200,
+                        json!({"status": "ready", "config_version": table.snapshot.version}),
+                    ),
+                    None => (
+                        503,
+                        json!({"status": "not ready", "reason": "no configuration loaded yet"}),
+                    ),
                 };
-                self.respond_json(session, ctx, status, Bytes::from(body.to_string()), &[]).await?;
+                self.respond_json(session, ctx, status, Bytes::from(body.to_string()), &[])
+                    .await?;
                 return Ok(true);
             }
             Endpoint::Models => return self.list_models(session, ctx).await,
@@ -387,9 +442,16 @@ impl ProxyHttp for Gateway {
         }
     }
 
-    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut RequestCtx) -> Result<Box<HttpPeer>> {
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<Box<HttpPeer>> {
         let Some(route) = ctx.route.as_mut() else {
-            return Err(Error::explain(ErrorType::InternalError, "upstream_peer without a route"));
+            return Err(Error::explain(
+                ErrorType::InternalError,
+                "upstream_peer without a route",
+            ));
         };
         route.current = None;
         let picked = route.pool.pick(&route.tried).and_then(|index| {
@@ -401,7 +463,10 @@ impl ProxyHttp for Gateway {
                 ApiError::new(
                     ErrorKind::Unavailable,
                     "no_workers",
-                    format!("no worker of model '{}' can take the request; retry shortly", route.requested_model),
+                    format!(
+                        "no worker of model '{}' can take the request; retry shortly",
+                        route.requested_model
+                    ),
                 )
             } else {
                 ApiError::new(
@@ -416,12 +481,16 @@ impl ProxyHttp for Gateway {
             };
             let status = error.status();
             ctx.failure = Some(error);
-            return Err(Error::explain(ErrorType::HTTPStatus(status), "no worker to try"));
+            return Err(Error::explain(
+                ErrorType::HTTPStatus(status),
+                "no worker to try",
+            ));
         };
         route.tried.push(index);
         route.current = Some(InFlight::start(&worker));
         let mut peer = HttpPeer::new(socket, false, String::new());
-        peer.options.connection_timeout = Some(Duration::from_millis(route.pool.config.connect_timeout_ms));
+        peer.options.connection_timeout =
+            Some(Duration::from_millis(route.pool.config.connect_timeout_ms));
         peer.options.read_timeout = Some(self.settings.upstream_read_timeout);
         Ok(Box::new(peer))
     }
@@ -435,7 +504,11 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         if ctx.route.is_some() {
             // Replace Pingora's replay of the body's tail with the whole (rewritten) body.
-            *body = Some(if end_of_stream { ctx.body.clone() } else { Bytes::new() });
+            *body = Some(if end_of_stream {
+                ctx.body.clone()
+            } else {
+                Bytes::new()
+            });
         }
         Ok(())
     }
@@ -482,7 +555,9 @@ impl ProxyHttp for Gateway {
             let streaming = route.stream && ctx.status < 400;
             ctx.response = if streaming {
                 upstream_response.insert_header(http::header::CONTENT_TYPE, "text/event-stream")?;
-                ResponseMode::TranslateStream(Box::new(StreamTranslator::new(&route.requested_model)))
+                ResponseMode::TranslateStream(Box::new(StreamTranslator::new(
+                    &route.requested_model,
+                )))
             } else {
                 upstream_response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
                 ResponseMode::TranslateWhole {
@@ -501,7 +576,10 @@ impl ProxyHttp for Gateway {
         end_of_stream: bool,
         ctx: &mut RequestCtx,
     ) -> Result<Option<Duration>> {
-        let client_model = ctx.route.as_ref().map_or("", |r| r.requested_model.as_str());
+        let client_model = ctx
+            .route
+            .as_ref()
+            .map_or("", |r| r.requested_model.as_str());
         match &mut ctx.response {
             ResponseMode::PassThrough => {}
             ResponseMode::TranslateStream(translator) => {
@@ -568,12 +646,20 @@ impl ProxyHttp for Gateway {
         // request: safe to retry. Anything after a response started is not.
         let retry = client_reused
             && ctx.status == 0
-            && ctx.route.as_ref().is_some_and(|r| r.tried.len() < r.pool.config.max_attempts as usize);
+            && ctx
+                .route
+                .as_ref()
+                .is_some_and(|r| r.tried.len() < r.pool.config.max_attempts as usize);
         e.set_retry(retry);
         e
     }
 
-    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut RequestCtx) -> FailToProxy {
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut RequestCtx,
+    ) -> FailToProxy {
         if session.response_written().is_some() {
             // Headers already went out: all that is left is to end the connection.
             return FailToProxy {
@@ -584,8 +670,11 @@ impl ProxyHttp for Gateway {
         let error = ctx.failure.clone().unwrap_or_else(|| {
             let worker_count = ctx.route.as_ref().map_or(0, |r| r.tried.len());
             match e.etype() {
-                ErrorType::ConnectTimedout | ErrorType::ConnectRefused | ErrorType::ConnectError
-                | ErrorType::ConnectNoRoute | ErrorType::TLSHandshakeFailure => ApiError::new(
+                ErrorType::ConnectTimedout
+                | ErrorType::ConnectRefused
+                | ErrorType::ConnectError
+                | ErrorType::ConnectNoRoute
+                | ErrorType::TLSHandshakeFailure => ApiError::new(
                     ErrorKind::BadGateway,
                     "upstream_unreachable",
                     format!("could not connect to a worker ({worker_count} tried); retry shortly"),
@@ -596,14 +685,24 @@ impl ProxyHttp for Gateway {
                     "the worker did not answer in time",
                 ),
                 ErrorType::HTTPStatus(status) => ApiError::new(
-                    if *status == 503 { ErrorKind::Unavailable } else { ErrorKind::BadGateway },
+                    if *status == 503 {
+                        ErrorKind::Unavailable
+                    } else {
+                        ErrorKind::BadGateway
+                    },
                     "upstream_error",
                     format!("upstream error {status}"),
                 ),
                 _ => match e.esource() {
-                    pingora_error::ErrorSource::Downstream => ApiError::invalid("body", "the request could not be read"),
+                    pingora_error::ErrorSource::Downstream => {
+                        ApiError::invalid("body", "the request could not be read")
+                    }
                     pingora_error::ErrorSource::Internal | pingora_error::ErrorSource::Unset => {
-                        ApiError::new(ErrorKind::Internal, "internal_error", "internal gateway error")
+                        ApiError::new(
+                            ErrorKind::Internal,
+                            "internal_error",
+                            "internal gateway error",
+                        )
                     }
                     pingora_error::ErrorSource::Upstream => ApiError::new(
                         ErrorKind::BadGateway,
@@ -614,7 +713,10 @@ impl ProxyHttp for Gateway {
             }
         });
         let status = error.status();
-        let code = match self.respond_json(session, ctx, status, error.body(ctx.format), &[]).await {
+        let code = match self
+            .respond_json(session, ctx, status, error.body(ctx.format), &[])
+            .await
+        {
             Ok(()) => status,
             Err(_) => 0,
         };

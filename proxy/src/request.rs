@@ -58,17 +58,18 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
         ));
     }
     let mut deserializer = serde_json::Deserializer::from_slice(body);
-    let head: RequestHead<'_> = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if inner.is_syntax() || inner.is_eof() {
-            ApiError::invalid("body", format!("malformed JSON: {inner}"))
-        } else if path == "." {
-            ApiError::invalid("body", format!("invalid request: {inner}"))
-        } else {
-            ApiError::invalid("body", format!("invalid field '{path}': {inner}"))
-        }
-    })?;
+    let head: RequestHead<'_> =
+        serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if inner.is_syntax() || inner.is_eof() {
+                ApiError::invalid("body", format!("malformed JSON: {inner}"))
+            } else if path == "." {
+                ApiError::invalid("body", format!("invalid request: {inner}"))
+            } else {
+                ApiError::invalid("body", format!("invalid field '{path}': {inner}"))
+            }
+        })?;
     deserializer
         .end()
         .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?;
@@ -87,7 +88,12 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
         Endpoint::Messages => {
             require_messages(head.messages.as_deref())?;
             match head.max_tokens {
-                Some(0) => return Err(ApiError::invalid("max_tokens", "'max_tokens' must be at least 1")),
+                Some(0) => {
+                    return Err(ApiError::invalid(
+                        "max_tokens",
+                        "'max_tokens' must be at least 1",
+                    ));
+                }
                 Some(_) => {}
                 None => {
                     return Err(ApiError::invalid(
@@ -112,14 +118,21 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
 
 fn require_messages(messages: Option<&[MessageHead<'_>]>) -> Result<(), ApiError> {
     match messages {
-        None => Err(ApiError::invalid("messages", "missing required field 'messages'")),
-        Some([]) => Err(ApiError::invalid("messages", "'messages' must contain at least one message")),
+        None => Err(ApiError::invalid(
+            "messages",
+            "missing required field 'messages'",
+        )),
+        Some([]) => Err(ApiError::invalid(
+            "messages",
+            "'messages' must contain at least one message",
+        )),
         Some(_) => Ok(()),
     }
 }
 
 fn require_prompt(prompt: Option<&RawValue>) -> Result<(), ApiError> {
-    let prompt = prompt.ok_or_else(|| ApiError::invalid("prompt", "missing required field 'prompt'"))?;
+    let prompt =
+        prompt.ok_or_else(|| ApiError::invalid("prompt", "missing required field 'prompt'"))?;
     let value: serde_json::Value = serde_json::from_str(prompt.get())
         .map_err(|e| ApiError::invalid("prompt", format!("invalid 'prompt': {e}")))?;
     let valid = match &value {
@@ -179,7 +192,9 @@ mod tests {
 
     #[test]
     fn reads_model_and_stream() {
-        let parsed = chat(r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        let parsed =
+            chat(r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#)
+                .unwrap();
         assert_eq!(parsed.model, "m");
         assert!(parsed.stream);
     }
@@ -203,19 +218,41 @@ mod tests {
             ("", "empty"),
             ("[1]", "JSON object"),
             ("{\"model\":", "malformed JSON"),
-            (r#"{"messages":[{"role":"user"}]}"#, "missing required field 'model'"),
-            (r#"{"model":5,"messages":[{"role":"user"}]}"#, "must be a string"),
+            (
+                r#"{"messages":[{"role":"user"}]}"#,
+                "missing required field 'model'",
+            ),
+            (
+                r#"{"model":5,"messages":[{"role":"user"}]}"#,
+                "must be a string",
+            ),
             (r#"{"model":"m"}"#, "missing required field 'messages'"),
             (r#"{"model":"m","messages":[]}"#, "at least one message"),
-            (r#"{"model":"m","messages":[{"content":"x"}]}"#, "messages[0]"),
-            (r#"{"model":"m","stream":"yes","messages":[{"role":"user"}]}"#, "stream"),
-            (r#"{"model":"m","model":"n","messages":[{"role":"user"}]}"#, "duplicate field"),
-            (r#"{"model":"m","messages":[{"role":"user"}]} trailing"#, "malformed JSON"),
+            (
+                r#"{"model":"m","messages":[{"content":"x"}]}"#,
+                "messages[0]",
+            ),
+            (
+                r#"{"model":"m","stream":"yes","messages":[{"role":"user"}]}"#,
+                "stream",
+            ),
+            (
+                r#"{"model":"m","model":"n","messages":[{"role":"user"}]}"#,
+                "duplicate field",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user"}]} trailing"#,
+                "malformed JSON",
+            ),
         ];
         for (body, expected) in cases {
             let error = chat(body).unwrap_err();
             assert_eq!(error.status(), 400, "{body}");
-            assert!(error.message.contains(expected), "{body}: {}", error.message);
+            assert!(
+                error.message.contains(expected),
+                "{body}: {}",
+                error.message
+            );
         }
     }
 

@@ -63,14 +63,17 @@ impl EndpointRegistry {
             Ok(guard) => guard,
             Err(poisoned) => poisoned.into_inner(),
         };
-        if let Some(existing) = workers.get(address) {
-            if existing.socket.is_some() {
-                return existing.clone();
-            }
+        if let Some(existing) = workers.get(address)
+            && existing.socket.is_some()
+        {
+            return existing.clone();
         }
         let socket = address.to_socket_addrs().ok().and_then(|mut a| a.next());
         if socket.is_none() {
-            tracing::warn!(worker = address, "worker address does not resolve; it will not be chosen");
+            tracing::warn!(
+                worker = address,
+                "worker address does not resolve; it will not be chosen"
+            );
         }
         let state = Arc::new(WorkerState {
             address: address.to_owned(),
@@ -117,14 +120,19 @@ impl PoolRuntime {
             }
             LoadBalancing::RoundRobin => {
                 let start = self.next_round_robin.fetch_add(1, Ordering::Relaxed);
-                (0..count).map(|offset| (start + offset) % count).find(eligible)
+                (0..count)
+                    .map(|offset| (start + offset) % count)
+                    .find(eligible)
             }
             LoadBalancing::LeastOutstanding => {
                 let mut rng = rand::rng();
                 let mut best: Option<(usize, usize)> = None;
                 let mut ties = 0u32;
                 for index in (0..count).filter(eligible) {
-                    let load = self.workers.get(index).map_or(usize::MAX, |w| w.in_flight());
+                    let load = self
+                        .workers
+                        .get(index)
+                        .map_or(usize::MAX, |w| w.in_flight());
                     match best {
                         Some((_, best_load)) if load > best_load => {}
                         Some((_, best_load)) if load == best_load => {
@@ -160,8 +168,11 @@ impl RoutingTable {
         let mut pools = HashMap::with_capacity(snapshot.pools.len());
         let mut live = Vec::new();
         for (id, pool) in &snapshot.pools {
-            let workers: Vec<Arc<WorkerState>> =
-                pool.endpoints.iter().map(|address| registry.worker(address)).collect();
+            let workers: Vec<Arc<WorkerState>> = pool
+                .endpoints
+                .iter()
+                .map(|address| registry.worker(address))
+                .collect();
             live.extend(workers.iter().cloned());
             pools.insert(
                 id.clone(),
@@ -231,7 +242,10 @@ mod tests {
 
     #[test]
     fn round_robin_visits_every_worker_in_turn() {
-        let table = table("round-robin", &["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]);
+        let table = table(
+            "round-robin",
+            &["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"],
+        );
         let picks: Vec<usize> = (0..6).map(|_| pool(&table).pick(&[]).unwrap()).collect();
         assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
         assert_eq!(pool(&table).pick(&[0, 1, 2]), None);

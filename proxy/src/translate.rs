@@ -45,7 +45,10 @@ pub fn messages_request_to_chat(body: &[u8], upstream_model: &str) -> Result<Byt
     if let Some(user) = request.get("metadata").and_then(|m| m.get("user_id")) {
         out.insert("user".into(), user.clone());
     }
-    let stream = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let stream = request
+        .get("stream")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     if stream {
         out.insert("stream".into(), Value::Bool(true));
         // Anthropic's final event carries usage; ask the worker for it.
@@ -73,7 +76,12 @@ pub fn messages_request_to_chat(body: &[u8], upstream_model: &str) -> Result<Byt
             Some("any") => json!("required"),
             Some("none") => json!("none"),
             Some("tool") => json!({"type": "function", "function": {"name": choice.get("name")}}),
-            _ => return Err(ApiError::invalid("tool_choice", "unknown 'tool_choice.type'")),
+            _ => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "unknown 'tool_choice.type'",
+                ));
+            }
         };
         out.insert("tool_choice".into(), translated);
     }
@@ -89,12 +97,18 @@ fn text_of(value: &Value, field: &'static str) -> Result<String, ApiError> {
             .filter_map(|b| b.get("text").and_then(Value::as_str))
             .collect::<Vec<_>>()
             .join("\n")),
-        _ => Err(ApiError::invalid(field, format!("'{field}' must be a string or an array of content blocks"))),
+        _ => Err(ApiError::invalid(
+            field,
+            format!("'{field}' must be a string or an array of content blocks"),
+        )),
     }
 }
 
 fn translate_message(message: &Value, index: usize, out: &mut Vec<Value>) -> Result<(), ApiError> {
-    let role = message.get("role").and_then(Value::as_str).unwrap_or("user");
+    let role = message
+        .get("role")
+        .and_then(Value::as_str)
+        .unwrap_or("user");
     let content = message.get("content").unwrap_or(&Value::Null);
     let blocks = match content {
         Value::String(text) => {
@@ -162,11 +176,20 @@ fn translate_message(message: &Value, index: usize, out: &mut Vec<Value>) -> Res
             .iter()
             .filter_map(|p| p.get("text").and_then(Value::as_str))
             .collect();
-        let mut message = json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { Value::String(text.join("")) }});
+        let mut message = Map::new();
+        message.insert("role".into(), json!("assistant"));
+        message.insert(
+            "content".into(),
+            if text.is_empty() {
+                Value::Null
+            } else {
+                Value::String(text.join(""))
+            },
+        );
         if !tool_calls.is_empty() {
-            message["tool_calls"] = Value::Array(tool_calls);
+            message.insert("tool_calls".into(), Value::Array(tool_calls));
         }
-        out.push(message);
+        out.push(Value::Object(message));
     } else if !parts.is_empty() {
         out.push(json!({"role": role, "content": parts}));
     }
@@ -184,7 +207,12 @@ fn stop_reason(finish_reason: Option<&str>) -> Value {
 }
 
 fn anthropic_usage(usage: Option<&Value>) -> Value {
-    let number = |key: &str| usage.and_then(|u| u.get(key)).and_then(Value::as_u64).unwrap_or(0);
+    let number = |key: &str| {
+        usage
+            .and_then(|u| u.get(key))
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+    };
     let cached = usage
         .and_then(|u| u.get("prompt_tokens_details"))
         .and_then(|d| d.get("cached_tokens"))
@@ -206,12 +234,17 @@ pub fn chat_response_to_message(body: &[u8], client_model: &str) -> Bytes {
     let choice = response.get("choices").and_then(|c| c.get(0));
     let message = choice.and_then(|c| c.get("message"));
     let mut content = Vec::new();
-    if let Some(text) = message.and_then(|m| m.get("content")).and_then(Value::as_str) {
-        if !text.is_empty() {
-            content.push(json!({"type": "text", "text": text}));
-        }
+    if let Some(text) = message
+        .and_then(|m| m.get("content"))
+        .and_then(Value::as_str)
+        && !text.is_empty()
+    {
+        content.push(json!({"type": "text", "text": text}));
     }
-    if let Some(calls) = message.and_then(|m| m.get("tool_calls")).and_then(Value::as_array) {
+    if let Some(calls) = message
+        .and_then(|m| m.get("tool_calls"))
+        .and_then(Value::as_array)
+    {
         for call in calls {
             let function = call.get("function");
             let arguments = function
@@ -226,7 +259,10 @@ pub fn chat_response_to_message(body: &[u8], client_model: &str) -> Bytes {
             }));
         }
     }
-    let id = response.get("id").and_then(Value::as_str).unwrap_or("unknown");
+    let id = response
+        .get("id")
+        .and_then(Value::as_str)
+        .unwrap_or("unknown");
     Bytes::from(
         json!({
             "id": format!("msg_{id}"),
@@ -248,8 +284,17 @@ pub fn error_to_anthropic(status: u16, body: &[u8]) -> Bytes {
     let message = parsed
         .as_ref()
         .and_then(|v| v.get("error"))
-        .and_then(|e| e.get("message").and_then(Value::as_str).or_else(|| e.as_str()))
-        .or_else(|| parsed.as_ref().and_then(|v| v.get("message")).and_then(Value::as_str))
+        .and_then(|e| {
+            e.get("message")
+                .and_then(Value::as_str)
+                .or_else(|| e.as_str())
+        })
+        .or_else(|| {
+            parsed
+                .as_ref()
+                .and_then(|v| v.get("message"))
+                .and_then(Value::as_str)
+        })
         .map(str::to_owned)
         .unwrap_or_else(|| format!("upstream answered with status {status}"));
     let kind = match status {
@@ -345,8 +390,15 @@ impl StreamTranslator {
             return;
         };
         if let Some(error) = chunk.get("error") {
-            let message = error.get("message").and_then(Value::as_str).unwrap_or("upstream error");
-            emit(out, "error", &json!({"type": "error", "error": {"type": "api_error", "message": message}}));
+            let message = error
+                .get("message")
+                .and_then(Value::as_str)
+                .unwrap_or("upstream error");
+            emit(
+                out,
+                "error",
+                &json!({"type": "error", "error": {"type": "api_error", "message": message}}),
+            );
             self.finished = true;
             return;
         }
@@ -358,33 +410,55 @@ impl StreamTranslator {
             return;
         };
         let delta = choice.get("delta");
-        if let Some(text) = delta.and_then(|d| d.get("content")).and_then(Value::as_str) {
-            if !text.is_empty() {
-                if !matches!(self.open_block, Some((_, OpenBlock::Text))) {
-                    let index = self.open(OpenBlock::Text, out);
-                    emit(out, "content_block_start", &json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}));
-                }
-                let index = self.open_block.map_or(0, |(i, _)| i);
-                emit(out, "content_block_delta", &json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}));
+        if let Some(text) = delta.and_then(|d| d.get("content")).and_then(Value::as_str)
+            && !text.is_empty()
+        {
+            if !matches!(self.open_block, Some((_, OpenBlock::Text))) {
+                let index = self.open(OpenBlock::Text, out);
+                emit(
+                    out,
+                    "content_block_start",
+                    &json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}),
+                );
             }
+            let index = self.open_block.map_or(0, |(i, _)| i);
+            emit(
+                out,
+                "content_block_delta",
+                &json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}),
+            );
         }
-        if let Some(calls) = delta.and_then(|d| d.get("tool_calls")).and_then(Value::as_array) {
+        if let Some(calls) = delta
+            .and_then(|d| d.get("tool_calls"))
+            .and_then(Value::as_array)
+        {
             for call in calls {
                 let openai_index = call.get("index").and_then(Value::as_u64).unwrap_or(0);
                 let function = call.get("function");
-                if !matches!(self.open_block, Some((_, OpenBlock::Tool { openai_index: open })) if open == openai_index) {
+                if !matches!(self.open_block, Some((_, OpenBlock::Tool { openai_index: open })) if open == openai_index)
+                {
                     let index = self.open(OpenBlock::Tool { openai_index }, out);
-                    emit(out, "content_block_start", &json!({
-                        "type": "content_block_start",
-                        "index": index,
-                        "content_block": {"type": "tool_use", "id": call.get("id"), "name": function.and_then(|f| f.get("name")), "input": {}},
-                    }));
+                    emit(
+                        out,
+                        "content_block_start",
+                        &json!({
+                            "type": "content_block_start",
+                            "index": index,
+                            "content_block": {"type": "tool_use", "id": call.get("id"), "name": function.and_then(|f| f.get("name")), "input": {}},
+                        }),
+                    );
                 }
-                if let Some(arguments) = function.and_then(|f| f.get("arguments")).and_then(Value::as_str) {
-                    if !arguments.is_empty() {
-                        let index = self.open_block.map_or(0, |(i, _)| i);
-                        emit(out, "content_block_delta", &json!({"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": arguments}}));
-                    }
+                if let Some(arguments) = function
+                    .and_then(|f| f.get("arguments"))
+                    .and_then(Value::as_str)
+                    && !arguments.is_empty()
+                {
+                    let index = self.open_block.map_or(0, |(i, _)| i);
+                    emit(
+                        out,
+                        "content_block_delta",
+                        &json!({"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": arguments}}),
+                    );
                 }
             }
         }
@@ -399,14 +473,18 @@ impl StreamTranslator {
         }
         self.started = true;
         let id = chunk.get("id").and_then(Value::as_str).unwrap_or("unknown");
-        emit(out, "message_start", &json!({
-            "type": "message_start",
-            "message": {
-                "id": format!("msg_{id}"), "type": "message", "role": "assistant",
-                "model": self.client_model, "content": [], "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": 0, "output_tokens": 0},
-            }
-        }));
+        emit(
+            out,
+            "message_start",
+            &json!({
+                "type": "message_start",
+                "message": {
+                    "id": format!("msg_{id}"), "type": "message", "role": "assistant",
+                    "model": self.client_model, "content": [], "stop_reason": null, "stop_sequence": null,
+                    "usage": {"input_tokens": 0, "output_tokens": 0},
+                }
+            }),
+        );
     }
 
     fn open(&mut self, kind: OpenBlock, out: &mut String) -> usize {
@@ -419,7 +497,11 @@ impl StreamTranslator {
 
     fn close_block(&mut self, out: &mut String) {
         if let Some((index, _)) = self.open_block.take() {
-            emit(out, "content_block_stop", &json!({"type": "content_block_stop", "index": index}));
+            emit(
+                out,
+                "content_block_stop",
+                &json!({"type": "content_block_stop", "index": index}),
+            );
         }
     }
 
@@ -433,11 +515,15 @@ impl StreamTranslator {
         }
         self.close_block(out);
         let usage = anthropic_usage(self.usage.as_ref());
-        emit(out, "message_delta", &json!({
-            "type": "message_delta",
-            "delta": {"stop_reason": if self.stop_reason.is_null() { json!("end_turn") } else { self.stop_reason.clone() }, "stop_sequence": null},
-            "usage": usage,
-        }));
+        emit(
+            out,
+            "message_delta",
+            &json!({
+                "type": "message_delta",
+                "delta": {"stop_reason": if self.stop_reason.is_null() { json!("end_turn") } else { self.stop_reason.clone() }, "stop_sequence": null},
+                "usage": usage,
+            }),
+        );
         emit(out, "message_stop", &json!({"type": "message_stop"}));
     }
 }
@@ -453,7 +539,10 @@ fn emit(out: &mut String, event: &str, data: &Value) {
 /// End of the first complete SSE event in `buffer` and the length of its separator.
 fn find_event_end(buffer: &[u8]) -> Option<(usize, usize)> {
     let lf = buffer.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
-    let crlf = buffer.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
+    let crlf = buffer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|p| (p, 4));
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),
@@ -478,12 +567,24 @@ mod tests {
             "tools": [{"name": "weather", "description": "d", "input_schema": {"type": "object"}}],
             "tool_choice": {"type": "any"}
         });
-        let out: Value = serde_json::from_slice(&messages_request_to_chat(body.to_string().as_bytes(), "qwen").unwrap()).unwrap();
+        let out: Value = serde_json::from_slice(
+            &messages_request_to_chat(body.to_string().as_bytes(), "qwen").unwrap(),
+        )
+        .unwrap();
         assert_eq!(out["model"], "qwen");
-        assert_eq!(out["messages"][0], json!({"role": "system", "content": "be brief"}));
+        assert_eq!(
+            out["messages"][0],
+            json!({"role": "system", "content": "be brief"})
+        );
         assert_eq!(out["messages"][1]["content"][0]["text"], "weather?");
-        assert_eq!(out["messages"][2]["tool_calls"][0]["function"]["arguments"], "{\"city\":\"Oslo\"}");
-        assert_eq!(out["messages"][3], json!({"role": "tool", "tool_call_id": "t1", "content": "sunny"}));
+        assert_eq!(
+            out["messages"][2]["tool_calls"][0]["function"]["arguments"],
+            "{\"city\":\"Oslo\"}"
+        );
+        assert_eq!(
+            out["messages"][3],
+            json!({"role": "tool", "tool_call_id": "t1", "content": "sunny"})
+        );
         assert_eq!(out["stop"], json!(["END"]));
         assert_eq!(out["stream_options"]["include_usage"], true);
         assert_eq!(out["tools"][0]["function"]["name"], "weather");
@@ -496,7 +597,11 @@ mod tests {
             "id": "c1", "choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}],
             "usage": {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
         });
-        let out: Value = serde_json::from_slice(&chat_response_to_message(body.to_string().as_bytes(), "alias")).unwrap();
+        let out: Value = serde_json::from_slice(&chat_response_to_message(
+            body.to_string().as_bytes(),
+            "alias",
+        ))
+        .unwrap();
         assert_eq!(out["type"], "message");
         assert_eq!(out["model"], "alias");
         assert_eq!(out["content"][0], json!({"type": "text", "text": "hi"}));
@@ -511,7 +616,12 @@ mod tests {
             .filter(|e| !e.is_empty())
             .map(|e| {
                 let mut lines = e.lines();
-                let name = lines.next().unwrap().strip_prefix("event: ").unwrap().to_owned();
+                let name = lines
+                    .next()
+                    .unwrap()
+                    .strip_prefix("event: ")
+                    .unwrap()
+                    .to_owned();
                 let data = lines.next().unwrap().strip_prefix("data: ").unwrap();
                 (name, serde_json::from_str(data).unwrap())
             })
@@ -536,9 +646,24 @@ mod tests {
             out.extend_from_slice(&translator.finish());
             let events = events(std::str::from_utf8(&out).unwrap());
             let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
-            assert_eq!(names, ["message_start", "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop", "message_delta", "message_stop"], "split {split}");
+            assert_eq!(
+                names,
+                [
+                    "message_start",
+                    "content_block_start",
+                    "content_block_delta",
+                    "content_block_delta",
+                    "content_block_stop",
+                    "message_delta",
+                    "message_stop"
+                ],
+                "split {split}"
+            );
             assert_eq!(events[0].1["message"]["model"], "alias");
-            let text: String = events.iter().filter_map(|(_, d)| d["delta"]["text"].as_str()).collect();
+            let text: String = events
+                .iter()
+                .filter_map(|(_, d)| d["delta"]["text"].as_str())
+                .collect();
             assert_eq!(text, "Hello");
             assert_eq!(events[5].1["delta"]["stop_reason"], "end_turn");
             assert_eq!(events[5].1["usage"]["output_tokens"], 2);
@@ -559,7 +684,10 @@ mod tests {
         let events = events(std::str::from_utf8(&out).unwrap());
         assert_eq!(events[1].1["content_block"]["type"], "tool_use");
         assert_eq!(events[1].1["content_block"]["name"], "weather");
-        let json: String = events.iter().filter_map(|(_, d)| d["delta"]["partial_json"].as_str()).collect();
+        let json: String = events
+            .iter()
+            .filter_map(|(_, d)| d["delta"]["partial_json"].as_str())
+            .collect();
         assert_eq!(json, "{\"city\":\"Oslo\"}");
         let delta = events.iter().find(|(n, _)| n == "message_delta").unwrap();
         assert_eq!(delta.1["delta"]["stop_reason"], "tool_use");

@@ -4,14 +4,37 @@ use std::collections::BTreeMap;
 
 use sha2::{Digest, Sha256};
 
-use crate::documents::{Document, InferenceModelSpec, InferencePoolSpec, Spec};
+use crate::documents::{Document, InferenceModelSpec, InferencePoolSpec, Kind, Spec};
 use crate::error::{ConfigError, ConfigErrors};
+use crate::parse::Parsed;
 use crate::snapshot::{
     DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_MAX_ATTEMPTS, Model, ModelTarget, Pool, PoolId, Snapshot,
 };
 
+/// Compile what was read, adding compile errors to the reading errors; a snapshot only when both are empty.
+pub fn compile_parsed(parsed: Parsed) -> Result<Snapshot, ConfigErrors> {
+    let mut errors = parsed.errors;
+    match compile_with(&parsed.documents, &parsed.broken) {
+        Ok(snapshot) if errors.is_empty() => Ok(snapshot),
+        Ok(_) => Err(ConfigErrors(errors)),
+        Err(ConfigErrors(mut compile_errors)) => {
+            errors.append(&mut compile_errors);
+            Err(ConfigErrors(errors))
+        }
+    }
+}
+
 /// Compile a complete set of documents. The result has version 0; the source assigns versions.
 pub fn compile(documents: &[Document]) -> Result<Snapshot, ConfigErrors> {
+    compile_with(documents, &[])
+}
+
+/// `broken` names documents that exist but failed to read: references to them are not reported
+/// again as missing.
+fn compile_with(
+    documents: &[Document],
+    broken: &[(Kind, String)],
+) -> Result<Snapshot, ConfigErrors> {
     let mut errors = Vec::new();
     let mut pools: BTreeMap<PoolId, Pool> = BTreeMap::new();
     let mut pool_sources: BTreeMap<PoolId, &Document> = BTreeMap::new();
@@ -22,12 +45,18 @@ pub fn compile(documents: &[Document]) -> Result<Snapshot, ConfigErrors> {
 
     for document in documents {
         if let Spec::InferencePool(spec) = &document.spec {
-            let id = PoolId::new(document.metadata.namespace_or_default(), &document.metadata.name);
+            let id = PoolId::new(
+                document.metadata.namespace_or_default(),
+                &document.metadata.name,
+            );
             if let Some(first) = pool_sources.get(&id) {
                 errors.push(error_at(
                     document,
                     "metadata.name",
-                    format!("duplicate InferencePool {id} (first defined in {})", first.origin),
+                    format!(
+                        "duplicate InferencePool {id} (first defined in {})",
+                        first.origin
+                    ),
                 ));
                 continue;
             }
@@ -42,14 +71,19 @@ pub fn compile(documents: &[Document]) -> Result<Snapshot, ConfigErrors> {
     let mut model_sources: BTreeMap<String, &Document> = BTreeMap::new();
     for document in documents {
         if let Spec::InferenceModel(spec) = &document.spec {
-            let Some(model) = compile_model(document, spec, &pool_sources, &pools, &mut errors)
+            let Some(model) =
+                compile_model(document, spec, &pool_sources, &pools, broken, &mut errors)
             else {
                 continue;
             };
             if let Some(first) = model_sources.get(&model.name) {
                 errors.push(error_at(
                     document,
-                    if spec.model_name.is_some() { "spec.modelName" } else { "metadata.name" },
+                    if spec.model_name.is_some() {
+                        "spec.modelName"
+                    } else {
+                        "metadata.name"
+                    },
                     format!(
                         "model name '{}' is already defined by {} in {}",
                         model.name,
@@ -84,7 +118,11 @@ fn compile_pool(
 ) -> Option<Pool> {
     let before = errors.len();
     if spec.model.trim().is_empty() {
-        errors.push(error_at(document, "spec.model", "must name the model the workers serve".into()));
+        errors.push(error_at(
+            document,
+            "spec.model",
+            "must name the model the workers serve".into(),
+        ));
     }
     if spec.endpoints.is_empty() && spec.selector.is_empty() {
         errors.push(error_at(
@@ -104,18 +142,28 @@ fn compile_pool(
     for (index, endpoint) in spec.endpoints.iter().enumerate() {
         match check_endpoint(endpoint) {
             Ok(()) => endpoints.push(endpoint.trim().to_owned()),
-            Err(message) => {
-                errors.push(error_at(document, &format!("spec.endpoints[{index}]"), message))
-            }
+            Err(message) => errors.push(error_at(
+                document,
+                &format!("spec.endpoints[{index}]"),
+                message,
+            )),
         }
     }
     endpoints.sort();
     endpoints.dedup();
     if spec.connect_timeout_ms == Some(0) {
-        errors.push(error_at(document, "spec.connectTimeoutMs", "must be greater than 0".into()));
+        errors.push(error_at(
+            document,
+            "spec.connectTimeoutMs",
+            "must be greater than 0".into(),
+        ));
     }
     if spec.max_attempts == Some(0) {
-        errors.push(error_at(document, "spec.maxAttempts", "must be at least 1".into()));
+        errors.push(error_at(
+            document,
+            "spec.maxAttempts",
+            "must be at least 1".into(),
+        ));
     }
     if errors.len() > before {
         return None;
@@ -127,7 +175,9 @@ fn compile_pool(
         endpoints,
         load_balancing: spec.load_balancing,
         anthropic_messages: spec.anthropic_messages,
-        connect_timeout_ms: spec.connect_timeout_ms.unwrap_or(DEFAULT_CONNECT_TIMEOUT_MS),
+        connect_timeout_ms: spec
+            .connect_timeout_ms
+            .unwrap_or(DEFAULT_CONNECT_TIMEOUT_MS),
         max_attempts: spec.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS),
     })
 }
@@ -137,6 +187,7 @@ fn compile_model(
     spec: &InferenceModelSpec,
     pool_sources: &BTreeMap<PoolId, &Document>,
     pools: &BTreeMap<PoolId, Pool>,
+    broken: &[(Kind, String)],
     errors: &mut Vec<ConfigError>,
 ) -> Option<Model> {
     let before = errors.len();
@@ -147,15 +198,29 @@ fn compile_model(
         .trim()
         .to_owned();
     if name.is_empty() {
-        errors.push(error_at(document, "spec.modelName", "must not be empty".into()));
+        errors.push(error_at(
+            document,
+            "spec.modelName",
+            "must not be empty".into(),
+        ));
     }
     if spec.targets.is_empty() {
-        errors.push(error_at(document, "spec.targets", "at least one target is required".into()));
+        errors.push(error_at(
+            document,
+            "spec.targets",
+            "at least one target is required".into(),
+        ));
     }
     let namespace = document.metadata.namespace_or_default();
     let mut targets = Vec::with_capacity(spec.targets.len());
     for (index, target) in spec.targets.iter().enumerate() {
         let pool_id = PoolId::new(namespace, &target.pool);
+        let pool_is_broken = broken
+            .iter()
+            .any(|(kind, id)| *kind == Kind::InferencePool && *id == pool_id.0);
+        if pool_is_broken {
+            continue;
+        }
         if !pool_sources.contains_key(&pool_id) {
             let known: Vec<&str> = pool_sources.keys().map(|id| id.0.as_str()).collect();
             errors.push(error_at(
@@ -163,20 +228,22 @@ fn compile_model(
                 &format!("spec.targets[{index}].pool"),
                 format!(
                     "no InferencePool {pool_id}; pools defined: {}",
-                    if known.is_empty() { "none".to_owned() } else { known.join(", ") }
+                    if known.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        known.join(", ")
+                    }
                 ),
             ));
             continue;
         }
-        if let Some(model) = &target.model {
-            if model.trim().is_empty() {
-                errors.push(error_at(
-                    document,
-                    &format!("spec.targets[{index}].model"),
-                    "must not be empty (leave it out to use the pool's model)".into(),
-                ));
-                continue;
-            }
+        if target.model.as_deref().is_some_and(|m| m.trim().is_empty()) {
+            errors.push(error_at(
+                document,
+                &format!("spec.targets[{index}].model"),
+                "must not be empty (leave it out to use the pool's model)".into(),
+            ));
+            continue;
         }
         let weight = target.weight.unwrap_or(1);
         if weight == 0 {
@@ -242,7 +309,8 @@ fn check_name(document: &Document, errors: &mut Vec<ConfigError>) {
 
 fn check_endpoint(endpoint: &str) -> Result<(), String> {
     let endpoint = endpoint.trim();
-    let invalid = || format!("invalid endpoint '{endpoint}': expected host:port, e.g. 10.0.0.7:8000");
+    let invalid =
+        || format!("invalid endpoint '{endpoint}': expected host:port, e.g. 10.0.0.7:8000");
     if endpoint.contains("://") || endpoint.contains('/') {
         return Err(format!("{}; leave out the scheme and path", invalid()));
     }

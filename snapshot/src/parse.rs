@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::documents::{API_VERSION, Document, Kind, ObjectMeta, Origin, Spec};
-use crate::error::{ConfigError, ConfigErrors};
+use crate::error::ConfigError;
 
 /// Name used for configuration compiled into the binary.
 pub const EMBEDDED_SOURCE: &str = "<embedded default>";
@@ -20,10 +20,26 @@ struct Envelope {
     spec: Option<serde_json::Value>,
 }
 
+/// What reading produced: the good documents, every error, and the names of documents that were
+/// recognisable but broken (so the compiler does not also call them missing).
+#[derive(Debug, Default)]
+pub struct Parsed {
+    pub documents: Vec<Document>,
+    pub errors: Vec<ConfigError>,
+    pub broken: Vec<(Kind, String)>,
+}
+
+impl Parsed {
+    fn append(&mut self, mut other: Parsed) {
+        self.documents.append(&mut other.documents);
+        self.errors.append(&mut other.errors);
+        self.broken.append(&mut other.broken);
+    }
+}
+
 /// Parse every document in one YAML text. Empty documents are skipped.
-pub fn parse_str(source: &str, text: &str) -> Result<Vec<Document>, ConfigErrors> {
-    let mut documents = Vec::new();
-    let mut errors = Vec::new();
+pub fn parse_str(source: &str, text: &str) -> Parsed {
+    let mut parsed = Parsed::default();
     for (position, yaml) in serde_norway::Deserializer::from_str(text).enumerate() {
         let origin = Origin {
             source: source.to_owned(),
@@ -33,7 +49,10 @@ pub fn parse_str(source: &str, text: &str) -> Result<Vec<Document>, ConfigErrors
             Ok(value) => value,
             Err(error) => {
                 // A syntax error stops the YAML stream: report it and what came before.
-                errors.push(whole_document_error(&origin, format!("invalid YAML: {error}")));
+                parsed.errors.push(whole_document_error(
+                    &origin,
+                    format!("invalid YAML: {error}"),
+                ));
                 break;
             }
         };
@@ -41,29 +60,24 @@ pub fn parse_str(source: &str, text: &str) -> Result<Vec<Document>, ConfigErrors
             continue;
         }
         match parse_document(origin, value) {
-            Ok(document) => documents.push(document),
-            Err(mut document_errors) => errors.append(&mut document_errors),
+            Ok(document) => parsed.documents.push(document),
+            Err((mut document_errors, broken)) => {
+                parsed.errors.append(&mut document_errors);
+                parsed.broken.extend(broken);
+            }
         }
     }
-    if errors.is_empty() {
-        Ok(documents)
-    } else {
-        Err(ConfigErrors(errors))
-    }
+    parsed
 }
 
 /// Read files and directories (every `*.yaml` / `*.yml` inside, sorted by name, not recursive).
-pub fn parse_paths(paths: &[PathBuf]) -> Result<Vec<Document>, ConfigErrors> {
-    let mut documents = Vec::new();
-    let mut errors = Vec::new();
-    for file in expand_paths(paths, &mut errors) {
+pub fn parse_paths(paths: &[PathBuf]) -> Parsed {
+    let mut parsed = Parsed::default();
+    for file in expand_paths(paths, &mut parsed.errors) {
         let source = file.display().to_string();
         match std::fs::read_to_string(&file) {
-            Ok(text) => match parse_str(&source, &text) {
-                Ok(mut parsed) => documents.append(&mut parsed),
-                Err(ConfigErrors(mut parse_errors)) => errors.append(&mut parse_errors),
-            },
-            Err(error) => errors.push(ConfigError {
+            Ok(text) => parsed.append(parse_str(&source, &text)),
+            Err(error) => parsed.errors.push(ConfigError {
                 source_name: source,
                 document: "file".to_owned(),
                 field: String::new(),
@@ -71,11 +85,7 @@ pub fn parse_paths(paths: &[PathBuf]) -> Result<Vec<Document>, ConfigErrors> {
             }),
         }
     }
-    if errors.is_empty() {
-        Ok(documents)
-    } else {
-        Err(ConfigErrors(errors))
-    }
+    parsed
 }
 
 /// The files a set of paths stands for, in a stable order.
@@ -113,9 +123,18 @@ fn is_yaml(path: &Path) -> bool {
     )
 }
 
-fn parse_document(origin: Origin, value: serde_json::Value) -> Result<Document, Vec<ConfigError>> {
-    let envelope: Envelope = serde_json::from_value(value)
-        .map_err(|e| vec![whole_document_error(&origin, format!("not a document: {e}"))])?;
+type Broken = (Vec<ConfigError>, Option<(Kind, String)>);
+
+fn parse_document(origin: Origin, value: serde_json::Value) -> Result<Document, Broken> {
+    let envelope: Envelope = serde_json::from_value(value).map_err(|e| {
+        (
+            vec![whole_document_error(
+                &origin,
+                format!("not a document: {e}"),
+            )],
+            None,
+        )
+    })?;
     let mut errors = Vec::new();
     let label = format!("document {}", origin.index);
     let error = |field: &str, message: String| ConfigError {
@@ -143,7 +162,10 @@ fn parse_document(origin: Origin, value: serde_json::Value) -> Result<Document, 
                 let known: Vec<&str> = Kind::ALL.iter().map(|k| k.as_str()).collect();
                 errors.push(error(
                     "kind",
-                    format!("unknown kind '{kind}', expected one of {}", known.join(", ")),
+                    format!(
+                        "unknown kind '{kind}', expected one of {}",
+                        known.join(", ")
+                    ),
                 ));
                 None
             }
@@ -157,7 +179,10 @@ fn parse_document(origin: Origin, value: serde_json::Value) -> Result<Document, 
         Some(value) => match serde_path_to_error::deserialize::<_, ObjectMeta>(value) {
             Ok(meta) => Some(meta),
             Err(e) => {
-                errors.push(error(&field_path("metadata", e.path()), e.inner().to_string()));
+                errors.push(error(
+                    &field_path("metadata", e.path()),
+                    e.inner().to_string(),
+                ));
                 None
             }
         },
@@ -197,12 +222,22 @@ fn parse_document(origin: Origin, value: serde_json::Value) -> Result<Document, 
             metadata,
             spec,
         }),
-        _ => Err(errors),
+        (metadata, _) => {
+            let broken = kind.zip(metadata).map(|(kind, meta)| {
+                (
+                    kind,
+                    format!("{}/{}", meta.namespace_or_default(), meta.name),
+                )
+            });
+            Err((errors, broken))
+        }
     }
 }
 
 fn parse_spec(kind: Kind, value: serde_json::Value) -> Result<Spec, (String, String)> {
-    fn typed<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> Result<T, (String, String)> {
+    fn typed<T: serde::de::DeserializeOwned>(
+        value: serde_json::Value,
+    ) -> Result<T, (String, String)> {
         serde_path_to_error::deserialize(value)
             .map_err(|e| (field_path("spec", e.path()), e.inner().to_string()))
     }

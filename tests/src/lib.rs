@@ -11,7 +11,13 @@ pub use process::{Proxy, free_port, workspace_root};
 pub use upstream::{Received, Upstream, UpstreamOptions};
 
 /// A config with one pool (`pool`, serving `served`) over `endpoints`, and aliases → that pool.
-pub fn pool_config(pool: &str, served: &str, endpoints: &[String], extra_pool_spec: &str, aliases: &[&str]) -> String {
+pub fn pool_config(
+    pool: &str,
+    served: &str,
+    endpoints: &[String],
+    extra_pool_spec: &str,
+    aliases: &[&str],
+) -> String {
     let mut yaml = format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata:\n  name: {pool}\nspec:\n  model: {served}\n  endpoints: [{}]\n{extra_pool_spec}",
         endpoints.join(", ")
@@ -29,7 +35,9 @@ pub fn model_doc(alias: &str, pool: &str, upstream_model: Option<&str>) -> Strin
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
         .collect();
-    let model_line = upstream_model.map(|m| format!("\n      model: {m}")).unwrap_or_default();
+    let model_line = upstream_model
+        .map(|m| format!("\n      model: {m}"))
+        .unwrap_or_default();
     format!(
         "\n---\napiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata:\n  name: {name}\nspec:\n  modelName: \"{alias}\"\n  targets:\n    - pool: {pool}{model_line}\n"
     )

@@ -30,11 +30,17 @@ pub fn binary(name: &str) -> PathBuf {
             let target = std::env::var_os("CARGO_TARGET_DIR")
                 .map(PathBuf::from)
                 .unwrap_or_else(|| root.join("target"));
-            let profile_dir = target.join(if cfg!(debug_assertions) { "debug" } else { "release" });
+            let profile_dir = target.join(if cfg!(debug_assertions) {
+                "debug"
+            } else {
+                "release"
+            });
             if std::env::var_os("SWITCHYARD_SKIP_BUILD").is_none() {
                 let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
                 let mut command = Command::new(cargo);
-                command.current_dir(&root).args(["build", "--bins", "--quiet"]);
+                command
+                    .current_dir(&root)
+                    .args(["build", "--bins", "--quiet"]);
                 if !cfg!(debug_assertions) {
                     command.arg("--release");
                 }
@@ -48,7 +54,11 @@ pub fn binary(name: &str) -> PathBuf {
         .clone()
         .expect("workspace binaries build");
     let path = dir.join(name);
-    assert!(path.exists(), "{} not found; run `cargo build --bins`", path.display());
+    assert!(
+        path.exists(),
+        "{} not found; run `cargo build --bins`",
+        path.display()
+    );
     path
 }
 
@@ -72,7 +82,14 @@ impl Proxy {
         let mut child = Command::new(binary("switchyard-proxy"))
             .arg("--config")
             .arg(&config_path)
-            .args(["--listen", &format!("127.0.0.1:{port}"), "--threads", "2", "--grace-period-s", "1"])
+            .args([
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--threads",
+                "2",
+                "--grace-period-s",
+                "1",
+            ])
             .args(args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -92,7 +109,13 @@ impl Proxy {
                 }
             });
         }
-        let mut proxy = Proxy { child, port, config_dir, config_path, log };
+        let mut proxy = Proxy {
+            child,
+            port,
+            config_dir,
+            config_path,
+            log,
+        };
         proxy.wait_ready(Duration::from_secs(30)).await;
         proxy
     }
@@ -110,7 +133,11 @@ impl Proxy {
     pub async fn wait_for_log(&self, needle: &str, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         while !self.log().contains(needle) {
-            assert!(Instant::now() < deadline, "proxy never logged {needle:?}; log:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "proxy never logged {needle:?}; log:\n{}",
+                self.log()
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -127,14 +154,21 @@ impl Proxy {
         let client = reqwest::Client::new();
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("switchyard-proxy exited early with {status}; log:\n{}", self.log());
+                panic!(
+                    "switchyard-proxy exited early with {status}; log:\n{}",
+                    self.log()
+                );
             }
-            if let Ok(response) = client.get(format!("{}/ready", self.url())).send().await {
-                if response.status() == 200 {
-                    return;
-                }
+            if let Ok(response) = client.get(format!("{}/ready", self.url())).send().await
+                && response.status() == 200
+            {
+                return;
             }
-            assert!(Instant::now() < deadline, "switchyard-proxy not ready in {timeout:?}; log:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "switchyard-proxy not ready in {timeout:?}; log:\n{}",
+                self.log()
+            );
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }

@@ -68,7 +68,9 @@ impl Upstream {
             .fallback(handle)
             .layer(DefaultBodyLimit::disable())
             .with_state(shared.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind upstream");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind upstream");
         let addr = listener.local_addr().expect("upstream addr");
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
@@ -86,7 +88,11 @@ impl Upstream {
     }
 
     pub fn received(&self) -> Vec<Received> {
-        self.shared.received.lock().map(|r| r.clone()).unwrap_or_default()
+        self.shared
+            .received
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_default()
     }
 
     /// Let `chunks` more streamed chunks out (gated upstreams only).
@@ -102,15 +108,21 @@ impl Drop for Upstream {
 }
 
 fn sse(events: Vec<String>, shared: Arc<Shared>) -> Response {
-    let stream = futures_util::stream::unfold((events.into_iter(), shared), |(mut events, shared)| async move {
-        let event = events.next()?;
-        if shared.options.gated {
-            if let Ok(permit) = shared.gate.acquire().await {
+    let stream = futures_util::stream::unfold(
+        (events.into_iter(), shared),
+        |(mut events, shared)| async move {
+            let event = events.next()?;
+            if shared.options.gated
+                && let Ok(permit) = shared.gate.acquire().await
+            {
                 permit.forget();
             }
-        }
-        Some((Ok::<_, std::convert::Infallible>(Bytes::from(event)), (events, shared)))
-    });
+            Some((
+                Ok::<_, std::convert::Infallible>(Bytes::from(event)),
+                (events, shared),
+            ))
+        },
+    );
     Response::builder()
         .header("content-type", "text/event-stream")
         .body(Body::from_stream(stream))
@@ -126,7 +138,12 @@ async fn handle(
 ) -> Response {
     let path = uri.path().to_owned();
     if let Ok(mut received) = shared.received.lock() {
-        received.push(Received { method: method.clone(), path: path.clone(), headers, body: body.clone() });
+        received.push(Received {
+            method: method.clone(),
+            path: path.clone(),
+            headers,
+            body: body.clone(),
+        });
     }
     if path == "/health" {
         return StatusCode::OK.into_response();

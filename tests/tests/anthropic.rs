@@ -8,7 +8,11 @@ fn events(text: &str) -> Vec<(String, Value)> {
     text.split("\n\n")
         .filter(|e| !e.trim().is_empty())
         .map(|e| {
-            let name = e.lines().find_map(|l| l.strip_prefix("event: ")).unwrap().to_owned();
+            let name = e
+                .lines()
+                .find_map(|l| l.strip_prefix("event: "))
+                .unwrap()
+                .to_owned();
             let data = e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
             (name, serde_json::from_str(data).unwrap())
         })
@@ -17,8 +21,19 @@ fn events(text: &str) -> Vec<(String, Value)> {
 
 #[tokio::test]
 async fn native_pools_receive_messages_unchanged_but_for_the_model() {
-    let worker = Upstream::start_with("native", UpstreamOptions { anthropic_native: true, ..Default::default() }).await;
-    let proxy = Proxy::start(&pool_config("p", "served", &[worker.endpoint()], "", &["claude-local"]), &[]).await;
+    let worker = Upstream::start_with(
+        "native",
+        UpstreamOptions {
+            anthropic_native: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let proxy = Proxy::start(
+        &pool_config("p", "served", &[worker.endpoint()], "", &["claude-local"]),
+        &[],
+    )
+    .await;
     let request = json!({"model": "claude-local", "max_tokens": 16, "system": "terse", "messages": [{"role": "user", "content": "hi"}]});
     let response = reqwest::Client::new()
         .post(format!("{}/v1/messages", proxy.url()))
@@ -43,7 +58,13 @@ async fn native_pools_receive_messages_unchanged_but_for_the_model() {
 async fn openai_only_pools_get_chat_completions_and_answers_come_back_as_messages() {
     let worker = Upstream::start("openai-only").await;
     let proxy = Proxy::start(
-        &pool_config("p", "served", &[worker.endpoint()], "  anthropicMessages: translate\n", &["claude-compat"]),
+        &pool_config(
+            "p",
+            "served",
+            &[worker.endpoint()],
+            "  anthropicMessages: translate\n",
+            &["claude-compat"],
+        ),
         &[],
     )
     .await;
@@ -52,13 +73,28 @@ async fn openai_only_pools_get_chat_completions_and_answers_come_back_as_message
         "model": "claude-compat", "max_tokens": 16, "system": "terse",
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     });
-    let response = client.post(format!("{}/v1/messages", proxy.url())).json(&request).send().await.unwrap();
+    let response = client
+        .post(format!("{}/v1/messages", proxy.url()))
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 200);
-    assert!(response.headers()["content-type"].to_str().unwrap().starts_with("application/json"));
+    assert!(
+        response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/json")
+    );
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["type"], "message");
     assert_eq!(body["model"], "claude-compat");
-    assert!(body["content"][0]["text"].as_str().unwrap().starts_with("openai-only saw"));
+    assert!(
+        body["content"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("openai-only saw")
+    );
     assert_eq!(body["stop_reason"], "end_turn");
     assert_eq!(body["usage"]["output_tokens"], 3);
 
@@ -66,13 +102,21 @@ async fn openai_only_pools_get_chat_completions_and_answers_come_back_as_message
     assert_eq!(received.path, "/v1/chat/completions");
     let sent = received.json();
     assert_eq!(sent["model"], "served");
-    assert_eq!(sent["messages"][0], json!({"role": "system", "content": "terse"}));
+    assert_eq!(
+        sent["messages"][0],
+        json!({"role": "system", "content": "terse"})
+    );
     assert_eq!(sent["max_tokens"], 16);
 
     // Streaming: OpenAI chunks become Anthropic events.
     let mut streaming = request.clone();
     streaming["stream"] = json!(true);
-    let response = client.post(format!("{}/v1/messages", proxy.url())).json(&streaming).send().await.unwrap();
+    let response = client
+        .post(format!("{}/v1/messages", proxy.url()))
+        .json(&streaming)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["content-type"], "text/event-stream");
     let mut text = String::new();
@@ -84,9 +128,15 @@ async fn openai_only_pools_get_chat_completions_and_answers_come_back_as_message
     let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names.first(), Some(&"message_start"));
     assert_eq!(names.last(), Some(&"message_stop"));
-    let joined: String = events.iter().filter_map(|(_, d)| d["delta"]["text"].as_str()).collect();
+    let joined: String = events
+        .iter()
+        .filter_map(|(_, d)| d["delta"]["text"].as_str())
+        .collect();
     assert_eq!(joined, "openai-only-0 openai-only-1 openai-only-2 ");
     let delta = events.iter().find(|(n, _)| n == "message_delta").unwrap();
     assert_eq!(delta.1["usage"]["output_tokens"], 3);
-    assert_eq!(worker.received().pop().unwrap().json()["stream_options"]["include_usage"], true);
+    assert_eq!(
+        worker.received().pop().unwrap().json()["stream_options"]["include_usage"],
+        true
+    );
 }

@@ -10,7 +10,13 @@ use switchyard_e2e::{Proxy, Upstream, UpstreamOptions, pool_config};
 async fn non_streaming_chat_resolves_the_alias_and_rewrites_only_the_model() {
     let worker = Upstream::start("w1").await;
     let proxy = Proxy::start(
-        &pool_config("local", "Qwen/Qwen3-27B", &[worker.endpoint()], "", &["fast"]),
+        &pool_config(
+            "local",
+            "Qwen/Qwen3-27B",
+            &[worker.endpoint()],
+            "",
+            &["fast"],
+        ),
         &[],
     )
     .await;
@@ -30,15 +36,27 @@ async fn non_streaming_chat_resolves_the_alias_and_rewrites_only_the_model() {
     assert_eq!(response.status(), 200);
     assert!(response.headers().contains_key("x-request-id"));
     let body: Value = response.json().await.unwrap();
-    assert!(body["choices"][0]["message"]["content"].as_str().unwrap().starts_with("w1 saw"));
+    assert!(
+        body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("w1 saw")
+    );
 
     let received = worker.received();
     assert_eq!(received.len(), 1);
     assert_eq!(received[0].path, "/v1/chat/completions");
     let mut expected = request.clone();
     expected["model"] = json!("Qwen/Qwen3-27B");
-    assert_eq!(received[0].json(), expected, "only the model name may change on the way");
-    assert!(!received[0].headers.contains_key("authorization"), "client credentials must not reach workers");
+    assert_eq!(
+        received[0].json(),
+        expected,
+        "only the model name may change on the way"
+    );
+    assert!(
+        !received[0].headers.contains_key("authorization"),
+        "client credentials must not reach workers"
+    );
     assert_eq!(
         received[0].headers["content-length"].to_str().unwrap(),
         received[0].body.len().to_string()
@@ -48,7 +66,11 @@ async fn non_streaming_chat_resolves_the_alias_and_rewrites_only_the_model() {
 #[tokio::test]
 async fn completions_endpoint_is_forwarded() {
     let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(&pool_config("p", "base", &[worker.endpoint()], "", &["base"]), &[]).await;
+    let proxy = Proxy::start(
+        &pool_config("p", "base", &[worker.endpoint()], "", &["base"]),
+        &[],
+    )
+    .await;
     let response = reqwest::Client::new()
         .post(format!("{}/v1/completions", proxy.url()))
         .json(&json!({"model": "base", "prompt": "Once upon"}))
@@ -57,17 +79,36 @@ async fn completions_endpoint_is_forwarded() {
         .unwrap();
     assert_eq!(response.status(), 200);
     let body: Value = response.json().await.unwrap();
-    assert!(body["choices"][0]["text"].as_str().unwrap().starts_with("w1 saw"));
+    assert!(
+        body["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("w1 saw")
+    );
     assert_eq!(worker.received()[0].path, "/v1/completions");
 }
 
 #[tokio::test]
 async fn streaming_passes_each_chunk_through_before_the_next_exists() {
-    let worker = Upstream::start_with("w1", UpstreamOptions { stream_chunks: Some(3), gated: true, ..Default::default() }).await;
-    let proxy = Proxy::start(&pool_config("p", "m", &[worker.endpoint()], "", &["m"]), &[]).await;
+    let worker = Upstream::start_with(
+        "w1",
+        UpstreamOptions {
+            stream_chunks: Some(3),
+            gated: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let proxy = Proxy::start(
+        &pool_config("p", "m", &[worker.endpoint()], "", &["m"]),
+        &[],
+    )
+    .await;
     let response = reqwest::Client::new()
         .post(format!("{}/v1/chat/completions", proxy.url()))
-        .json(&json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}))
+        .json(
+            &json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}),
+        )
         .send()
         .await
         .unwrap();
@@ -90,7 +131,10 @@ async fn streaming_passes_each_chunk_through_before_the_next_exists() {
         assert!(!seen.contains(&format!("w1-{} ", i + 1)));
     }
     worker.release(1); // [DONE]
-    while let Some(chunk) = tokio::time::timeout(Duration::from_secs(10), stream.next()).await.unwrap() {
+    while let Some(chunk) = tokio::time::timeout(Duration::from_secs(10), stream.next())
+        .await
+        .unwrap()
+    {
         seen.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
     }
     assert!(seen.ends_with("data: [DONE]\n\n"), "{seen}");
@@ -99,11 +143,17 @@ async fn streaming_passes_each_chunk_through_before_the_next_exists() {
 #[tokio::test]
 async fn multi_megabyte_body_arrives_upstream_byte_for_byte() {
     let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(&pool_config("p", "served-name", &[worker.endpoint()], "", &["alias"]), &[]).await;
+    let proxy = Proxy::start(
+        &pool_config("p", "served-name", &[worker.endpoint()], "", &["alias"]),
+        &[],
+    )
+    .await;
     let client = reqwest::Client::new();
     // Sizes around Pingora's 64 KiB retry buffer and well past it.
     for size in [10, 65_535, 65_536, 70_000, 200_000, 5 * 1024 * 1024] {
-        let prompt: String = (0..size).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+        let prompt: String = (0..size)
+            .map(|i| char::from(b'a' + (i % 26) as u8))
+            .collect();
         let body = json!({"model": "alias", "messages": [{"role": "user", "content": prompt}]});
         let response = client
             .post(format!("{}/v1/chat/completions", proxy.url()))
@@ -115,51 +165,95 @@ async fn multi_megabyte_body_arrives_upstream_byte_for_byte() {
         let received = worker.received().pop().unwrap();
         let mut expected = body.clone();
         expected["model"] = json!("served-name");
-        assert_eq!(received.body, serde_json::to_vec(&expected).unwrap(), "size {size}");
+        assert_eq!(
+            received.body,
+            serde_json::to_vec(&expected).unwrap(),
+            "size {size}"
+        );
     }
 }
 
 #[tokio::test]
 async fn chunked_request_bodies_are_forwarded_with_a_content_length() {
     let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(&pool_config("p", "m", &[worker.endpoint()], "", &["m"]), &[]).await;
-    let body = serde_json::to_vec(&json!({"model": "m", "messages": [{"role": "user", "content": "chunked"}]})).unwrap();
-    let pieces: Vec<Result<Vec<u8>, std::io::Error>> = body.chunks(7).map(|c| Ok(c.to_vec())).collect();
+    let proxy = Proxy::start(
+        &pool_config("p", "m", &[worker.endpoint()], "", &["m"]),
+        &[],
+    )
+    .await;
+    let body = serde_json::to_vec(
+        &json!({"model": "m", "messages": [{"role": "user", "content": "chunked"}]}),
+    )
+    .unwrap();
+    let pieces: Vec<Result<Vec<u8>, std::io::Error>> =
+        body.chunks(7).map(|c| Ok(c.to_vec())).collect();
     let response = reqwest::Client::new()
         .post(format!("{}/v1/chat/completions", proxy.url()))
         .header("content-type", "application/json")
-        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(pieces)))
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            pieces,
+        )))
         .send()
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
     let received = worker.received().pop().unwrap();
     assert_eq!(received.body, body);
-    assert_eq!(received.headers["content-length"], body.len().to_string().as_str());
+    assert_eq!(
+        received.headers["content-length"],
+        body.len().to_string().as_str()
+    );
     assert!(!received.headers.contains_key("transfer-encoding"));
 
     // Without a length, a body past Pingora's replay buffer cannot be forwarded safely: 411.
-    let big = serde_json::to_vec(&json!({"model": "m", "messages": [{"role": "user", "content": "x".repeat(100_000)}]})).unwrap();
-    let pieces: Vec<Result<Vec<u8>, std::io::Error>> = big.chunks(8192).map(|c| Ok(c.to_vec())).collect();
+    let big = serde_json::to_vec(
+        &json!({"model": "m", "messages": [{"role": "user", "content": "x".repeat(100_000)}]}),
+    )
+    .unwrap();
+    let pieces: Vec<Result<Vec<u8>, std::io::Error>> =
+        big.chunks(8192).map(|c| Ok(c.to_vec())).collect();
     let response = reqwest::Client::new()
         .post(format!("{}/v1/chat/completions", proxy.url()))
-        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(pieces)))
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            pieces,
+        )))
         .send()
         .await
         .unwrap();
     assert_eq!(response.status(), 411);
     let error: Value = response.json().await.unwrap();
-    assert!(error["error"]["message"].as_str().unwrap().contains("Content-Length"));
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("Content-Length")
+    );
 }
 
 #[tokio::test]
 async fn models_lists_the_aliases() {
     let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(&pool_config("p", "m", &[worker.endpoint()], "", &["alpha", "org/beta"]), &[]).await;
+    let proxy = Proxy::start(
+        &pool_config("p", "m", &[worker.endpoint()], "", &["alpha", "org/beta"]),
+        &[],
+    )
+    .await;
     let client = reqwest::Client::new();
-    let body: Value = client.get(format!("{}/v1/models", proxy.url())).send().await.unwrap().json().await.unwrap();
+    let body: Value = client
+        .get(format!("{}/v1/models", proxy.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(body["object"], "list");
-    let ids: Vec<&str> = body["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    let ids: Vec<&str> = body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
     assert_eq!(ids, ["alpha", "org/beta"]);
     let anthropic: Value = client
         .get(format!("{}/v1/models", proxy.url()))
@@ -172,15 +266,26 @@ async fn models_lists_the_aliases() {
         .unwrap();
     assert_eq!(anthropic["data"][0]["type"], "model");
     assert_eq!(anthropic["has_more"], false);
-    let health = client.get(format!("{}/health", proxy.url())).send().await.unwrap();
+    let health = client
+        .get(format!("{}/health", proxy.url()))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(health.status(), 200);
 }
 
 #[tokio::test]
 async fn http2_cleartext_clients_are_served() {
     let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(&pool_config("p", "m", &[worker.endpoint()], "", &["m"]), &[]).await;
-    let client = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+    let proxy = Proxy::start(
+        &pool_config("p", "m", &[worker.endpoint()], "", &["m"]),
+        &[],
+    )
+    .await;
+    let client = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
     let response = client
         .post(format!("{}/v1/chat/completions", proxy.url()))
         .json(&json!({"model": "m", "messages": [{"role": "user", "content": "over h2"}]}))

@@ -11,21 +11,33 @@ struct Answer {
 async fn send(proxy: &Proxy, method: reqwest::Method, path: &str, body: Option<&[u8]>) -> Answer {
     let mut request = reqwest::Client::new().request(method, format!("{}{path}", proxy.url()));
     if let Some(body) = body {
-        request = request.header("content-type", "application/json").body(body.to_vec());
+        request = request
+            .header("content-type", "application/json")
+            .body(body.to_vec());
     }
     let response = request.send().await.unwrap();
     let status = response.status().as_u16();
     let text = response.text().await.unwrap();
-    let body = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}"));
+    let body =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}"));
     Answer { status, body }
 }
 
 fn assert_openai(answer: &Answer, status: u16, message_part: &str) {
     assert_eq!(answer.status, status, "{}", answer.body);
-    let message = answer.body["error"]["message"].as_str().unwrap_or_else(|| panic!("not an OpenAI error: {}", answer.body));
+    let message = answer.body["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("not an OpenAI error: {}", answer.body));
     assert!(answer.body["error"]["type"].is_string(), "{}", answer.body);
-    assert!(answer.body["error"].get("code").is_some(), "{}", answer.body);
-    assert!(message.contains(message_part), "{message:?} lacks {message_part:?}");
+    assert!(
+        answer.body["error"].get("code").is_some(),
+        "{}",
+        answer.body
+    );
+    assert!(
+        message.contains(message_part),
+        "{message:?} lacks {message_part:?}"
+    );
 }
 
 fn assert_anthropic(answer: &Answer, status: u16, error_type: &str, message_part: &str) {
@@ -33,44 +45,125 @@ fn assert_anthropic(answer: &Answer, status: u16, error_type: &str, message_part
     assert_eq!(answer.body["type"], "error", "{}", answer.body);
     assert_eq!(answer.body["error"]["type"], error_type, "{}", answer.body);
     let message = answer.body["error"]["message"].as_str().unwrap();
-    assert!(message.contains(message_part), "{message:?} lacks {message_part:?}");
+    assert!(
+        message.contains(message_part),
+        "{message:?} lacks {message_part:?}"
+    );
 }
 
 #[tokio::test]
 async fn bad_requests_get_openai_errors_on_openai_paths() {
     let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(&pool_config("p", "m", &[worker.endpoint()], "", &["m"]), &["--max-body-bytes", "4096"]).await;
+    let proxy = Proxy::start(
+        &pool_config("p", "m", &[worker.endpoint()], "", &["m"]),
+        &["--max-body-bytes", "4096"],
+    )
+    .await;
     let post = reqwest::Method::POST;
     let chat = "/v1/chat/completions";
 
-    assert_openai(&send(&proxy, post.clone(), chat, Some(b"{not json")).await, 400, "malformed JSON");
-    assert_openai(&send(&proxy, post.clone(), chat, Some(b"")).await, 400, "empty");
-    assert_openai(&send(&proxy, post.clone(), chat, Some(br#"{"messages":[{"role":"user","content":"x"}]}"#)).await, 400, "'model'");
-    assert_openai(&send(&proxy, post.clone(), chat, Some(br#"{"model":"m"}"#)).await, 400, "'messages'");
-    assert_openai(&send(&proxy, post.clone(), "/v1/completions", Some(br#"{"model":"m"}"#)).await, 400, "'prompt'");
-    let unknown = send(&proxy, post.clone(), chat, Some(br#"{"model":"nope","messages":[{"role":"user","content":"x"}]}"#)).await;
+    assert_openai(
+        &send(&proxy, post.clone(), chat, Some(b"{not json")).await,
+        400,
+        "malformed JSON",
+    );
+    assert_openai(
+        &send(&proxy, post.clone(), chat, Some(b"")).await,
+        400,
+        "empty",
+    );
+    assert_openai(
+        &send(
+            &proxy,
+            post.clone(),
+            chat,
+            Some(br#"{"messages":[{"role":"user","content":"x"}]}"#),
+        )
+        .await,
+        400,
+        "'model'",
+    );
+    assert_openai(
+        &send(&proxy, post.clone(), chat, Some(br#"{"model":"m"}"#)).await,
+        400,
+        "'messages'",
+    );
+    assert_openai(
+        &send(
+            &proxy,
+            post.clone(),
+            "/v1/completions",
+            Some(br#"{"model":"m"}"#),
+        )
+        .await,
+        400,
+        "'prompt'",
+    );
+    let unknown = send(
+        &proxy,
+        post.clone(),
+        chat,
+        Some(br#"{"model":"nope","messages":[{"role":"user","content":"x"}]}"#),
+    )
+    .await;
     assert_openai(&unknown, 404, "GET /v1/models");
     assert_eq!(unknown.body["error"]["code"], "model_not_found");
-    let big = serde_json::to_vec(&json!({"model": "m", "messages": [{"role": "user", "content": "x".repeat(5000)}]})).unwrap();
-    assert_openai(&send(&proxy, post.clone(), chat, Some(&big)).await, 413, "4096");
-    assert_openai(&send(&proxy, reqwest::Method::GET, chat, None).await, 405, "POST");
-    assert_openai(&send(&proxy, post.clone(), "/v1/embeddings-typo", Some(b"{}")).await, 404, "unknown path");
+    let big = serde_json::to_vec(
+        &json!({"model": "m", "messages": [{"role": "user", "content": "x".repeat(5000)}]}),
+    )
+    .unwrap();
+    assert_openai(
+        &send(&proxy, post.clone(), chat, Some(&big)).await,
+        413,
+        "4096",
+    );
+    assert_openai(
+        &send(&proxy, reqwest::Method::GET, chat, None).await,
+        405,
+        "POST",
+    );
+    assert_openai(
+        &send(&proxy, post.clone(), "/v1/embeddings-typo", Some(b"{}")).await,
+        404,
+        "unknown path",
+    );
 
     // None of it reached the worker, and the proxy still serves good requests.
     assert!(worker.received().is_empty());
-    let ok = send(&proxy, post, chat, Some(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#)).await;
+    let ok = send(
+        &proxy,
+        post,
+        chat,
+        Some(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#),
+    )
+    .await;
     assert_eq!(ok.status, 200);
 }
 
 #[tokio::test]
 async fn bad_requests_get_anthropic_errors_on_the_messages_path() {
     let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(&pool_config("p", "m", &[worker.endpoint()], "", &["m"]), &["--max-body-bytes", "4096"]).await;
+    let proxy = Proxy::start(
+        &pool_config("p", "m", &[worker.endpoint()], "", &["m"]),
+        &["--max-body-bytes", "4096"],
+    )
+    .await;
     let post = reqwest::Method::POST;
     let path = "/v1/messages";
-    assert_anthropic(&send(&proxy, post.clone(), path, Some(b"{oops")).await, 400, "invalid_request_error", "malformed JSON");
     assert_anthropic(
-        &send(&proxy, post.clone(), path, Some(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#)).await,
+        &send(&proxy, post.clone(), path, Some(b"{oops")).await,
+        400,
+        "invalid_request_error",
+        "malformed JSON",
+    );
+    assert_anthropic(
+        &send(
+            &proxy,
+            post.clone(),
+            path,
+            Some(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#),
+        )
+        .await,
         400,
         "invalid_request_error",
         "max_tokens",
@@ -82,7 +175,12 @@ async fn bad_requests_get_anthropic_errors_on_the_messages_path() {
         "GET /v1/models",
     );
     let big = serde_json::to_vec(&json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x".repeat(5000)}]})).unwrap();
-    assert_anthropic(&send(&proxy, post, path, Some(&big)).await, 413, "request_too_large", "4096");
+    assert_anthropic(
+        &send(&proxy, post, path, Some(&big)).await,
+        413,
+        "request_too_large",
+        "4096",
+    );
     assert!(worker.received().is_empty());
 }
 
@@ -96,13 +194,37 @@ async fn no_reachable_worker_is_502_and_no_worker_at_all_is_503() {
     );
     yaml.push_str(&switchyard_e2e::model_doc("empty", "empty", None));
     let proxy = Proxy::start(&yaml, &[]).await;
-    let body = |model: &str| serde_json::to_vec(&json!({"model": model, "messages": [{"role": "user", "content": "x"}]})).unwrap();
-    let answer = send(&proxy, reqwest::Method::POST, "/v1/chat/completions", Some(&body("dead"))).await;
+    let body = |model: &str| {
+        serde_json::to_vec(&json!({"model": model, "messages": [{"role": "user", "content": "x"}]}))
+            .unwrap()
+    };
+    let answer = send(
+        &proxy,
+        reqwest::Method::POST,
+        "/v1/chat/completions",
+        Some(&body("dead")),
+    )
+    .await;
     assert_openai(&answer, 502, "could not");
-    let answer = send(&proxy, reqwest::Method::POST, "/v1/chat/completions", Some(&body("empty"))).await;
+    let answer = send(
+        &proxy,
+        reqwest::Method::POST,
+        "/v1/chat/completions",
+        Some(&body("empty")),
+    )
+    .await;
     assert_openai(&answer, 503, "no workers");
-    let anthropic = serde_json::to_vec(&json!({"model": "dead", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})).unwrap();
-    let answer = send(&proxy, reqwest::Method::POST, "/v1/messages", Some(&anthropic)).await;
+    let anthropic = serde_json::to_vec(
+        &json!({"model": "dead", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .unwrap();
+    let answer = send(
+        &proxy,
+        reqwest::Method::POST,
+        "/v1/messages",
+        Some(&anthropic),
+    )
+    .await;
     assert_anthropic(&answer, 502, "api_error", "could not");
 }
 

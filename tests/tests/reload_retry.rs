@@ -24,14 +24,24 @@ async fn served_by(proxy: &Proxy) -> (u16, String) {
         .unwrap();
     let status = response.status().as_u16();
     let body: Value = response.json().await.unwrap();
-    (status, body["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_owned())
+    (
+        status,
+        body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+    )
 }
 
 #[tokio::test]
 async fn config_edits_apply_live_and_a_broken_edit_keeps_the_last_good_one() {
     let a = Upstream::start("worker-a").await;
     let b = Upstream::start("worker-b").await;
-    let proxy = Proxy::start(&two_pools(&a, &b, "pool-a"), &["--reload-interval-ms", "100"]).await;
+    let proxy = Proxy::start(
+        &two_pools(&a, &b, "pool-a"),
+        &["--reload-interval-ms", "100"],
+    )
+    .await;
     assert!(served_by(&proxy).await.1.starts_with("worker-a"));
 
     proxy.write_config(&two_pools(&a, &b, "pool-b"));
@@ -46,13 +56,26 @@ async fn config_edits_apply_live_and_a_broken_edit_keeps_the_last_good_one() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(b.received().last().unwrap().json()["model"], "model-b");
-    let ready: Value = reqwest::get(format!("{}/ready", proxy.url())).await.unwrap().json().await.unwrap();
+    let ready: Value = reqwest::get(format!("{}/ready", proxy.url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(ready["config_version"], 2);
 
     // A broken edit: the proxy reports it and keeps routing with the last good snapshot.
-    proxy.write_config(&two_pools(&a, &b, "pool-b").replace("{model: model-b,", "{model: model-b, bogusField: 1,"));
-    proxy.wait_for_log("configuration rejected", Duration::from_secs(10)).await;
-    assert!(proxy.log().contains("bogusField"), "the error names the field:\n{}", proxy.log());
+    proxy.write_config(
+        &two_pools(&a, &b, "pool-b").replace("{model: model-b,", "{model: model-b, bogusField: 1,"),
+    );
+    proxy
+        .wait_for_log("configuration rejected", Duration::from_secs(10))
+        .await;
+    assert!(
+        proxy.log().contains("bogusField"),
+        "the error names the field:\n{}",
+        proxy.log()
+    );
     for _ in 0..5 {
         let (status, who) = served_by(&proxy).await;
         assert_eq!(status, 200);
@@ -83,7 +106,15 @@ async fn a_dead_worker_is_skipped_by_retrying_on_another() {
         assert_eq!(status, 200);
         assert!(who.starts_with("live"), "{who}");
     }
-    assert_eq!(live.received().len(), 6, "each request reached the live worker exactly once");
+    assert_eq!(
+        live.received().len(),
+        6,
+        "each request reached the live worker exactly once"
+    );
     // Round-robin sent about half of the first attempts to the dead worker; those were retried.
-    assert!(proxy.log().contains("could not connect to worker"), "{}", proxy.log());
+    assert!(
+        proxy.log().contains("could not connect to worker"),
+        "{}",
+        proxy.log()
+    );
 }

@@ -22,7 +22,14 @@ fn python() -> PathBuf {
 
 #[tokio::test]
 async fn official_sdks_work_through_the_proxy_streaming_included() {
-    let native = Upstream::start_with("native", UpstreamOptions { anthropic_native: true, ..Default::default() }).await;
+    let native = Upstream::start_with(
+        "native",
+        UpstreamOptions {
+            anthropic_native: true,
+            ..Default::default()
+        },
+    )
+    .await;
     let openai_only = Upstream::start("openai-only").await;
     let yaml = format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: vllm}}\nspec: {{model: served-a, endpoints: [\"{}\"]}}\n---\n\
@@ -43,10 +50,29 @@ async fn official_sdks_work_through_the_proxy_streaming_included() {
     .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "SDK checks failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
-    for check in ["openai chat", "openai stream", "openai models", "openai errors", "anthropic native", "anthropic stream translated", "anthropic errors"] {
-        assert!(stdout.contains(&format!("ok: {check}")), "missing {check:?} in:\n{stdout}");
+    assert!(
+        output.status.success(),
+        "SDK checks failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    for check in [
+        "openai chat",
+        "openai stream",
+        "openai models",
+        "openai errors",
+        "anthropic native",
+        "anthropic stream translated",
+        "anthropic errors",
+    ] {
+        assert!(
+            stdout.contains(&format!("ok: {check}")),
+            "missing {check:?} in:\n{stdout}"
+        );
     }
     assert!(native.received().iter().any(|r| r.path == "/v1/messages"));
-    assert!(openai_only.received().iter().any(|r| r.path == "/v1/chat/completions"));
+    assert!(
+        openai_only
+            .received()
+            .iter()
+            .any(|r| r.path == "/v1/chat/completions")
+    );
 }
