@@ -1,0 +1,10 @@
+//! What the proxy and the simulator must agree on byte for byte.
+//!
+//! - [`events`]: vLLM's KV-event wire format (ZMQ frames carrying a msgpack `KVEventBatch`), both
+//!   encodings vLLM has used (tagged maps since 0.24, positional arrays before), decode and encode.
+//! - [`tokenize`]: a `tokenizer.json` plus a chat template, rendering requests exactly as a worker does.
+//! - [`hash`]: chained hashes of full token blocks, the keys of the prefix index.
+
+pub mod events;
+pub mod hash;
+pub mod tokenize;
