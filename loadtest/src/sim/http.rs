@@ -1,0 +1,399 @@
+//! The simulated worker's HTTP surface, shaped like vLLM's OpenAI-compatible server:
+//! `/v1/chat/completions`, `/v1/completions`, `/v1/messages`, `/v1/models`, `/tokenize`,
+//! `/reset_prefix_cache`, `/health`, `/metrics`.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use switchyard_kv::tokenize::{PromptTokenizer, anthropic_messages, openai_messages};
+use tokio::sync::mpsc;
+
+use super::engine::{EngineHandle, Output};
+
+/// Everything one worker's handlers share.
+pub struct Worker {
+    /// The served model name (`--served-model-name`).
+    pub model: String,
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<PromptTokenizer>,
+    pub max_model_len: usize,
+    pub default_max_tokens: usize,
+    /// Tokens generated in turn (whole English words, so each decodes on its own).
+    pub output_vocab: Arc<Vec<u32>>,
+    pub token_text: Arc<HashMap<u32, String>>,
+}
+
+impl Worker {
+    /// Build the token vocabulary generated answers are made of.
+    pub fn output_vocabulary(tokenizer: &PromptTokenizer) -> (Vec<u32>, HashMap<u32, String>) {
+        const TEXT: &str = " The quick brown fox jumps over the lazy dog while the simulated engine keeps \
+                            producing plausible words one token at a time for every request it serves";
+        let ids = tokenizer.encode(TEXT).unwrap_or_default();
+        let text = ids.iter().map(|id| (*id, tokenizer.decode(&[*id]))).collect();
+        (ids, text)
+    }
+}
+
+pub fn router(worker: Arc<Worker>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages))
+        .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/metrics", get(metrics))
+        .layer(DefaultBodyLimit::disable())
+        .with_state(worker)
+}
+
+/// vLLM's error body.
+fn error(status: StatusCode, kind: &str, message: impl Into<String>, param: Option<&str>) -> Response {
+    let body = json!({"error": {"message": message.into(), "type": kind, "param": param, "code": status.as_u16()}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn bad_request(message: impl Into<String>) -> Response {
+    error(StatusCode::BAD_REQUEST, "BadRequestError", message, None)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Chat,
+    Completions,
+    Messages,
+}
+
+struct Prepared {
+    prompt: Vec<u32>,
+    output: Vec<u32>,
+    stream: bool,
+    include_usage: bool,
+    request_model: String,
+}
+
+fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Response> {
+    let request: Value = serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid JSON body: {e}")))?;
+    let model = request.get("model").and_then(Value::as_str).unwrap_or_default();
+    if model != worker.model {
+        return Err(error(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            format!("The model `{model}` does not exist."),
+            Some("model"),
+        ));
+    }
+    let prompt = match api {
+        Api::Chat => {
+            let messages = openai_messages(&request);
+            if messages.is_empty() {
+                return Err(bad_request("messages must be a non-empty list"));
+            }
+            worker.tokenizer.encode_chat(&messages)
+        }
+        Api::Messages => {
+            let messages = anthropic_messages(&request);
+            if messages.is_empty() {
+                return Err(bad_request("messages must be a non-empty list"));
+            }
+            worker.tokenizer.encode_chat(&messages)
+        }
+        Api::Completions => match request.get("prompt") {
+            Some(Value::String(text)) => worker.tokenizer.encode(text),
+            Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_u64) => {
+                Ok(items.iter().filter_map(Value::as_u64).map(|t| t as u32).collect())
+            }
+            _ => return Err(bad_request("prompt must be a string or a list of token ids")),
+        },
+    }
+    .map_err(|e| bad_request(e.to_string()))?;
+    let max_tokens = request
+        .get("max_tokens")
+        .or_else(|| request.get("max_completion_tokens"))
+        .and_then(Value::as_u64)
+        .map_or(worker.default_max_tokens, |n| n as usize);
+    if max_tokens == 0 {
+        return Err(bad_request("max_tokens must be at least 1"));
+    }
+    if prompt.len() + max_tokens > worker.max_model_len {
+        return Err(bad_request(format!(
+            "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the messages, {} in the completion). Please reduce the length of the messages or completion.",
+            worker.max_model_len,
+            prompt.len() + max_tokens,
+            prompt.len(),
+            max_tokens
+        )));
+    }
+    let vocab = &worker.output_vocab;
+    let offset = prompt.len() % vocab.len().max(1);
+    let output = (0..max_tokens).filter_map(|i| vocab.get((offset + i) % vocab.len().max(1)).copied()).collect();
+    Ok(Prepared {
+        prompt,
+        output,
+        stream: request.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        include_usage: request
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        request_model: model.to_owned(),
+    })
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn request_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+/// Everything a finished request produced.
+struct Collected {
+    tokens: Vec<u32>,
+    cached_tokens: usize,
+}
+
+async fn collect(mut outputs: mpsc::UnboundedReceiver<Output>) -> Collected {
+    let mut collected = Collected { tokens: Vec::new(), cached_tokens: 0 };
+    while let Some(output) = outputs.recv().await {
+        match output {
+            Output::Started { cached_tokens } => collected.cached_tokens = cached_tokens,
+            Output::Token(token) => collected.tokens.push(token),
+            Output::Finished => break,
+        }
+    }
+    collected
+}
+
+fn text_of(worker: &Worker, tokens: &[u32]) -> String {
+    tokens.iter().filter_map(|t| worker.token_text.get(t).map(String::as_str)).collect()
+}
+
+async fn chat_completions(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
+    serve(worker, Api::Chat, body).await
+}
+
+async fn completions(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
+    serve(worker, Api::Completions, body).await
+}
+
+async fn messages(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
+    serve(worker, Api::Messages, body).await
+}
+
+async fn serve(worker: Arc<Worker>, api: Api, body: Bytes) -> Response {
+    let prepared = match prepare(&worker, api, &body) {
+        Ok(prepared) => prepared,
+        Err(response) => return response,
+    };
+    let prompt_len = prepared.prompt.len();
+    let expected = prepared.output.len();
+    let outputs = match worker.engine.submit(prepared.prompt, prepared.output) {
+        Ok(outputs) => outputs,
+        Err(e) => return bad_request(e.to_string()),
+    };
+    let id = request_id();
+    if prepared.stream {
+        let stream = StreamState {
+            worker,
+            api,
+            id,
+            model: prepared.request_model,
+            created: unix_now(),
+            prompt_len,
+            include_usage: prepared.include_usage,
+            outputs,
+            cached_tokens: 0,
+            generated: 0,
+            expected,
+            started: false,
+            done: false,
+        };
+        return stream_response(stream);
+    }
+    let collected = collect(outputs).await;
+    let text = text_of(&worker, &collected.tokens);
+    let completion = collected.tokens.len();
+    let created = unix_now();
+    let body = match api {
+        Api::Chat => json!({
+            "id": format!("chatcmpl-{id}"), "object": "chat.completion", "created": created, "model": prepared.request_model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length"}],
+            "usage": usage(prompt_len, completion, collected.cached_tokens),
+        }),
+        Api::Completions => json!({
+            "id": format!("cmpl-{id}"), "object": "text_completion", "created": created, "model": prepared.request_model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}],
+            "usage": usage(prompt_len, completion, collected.cached_tokens),
+        }),
+        Api::Messages => json!({
+            "id": format!("msg_{id}"), "type": "message", "role": "assistant", "model": prepared.request_model,
+            "content": [{"type": "text", "text": text}], "stop_reason": "max_tokens", "stop_sequence": null,
+            "usage": {"input_tokens": prompt_len - collected.cached_tokens, "output_tokens": completion, "cache_read_input_tokens": collected.cached_tokens},
+        }),
+    };
+    axum::Json(body).into_response()
+}
+
+/// State carried through a streamed answer.
+struct StreamState {
+    worker: Arc<Worker>,
+    api: Api,
+    id: String,
+    model: String,
+    created: u64,
+    prompt_len: usize,
+    include_usage: bool,
+    outputs: mpsc::UnboundedReceiver<Output>,
+    cached_tokens: usize,
+    generated: usize,
+    expected: usize,
+    started: bool,
+    done: bool,
+}
+
+impl StreamState {
+    fn chunk(&self, delta: Value, finish: Option<&str>) -> String {
+        let choice = match self.api {
+            Api::Completions => json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "logprobs": null, "finish_reason": finish}),
+            _ => json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}),
+        };
+        let object = if self.api == Api::Completions { "text_completion" } else { "chat.completion.chunk" };
+        format!("data: {}\n\n", json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]}))
+    }
+
+    fn event(name: &str, data: Value) -> String {
+        format!("event: {name}\ndata: {data}\n\n")
+    }
+
+    /// SSE text for one engine output (may be empty).
+    fn render(&mut self, output: Output) -> String {
+        let mut out = String::new();
+        match output {
+            Output::Started { cached_tokens } => {
+                self.cached_tokens = cached_tokens;
+                if !self.started {
+                    self.started = true;
+                    match self.api {
+                        Api::Chat => out.push_str(&self.chunk(json!({"role": "assistant", "content": ""}), None)),
+                        Api::Completions => {}
+                        Api::Messages => {
+                            out.push_str(&Self::event("message_start", json!({"type": "message_start", "message": {
+                                "id": format!("msg_{}", self.id), "type": "message", "role": "assistant", "model": self.model,
+                                "content": [], "stop_reason": null, "stop_sequence": null,
+                                "usage": {"input_tokens": self.prompt_len - cached_tokens, "output_tokens": 0, "cache_read_input_tokens": cached_tokens}}})));
+                            out.push_str(&Self::event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})));
+                        }
+                    }
+                }
+            }
+            Output::Token(token) => {
+                self.generated += 1;
+                let text = self.worker.token_text.get(&token).cloned().unwrap_or_default();
+                let last = self.generated >= self.expected;
+                match self.api {
+                    Api::Messages => out.push_str(&Self::event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}))),
+                    _ => out.push_str(&self.chunk(json!({"content": text}), last.then_some("length"))),
+                }
+            }
+            Output::Finished => {
+                self.done = true;
+                match self.api {
+                    Api::Messages => {
+                        out.push_str(&Self::event("content_block_stop", json!({"type": "content_block_stop", "index": 0})));
+                        out.push_str(&Self::event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": null}, "usage": {"output_tokens": self.generated}})));
+                        out.push_str(&Self::event("message_stop", json!({"type": "message_stop"})));
+                    }
+                    _ => {
+                        if self.include_usage {
+                            let object = if self.api == Api::Completions { "text_completion" } else { "chat.completion.chunk" };
+                            out.push_str(&format!(
+                                "data: {}\n\n",
+                                json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [],
+                                       "usage": usage(self.prompt_len, self.generated, self.cached_tokens)})
+                            ));
+                        }
+                        out.push_str("data: [DONE]\n\n");
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+fn stream_response(state: StreamState) -> Response {
+    let stream = futures_util::stream::unfold(state, |mut state| async move {
+        if state.done {
+            return None;
+        }
+        let output = state.outputs.recv().await.unwrap_or(Output::Finished);
+        let text = state.render(output);
+        Some((Ok::<_, Infallible>(Bytes::from(text)), state))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+async fn models(State(worker): State<Arc<Worker>>) -> Response {
+    axum::Json(json!({"object": "list", "data": [{
+        "id": worker.model, "object": "model", "created": unix_now(), "owned_by": "vllm",
+        "root": worker.model, "parent": null, "max_model_len": worker.max_model_len,
+    }]}))
+    .into_response()
+}
+
+async fn tokenize(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
+    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
+        return bad_request("invalid JSON body");
+    };
+    let tokens = if request.get("messages").is_some() {
+        worker.tokenizer.encode_chat(&openai_messages(&request))
+    } else {
+        worker.tokenizer.encode(request.get("prompt").and_then(Value::as_str).unwrap_or_default())
+    };
+    match tokens {
+        Ok(tokens) => axum::Json(json!({"count": tokens.len(), "max_model_len": worker.max_model_len, "tokens": tokens})).into_response(),
+        Err(e) => bad_request(e.to_string()),
+    }
+}
+
+async fn reset_prefix_cache(State(worker): State<Arc<Worker>>) -> Response {
+    if worker.engine.reset_prefix_cache().await {
+        StatusCode::OK.into_response()
+    } else {
+        error(StatusCode::CONFLICT, "ConflictError", "requests are running; the prefix cache was not reset", None)
+    }
+}
+
+async fn metrics(State(worker): State<Arc<Worker>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        worker.engine.stats.render(&worker.model),
+    )
+        .into_response()
+}
