@@ -487,3 +487,168 @@ impl Engine {
         self.stats.set_gauges(self.running.len(), self.waiting.len(), self.cache.usage());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Submit and wait: (cached tokens, time to first token, generated tokens).
+    async fn run_one(engine: &EngineHandle, prompt: Vec<u32>, output: Vec<u32>) -> (usize, Duration, Vec<u32>) {
+        let start = Instant::now();
+        let mut outputs = engine.submit(prompt, output).unwrap();
+        let (mut cached, mut ttft, mut tokens) = (0, None, Vec::new());
+        while let Some(output) = outputs.recv().await {
+            match output {
+                Output::Started { cached_tokens } => cached = cached_tokens,
+                Output::Token(token) => {
+                    ttft.get_or_insert_with(|| start.elapsed());
+                    tokens.push(token);
+                }
+                Output::Finished => break,
+            }
+        }
+        (cached, ttft.unwrap(), tokens)
+    }
+
+    fn assert_close(measured: Duration, predicted_seconds: f64, steps: u32) {
+        // Tokio timers tick in whole milliseconds: allow one per step.
+        let error = (measured.as_secs_f64() - predicted_seconds).abs();
+        assert!(error <= 0.001 * f64::from(steps) + 1e-9, "measured {measured:?}, predicted {predicted_seconds}s");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn prefix_reuse_lowers_ttft_by_exactly_the_prefill_it_saves() {
+        let config = EngineConfig::default();
+        let latency = config.latency;
+        let engine = spawn(config, None);
+        let prompt: Vec<u32> = (0..1000).collect();
+        let (cached, cold, tokens) = run_one(&engine, prompt.clone(), vec![7, 8, 9]).await;
+        assert_eq!((cached, tokens), (0, vec![7, 8, 9]));
+        assert_close(cold, latency.step_seconds(1000, 0, 0), 1);
+
+        // Same first 960 tokens (60 full blocks), different tail.
+        let mut shared = prompt.clone();
+        for token in shared.iter_mut().skip(960) {
+            *token += 5000;
+        }
+        let (cached, warm, _) = run_one(&engine, shared, vec![1]).await;
+        assert_eq!(cached, 960);
+        assert_close(warm, latency.step_seconds(40, 0, 0), 1);
+        let saved = cold.as_secs_f64() - warm.as_secs_f64();
+        assert!((saved - 960.0 * latency.prefill_s_per_token).abs() <= 0.002, "saved {saved}s");
+
+        // An identical prompt still recomputes its last block (vLLM never caches the last token).
+        let (cached, _, _) = run_one(&engine, prompt, vec![1]).await;
+        assert_eq!(cached, 992);
+        assert_eq!(engine.stats.prefix_hits(), 960 + 992);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn queued_requests_wait_for_capacity_and_chunked_prefill_splits_long_prompts() {
+        let config = EngineConfig {
+            max_num_seqs: 1,
+            max_num_batched_tokens: 512,
+            ..EngineConfig::default()
+        };
+        let latency = config.latency;
+        let engine = spawn(config, None);
+        let first = tokio::spawn({
+            let engine = engine.clone();
+            async move { run_one(&engine, (0..1000).collect(), vec![1, 2]).await }
+        });
+        tokio::task::yield_now().await;
+        let second = run_one(&engine, (5000..5100).collect(), vec![1]).await;
+        let first = first.await.unwrap();
+        // 1000 tokens in chunks of 512: two prefill steps, the second samples the first token.
+        assert_close(first.1, latency.step_seconds(512, 0, 0) + latency.step_seconds(488, 0, 0), 2);
+        // The second request waits for the first to finish (one decode step after its prefill).
+        let predicted = latency.step_seconds(512, 0, 0)
+            + latency.step_seconds(488, 0, 0)
+            + latency.step_seconds(0, 1, 1001)
+            + latency.step_seconds(100, 0, 0);
+        assert_close(second.1, predicted, 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn eviction_publishes_block_removed_for_the_least_recently_used_blocks() {
+        let config = EngineConfig {
+            num_blocks: 8,
+            block_size: 4,
+            ..EngineConfig::default()
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let cache = KvCache::new(8, 4, config.hash_seed);
+        let engine = spawn(config, Some(tx));
+        let a: Vec<u32> = (0..16).collect();
+        let a_hashes = cache.hashes_of(&a);
+        run_one(&engine, a.clone(), vec![1]).await;
+        let stored = rx.recv().await.unwrap();
+        assert_eq!(stored.data_parallel_rank, Some(0));
+        let [KvEvent::BlockStored(stored)] = stored.events.as_slice() else { panic!("{stored:?}") };
+        assert_eq!(stored.block_hashes, a_hashes);
+        assert_eq!(stored.parent_block_hash, None);
+        assert_eq!(stored.token_ids, a);
+        assert_eq!(stored.block_size, 4);
+
+        // 7 new blocks: 4 never used, then 3 of A's, evicted tail first (A's prefix lives longest).
+        let b: Vec<u32> = (100..128).collect();
+        run_one(&engine, b.clone(), vec![1]).await;
+        let batch = rx.recv().await.unwrap();
+        let removed: Vec<_> = batch
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockRemoved(r) => Some(r.block_hashes.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert_eq!(removed, vec![a_hashes[3], a_hashes[2], a_hashes[1]]);
+        assert!(batch.events.iter().any(|e| matches!(e, KvEvent::BlockStored(s) if s.block_hashes == cache.hashes_of(&b))));
+
+        // Only A's first block is still cached.
+        let (cached, _, _) = run_one(&engine, a, vec![1]).await;
+        assert_eq!(cached, 4);
+        assert!(engine.reset_prefix_cache().await);
+        let cleared = loop {
+            let batch = rx.recv().await.unwrap();
+            if batch.events.contains(&KvEvent::AllBlocksCleared) {
+                break batch;
+            }
+        };
+        assert_eq!(cleared.events, vec![KvEvent::AllBlocksCleared]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn running_out_of_blocks_preempts_and_still_finishes_everything() {
+        let config = EngineConfig {
+            num_blocks: 6,
+            block_size: 4,
+            ..EngineConfig::default()
+        };
+        let engine = spawn(config, None);
+        let long_answer: Vec<u32> = (0..10).collect();
+        let jobs: Vec<_> = (0..2u32)
+            .map(|i| {
+                let engine = engine.clone();
+                let answer = long_answer.clone();
+                tokio::spawn(async move { run_one(&engine, (i * 100..i * 100 + 8).collect(), answer).await })
+            })
+            .collect();
+        for job in jobs {
+            assert_eq!(job.await.unwrap().2, long_answer);
+        }
+        let metrics = engine.stats.render("m");
+        assert!(!metrics.contains("vllm:num_preemptions_total{model_name=\"m\",engine=\"0\"} 0"), "{metrics}");
+    }
+
+    #[test]
+    fn oversized_requests_are_refused_up_front() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let engine = spawn(EngineConfig { num_blocks: 2, block_size: 4, ..EngineConfig::default() }, None);
+            let error = engine.submit((0..9).collect(), vec![1]).unwrap_err();
+            assert_eq!(error, SubmitError::TooLong { needed: 3, capacity: 2 });
+        });
+    }
+}

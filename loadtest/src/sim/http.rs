@@ -218,7 +218,11 @@ async fn serve(worker: Arc<Worker>, api: Api, body: Bytes) -> Response {
         let stream = StreamState {
             worker,
             api,
-            id,
+            id: match api {
+                Api::Chat => format!("chatcmpl-{id}"),
+                Api::Completions => format!("cmpl-{id}"),
+                Api::Messages => id,
+            },
             model: prepared.request_model,
             created: unix_now(),
             prompt_len,

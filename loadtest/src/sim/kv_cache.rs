@@ -252,9 +252,11 @@ mod tests {
         assert_eq!(cache.cached_prefix(&cache.hashes_of(&a)), 2);
         cache.release(&b_blocks);
 
-        // Now allocation must evict: the oldest released block (a's) goes first.
+        // Now allocation must evict: a's blocks were released first, its tail block before its head.
         let allocation = cache.allocate(2).unwrap();
-        assert_eq!(allocation.evicted, cache.hashes_of(&a));
+        let mut a_tail_first = cache.hashes_of(&a);
+        a_tail_first.reverse();
+        assert_eq!(allocation.evicted, a_tail_first);
         assert_eq!(cache.cached_prefix(&cache.hashes_of(&a)), 0);
         assert_eq!(cache.cached_prefix(&cache.hashes_of(&b)), 2);
     }
