@@ -14,6 +14,23 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
   echo "$want" > "$stamp"
 fi
 
+# vLLM's own KV-event code, straight from its wheel (no torch needed: see tests/python/vllm_kv.py).
+vllm_version=0.34.0
+vllm_src=.cache/vllm-$vllm_version
+if [ ! -f "$vllm_src/vllm/distributed/kv_events.py" ]; then
+  echo "== fetching vLLM $vllm_version's event code"
+  mkdir -p .cache/wheels
+  .venv/bin/pip download --quiet --disable-pip-version-check --no-deps -d .cache/wheels "vllm==$vllm_version"
+  .venv/bin/python - "$vllm_src" .cache/wheels/vllm-"$vllm_version"-*.whl <<'PY'
+import sys, zipfile
+target, wheel = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as archive:
+    for name in ("vllm/distributed/kv_events.py", "vllm/config/kv_events.py"):
+        archive.extract(name, target)
+PY
+  rm -f .cache/wheels/vllm-"$vllm_version"-*.whl
+fi
+
 echo "== cargo fmt --check"
 cargo fmt --all --check
 echo "== cargo clippy"

@@ -75,6 +75,8 @@ pub struct BlockStored {
     pub lora_id: Option<i64>,
     pub medium: Option<String>,
     pub lora_name: Option<String>,
+    /// Extra hash inputs per block (LoRA name, multimodal identifiers, cache salt), as published.
+    pub extra_keys: Option<Value>,
     pub group_idx: Option<i64>,
     pub kv_cache_spec_kind: Option<String>,
     pub kv_cache_spec_sliding_window: Option<i64>,
@@ -128,7 +130,9 @@ pub fn decode_frames(frames: &[Bytes]) -> Result<EventMessage, DecodeError> {
 
 /// A sequence frame: 8 bytes big-endian.
 pub fn decode_seq(frame: &[u8]) -> Result<u64, DecodeError> {
-    let bytes: [u8; 8] = frame.try_into().map_err(|_| DecodeError::SeqLength(frame.len()))?;
+    let bytes: [u8; 8] = frame
+        .try_into()
+        .map_err(|_| DecodeError::SeqLength(frame.len()))?;
     Ok(u64::from_be_bytes(bytes))
 }
 
@@ -163,7 +167,9 @@ pub fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, DecodeError> {
     let events = raw_events
         .into_iter()
         .enumerate()
-        .map(|(index, event)| decode_event(event).map_err(|e| shape(format!("events[{index}]: {e}"))))
+        .map(|(index, event)| {
+            decode_event(event).map_err(|e| shape(format!("events[{index}]: {e}")))
+        })
         .collect::<Result<Vec<_>, _>>()?;
     Ok(KvEventBatch {
         ts,
@@ -181,7 +187,10 @@ enum Fields {
 impl Fields {
     fn get(&self, name: &str, position: usize) -> Option<&Value> {
         let value = match self {
-            Fields::Named(pairs) => pairs.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v),
+            Fields::Named(pairs) => pairs
+                .iter()
+                .find(|(k, _)| k.as_str() == Some(name))
+                .map(|(_, v)| v),
             Fields::Positional(values) => values.get(position),
         };
         value.filter(|v| !v.is_nil())
@@ -204,7 +213,10 @@ fn decode_event(value: Value) -> Result<KvEvent, DecodeError> {
                 return Err(shape("empty event array"));
             }
             let tag = values.remove(0);
-            let tag = tag.as_str().ok_or_else(|| shape("event tag is not a string"))?.to_owned();
+            let tag = tag
+                .as_str()
+                .ok_or_else(|| shape("event tag is not a string"))?
+                .to_owned();
             (tag, Fields::Positional(values))
         }
         _ => return Err(shape("event is neither a map nor an array")),
@@ -220,15 +232,30 @@ fn decode_event(value: Value) -> Result<KvEvent, DecodeError> {
                 .and_then(|b| u32::try_from(b).ok())
                 .ok_or_else(|| shape("block_size missing or not an int"))?,
             lora_id: fields.get("lora_id", 4).and_then(Value::as_i64),
-            medium: fields.get("medium", 5).and_then(Value::as_str).map(str::to_owned),
-            lora_name: fields.get("lora_name", 6).and_then(Value::as_str).map(str::to_owned),
+            medium: fields
+                .get("medium", 5)
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            lora_name: fields
+                .get("lora_name", 6)
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            extra_keys: fields.get("extra_keys", 7).cloned(),
             group_idx: fields.get("group_idx", 8).and_then(Value::as_i64),
-            kv_cache_spec_kind: fields.get("kv_cache_spec_kind", 9).and_then(Value::as_str).map(str::to_owned),
-            kv_cache_spec_sliding_window: fields.get("kv_cache_spec_sliding_window", 10).and_then(Value::as_i64),
+            kv_cache_spec_kind: fields
+                .get("kv_cache_spec_kind", 9)
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            kv_cache_spec_sliding_window: fields
+                .get("kv_cache_spec_sliding_window", 10)
+                .and_then(Value::as_i64),
         }),
         "BlockRemoved" => KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: hashes(fields.get("block_hashes", 0), "block_hashes")?,
-            medium: fields.get("medium", 1).and_then(Value::as_str).map(str::to_owned),
+            medium: fields
+                .get("medium", 1)
+                .and_then(Value::as_str)
+                .map(str::to_owned),
             group_idx: fields.get("group_idx", 2).and_then(Value::as_i64),
         }),
         "AllBlocksCleared" => KvEvent::AllBlocksCleared,
@@ -261,7 +288,11 @@ fn tokens(value: Option<&Value>) -> Result<Vec<u32>, DecodeError> {
     };
     values
         .iter()
-        .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| shape("token id is not a u32")))
+        .map(|v| {
+            v.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(|| shape("token id is not a u32"))
+        })
         .collect()
 }
 
@@ -286,21 +317,72 @@ fn optional_int(value: Option<i64>) -> Value {
     value.map_or(Value::Nil, Value::from)
 }
 
-/// Encode a batch exactly as vLLM's msgspec encoder does for the chosen format.
+/// Encode a batch byte for byte as vLLM's msgspec encoder does for the chosen format: the batch
+/// and positional events as arrays, tagged events as maps. msgspec sizes a struct's map header by
+/// the most fields the struct can have (tag included), not by how many it writes: vLLM 0.34's
+/// `BlockStored` has 16, so it always gets a map16 header; the other events get a fixmap.
 pub fn encode_batch(batch: &KvEventBatch, format: WireFormat, hashes: HashEncoding) -> Vec<u8> {
-    let events = batch.events.iter().filter_map(|e| encode_event(e, format, hashes)).collect();
-    let mut fields = vec![Value::F64(batch.ts), Value::Array(events)];
-    if let Some(rank) = batch.data_parallel_rank {
-        fields.push(Value::from(rank));
+    let events: Vec<Value> = batch
+        .events
+        .iter()
+        .filter_map(|e| encode_event(e, format, hashes))
+        .collect();
+    let mut out = Vec::with_capacity(64 + 16 * events.len());
+    let fields = if batch.data_parallel_rank.is_some() {
+        3u8
+    } else {
+        2
+    };
+    out.push(0x90 | fields);
+    out.push(0xcb);
+    out.extend_from_slice(&batch.ts.to_bits().to_be_bytes());
+    write_array_header(&mut out, events.len());
+    for event in &events {
+        match event {
+            Value::Map(pairs) => {
+                let is_stored =
+                    pairs.first().and_then(|(_, tag)| tag.as_str()) == Some("BlockStored");
+                if is_stored {
+                    out.push(0xde);
+                    out.extend_from_slice(&(pairs.len() as u16).to_be_bytes());
+                } else {
+                    out.push(0x80 | (pairs.len() as u8 & 0x0f));
+                }
+                for (key, value) in pairs {
+                    write(&mut out, key);
+                    write(&mut out, value);
+                }
+            }
+            other => write(&mut out, other),
+        }
     }
-    let mut out = Vec::new();
-    // Writing into a Vec cannot fail.
-    let _ = rmpv::encode::write_value(&mut out, &Value::Array(fields));
+    if let Some(rank) = batch.data_parallel_rank {
+        write(&mut out, &Value::from(rank));
+    }
     out
 }
 
+fn write_array_header(out: &mut Vec<u8>, len: usize) {
+    if len < 16 {
+        out.push(0x90 | len as u8);
+    } else if let Ok(len) = u16::try_from(len) {
+        out.push(0xdc);
+        out.extend_from_slice(&len.to_be_bytes());
+    } else {
+        out.push(0xdd);
+        out.extend_from_slice(&(len as u32).to_be_bytes());
+    }
+}
+
+fn write(out: &mut Vec<u8>, value: &Value) {
+    // Writing into a Vec cannot fail.
+    let _ = rmpv::encode::write_value(out, value);
+}
+
 fn encode_event(event: &KvEvent, format: WireFormat, encoding: HashEncoding) -> Option<Value> {
-    let hash_list = |list: &[ExternalBlockHash]| Value::Array(list.iter().map(|h| encode_hash(*h, encoding)).collect());
+    let hash_list = |list: &[ExternalBlockHash]| {
+        Value::Array(list.iter().map(|h| encode_hash(*h, encoding)).collect())
+    };
     // (name, value, always written): msgspec omits fields equal to their default (None) only for
     // fields that have one; the rest are always present, nil or not.
     let (tag, fields): (&str, Vec<(&str, Value, bool)>) = match event {
@@ -308,16 +390,38 @@ fn encode_event(event: &KvEvent, format: WireFormat, encoding: HashEncoding) -> 
             "BlockStored",
             vec![
                 ("block_hashes", hash_list(&stored.block_hashes), true),
-                ("parent_block_hash", stored.parent_block_hash.map_or(Value::Nil, |h| encode_hash(h, encoding)), true),
-                ("token_ids", Value::Array(stored.token_ids.iter().map(|t| Value::from(*t)).collect()), true),
+                (
+                    "parent_block_hash",
+                    stored
+                        .parent_block_hash
+                        .map_or(Value::Nil, |h| encode_hash(h, encoding)),
+                    true,
+                ),
+                (
+                    "token_ids",
+                    Value::Array(stored.token_ids.iter().map(|t| Value::from(*t)).collect()),
+                    true,
+                ),
                 ("block_size", Value::from(stored.block_size), true),
                 ("lora_id", optional_int(stored.lora_id), true),
                 ("medium", optional_str(&stored.medium), true),
                 ("lora_name", optional_str(&stored.lora_name), true),
-                ("extra_keys", Value::Nil, false),
+                (
+                    "extra_keys",
+                    stored.extra_keys.clone().unwrap_or(Value::Nil),
+                    false,
+                ),
                 ("group_idx", optional_int(stored.group_idx), false),
-                ("kv_cache_spec_kind", optional_str(&stored.kv_cache_spec_kind), false),
-                ("kv_cache_spec_sliding_window", optional_int(stored.kv_cache_spec_sliding_window), false),
+                (
+                    "kv_cache_spec_kind",
+                    optional_str(&stored.kv_cache_spec_kind),
+                    false,
+                ),
+                (
+                    "kv_cache_spec_sliding_window",
+                    optional_int(stored.kv_cache_spec_sliding_window),
+                    false,
+                ),
             ],
         ),
         KvEvent::BlockRemoved(removed) => (
@@ -350,7 +454,12 @@ fn encode_event(event: &KvEvent, format: WireFormat, encoding: HashEncoding) -> 
                 _ => 0,
             };
             let mut values = vec![Value::from(tag)];
-            values.extend(fields.into_iter().take(legacy_fields).map(|(_, value, _)| value));
+            values.extend(
+                fields
+                    .into_iter()
+                    .take(legacy_fields)
+                    .map(|(_, value, _)| value),
+            );
             Value::Array(values)
         }
     })
@@ -397,7 +506,10 @@ mod tests {
     fn tagged_events_ignore_unknown_fields_and_keep_unknown_types() {
         let event = Value::Map(vec![
             (Value::from("type"), Value::from("BlockRemoved")),
-            (Value::from("block_hashes"), Value::Array(vec![Value::from(9u64)])),
+            (
+                Value::from("block_hashes"),
+                Value::Array(vec![Value::from(9u64)]),
+            ),
             (Value::from("medium"), Value::Nil),
             (Value::from("some_future_field"), Value::from("x")),
         ]);
@@ -406,7 +518,14 @@ mod tests {
         let mut bytes = Vec::new();
         rmpv::encode::write_value(&mut bytes, &batch).unwrap();
         let decoded = decode_batch(&bytes).unwrap();
-        assert_eq!(decoded.events[0], KvEvent::BlockRemoved(BlockRemoved { block_hashes: vec![ExternalBlockHash(9)], medium: None, group_idx: None }));
+        assert_eq!(
+            decoded.events[0],
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![ExternalBlockHash(9)],
+                medium: None,
+                group_idx: None
+            })
+        );
         assert_eq!(decoded.events[1], KvEvent::Unknown("BlockPinned".into()));
         assert_eq!(decoded.data_parallel_rank, None);
     }
@@ -417,7 +536,10 @@ mod tests {
         assert!(decode_batch(&[0x91, 0xc0]).is_err());
         let mut trailing = encode_batch(&sample(), WireFormat::Tagged, HashEncoding::Int);
         trailing.push(0);
-        assert!(matches!(decode_batch(&trailing), Err(DecodeError::TrailingBytes)));
+        assert!(matches!(
+            decode_batch(&trailing),
+            Err(DecodeError::TrailingBytes)
+        ));
         assert!(decode_seq(&[1, 2, 3]).is_err());
         assert_eq!(decode_seq(&[0, 0, 0, 0, 0, 0, 1, 0]).unwrap(), 256);
     }

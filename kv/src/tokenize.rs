@@ -54,7 +54,11 @@ pub fn openai_messages(request: &Value) -> Vec<ChatMessage> {
             messages
                 .iter()
                 .map(|m| ChatMessage {
-                    role: m.get("role").and_then(Value::as_str).unwrap_or("user").to_owned(),
+                    role: m
+                        .get("role")
+                        .and_then(Value::as_str)
+                        .unwrap_or("user")
+                        .to_owned(),
                     content: content_text(m.get("content").unwrap_or(&Value::Null)),
                 })
                 .collect()
@@ -93,20 +97,30 @@ impl std::fmt::Debug for PromptTokenizer {
 const TEMPLATE_NAME: &str = "chat";
 
 impl PromptTokenizer {
-    pub fn new(tokenizer_json: &[u8], chat_template: &str) -> Result<PromptTokenizer, TokenizeError> {
-        let tokenizer = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|e| TokenizeError::Load {
-            path: "<bytes>".into(),
-            message: e.to_string(),
-        })?;
+    pub fn new(
+        tokenizer_json: &[u8],
+        chat_template: &str,
+    ) -> Result<PromptTokenizer, TokenizeError> {
+        let tokenizer =
+            tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|e| TokenizeError::Load {
+                path: "<bytes>".into(),
+                message: e.to_string(),
+            })?;
         let mut templates = minijinja::Environment::new();
         templates
             .add_template_owned(TEMPLATE_NAME, chat_template.to_owned())
             .map_err(TokenizeError::Template)?;
-        Ok(PromptTokenizer { tokenizer, templates })
+        Ok(PromptTokenizer {
+            tokenizer,
+            templates,
+        })
     }
 
     /// Load `tokenizer.json` and a Jinja chat template from files.
-    pub fn from_files(tokenizer_json: &Path, chat_template: &Path) -> Result<PromptTokenizer, TokenizeError> {
+    pub fn from_files(
+        tokenizer_json: &Path,
+        chat_template: &Path,
+    ) -> Result<PromptTokenizer, TokenizeError> {
         let load = |path: &Path| {
             std::fs::read(path).map_err(|e| TokenizeError::Load {
                 path: path.display().to_string(),
@@ -120,7 +134,10 @@ impl PromptTokenizer {
 
     /// The prompt text a worker builds from chat messages (with the generation prompt).
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TokenizeError> {
-        let template = self.templates.get_template(TEMPLATE_NAME).map_err(TokenizeError::Template)?;
+        let template = self
+            .templates
+            .get_template(TEMPLATE_NAME)
+            .map_err(TokenizeError::Template)?;
         template
             .render(minijinja::context! { messages => minijinja::value::Serde(messages), add_generation_prompt => true })
             .map_err(TokenizeError::Template)
@@ -152,7 +169,11 @@ mod tests {
 
     fn shipped() -> PromptTokenizer {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../conf/tokenizer");
-        PromptTokenizer::from_files(&dir.join("tokenizer.json"), &dir.join("chat_template.jinja")).unwrap()
+        PromptTokenizer::from_files(
+            &dir.join("tokenizer.json"),
+            &dir.join("chat_template.jinja"),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -163,18 +184,35 @@ mod tests {
             {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}
         ]}));
         let prompt = tokenizer.render_chat(&messages).unwrap();
-        assert_eq!(prompt, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello\nworld<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(
+            prompt,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello\nworld<|im_end|>\n<|im_start|>assistant\n"
+        );
         let ids = tokenizer.encode(&prompt).unwrap();
         assert!(ids.len() > 10 && ids.len() < prompt.len());
-        assert_eq!(tokenizer.decode(&tokenizer.encode("The quick brown fox").unwrap()), "The quick brown fox");
+        assert_eq!(
+            tokenizer.decode(&tokenizer.encode("The quick brown fox").unwrap()),
+            "The quick brown fox"
+        );
     }
 
     #[test]
     fn anthropic_system_comes_first() {
-        let messages = anthropic_messages(&json!({"system": [{"type": "text", "text": "S"}], "messages": [{"role": "user", "content": "U"}]}));
-        assert_eq!(messages, vec![
-            ChatMessage { role: "system".into(), content: "S".into() },
-            ChatMessage { role: "user".into(), content: "U".into() },
-        ]);
+        let messages = anthropic_messages(
+            &json!({"system": [{"type": "text", "text": "S"}], "messages": [{"role": "user", "content": "U"}]}),
+        );
+        assert_eq!(
+            messages,
+            vec![
+                ChatMessage {
+                    role: "system".into(),
+                    content: "S".into()
+                },
+                ChatMessage {
+                    role: "user".into(),
+                    content: "U".into()
+                },
+            ]
+        );
     }
 }

@@ -7,7 +7,7 @@
 pub mod process;
 pub mod upstream;
 
-pub use process::{Proxy, free_port, workspace_root};
+pub use process::{Proxy, Sim, SimWorker, free_port, workspace_root};
 pub use upstream::{Received, Upstream, UpstreamOptions};
 
 /// A config with one pool (`pool`, serving `served`) over `endpoints`, and aliases → that pool.
@@ -41,4 +41,35 @@ pub fn model_doc(alias: &str, pool: &str, upstream_model: Option<&str>) -> Strin
     format!(
         "\n---\napiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata:\n  name: {name}\nspec:\n  modelName: \"{alias}\"\n  targets:\n    - pool: {pool}{model_line}\n"
     )
+}
+
+/// Python with the test clients and vLLM's event code (`scripts/test.sh` makes `.venv`), or
+/// `SWITCHYARD_PYTHON`.
+pub fn python() -> std::path::PathBuf {
+    if let Some(path) = std::env::var_os("SWITCHYARD_PYTHON") {
+        return std::path::PathBuf::from(path);
+    }
+    let venv = workspace_root().join(".venv/bin/python");
+    assert!(
+        venv.exists(),
+        "{} is missing: run scripts/test.sh (it creates the venv with the SDKs and vLLM's event code)",
+        venv.display()
+    );
+    venv
+}
+
+/// Run `tests/python/<script>` with `args`; panics with its output unless it exits 0.
+pub fn run_python(script: &str, args: &[&str]) -> String {
+    let output = std::process::Command::new(python())
+        .arg(workspace_root().join("tests/python").join(script))
+        .args(args)
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{script} failed\nstdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
 }

@@ -180,3 +180,80 @@ impl Drop for Proxy {
         let _ = self.child.wait();
     }
 }
+
+/// One simulated worker's addresses, as `switchyard-sim` prints them.
+#[derive(Debug, Clone)]
+pub struct SimWorker {
+    pub http: String,
+    pub kv_events: Option<String>,
+    pub kv_replay: Option<String>,
+}
+
+impl SimWorker {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.http)
+    }
+}
+
+/// A running `switchyard-sim`, killed on drop.
+pub struct Sim {
+    child: Child,
+    pub model: String,
+    pub workers: Vec<SimWorker>,
+}
+
+impl Sim {
+    /// Start `switchyard-sim` with ephemeral ports plus `args`; returns once it printed its addresses.
+    pub fn start(args: &[&str]) -> Sim {
+        let mut child = Command::new(binary("switchyard-sim"))
+            .args([
+                "--port",
+                "0",
+                "--kv-events-port",
+                "0",
+                "--kv-replay-port",
+                "0",
+            ])
+            .args(args)
+            .current_dir(workspace_root())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn switchyard-sim");
+        let stdout = child.stdout.take().expect("sim stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("read sim addresses");
+        let value: serde_json::Value = match serde_json::from_str(&line) {
+            Ok(value) => value,
+            Err(e) => {
+                let _ = child.kill();
+                panic!("switchyard-sim did not print its addresses ({e}): {line:?}");
+            }
+        };
+        let text = |v: &serde_json::Value| v.as_str().map(str::to_owned);
+        let workers = value["workers"]
+            .as_array()
+            .expect("workers")
+            .iter()
+            .map(|w| SimWorker {
+                http: text(&w["http"]).expect("http"),
+                kv_events: text(&w["kv_events"]),
+                kv_replay: text(&w["kv_replay"]),
+            })
+            .collect();
+        Sim {
+            child,
+            model: text(&value["model"]).unwrap_or_default(),
+            workers,
+        }
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

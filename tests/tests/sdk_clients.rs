@@ -2,23 +2,9 @@
 //! Needs the venv that `scripts/test.sh` creates (or `SWITCHYARD_PYTHON` pointing at a Python
 //! that has both SDKs).
 
-use std::path::PathBuf;
 use std::process::Command;
 
-use switchyard_e2e::{Proxy, Upstream, UpstreamOptions, model_doc, workspace_root};
-
-fn python() -> PathBuf {
-    if let Some(path) = std::env::var_os("SWITCHYARD_PYTHON") {
-        return PathBuf::from(path);
-    }
-    let venv = workspace_root().join(".venv/bin/python");
-    assert!(
-        venv.exists(),
-        "{} is missing: run scripts/test.sh (it creates the venv with the openai and anthropic SDKs)",
-        venv.display()
-    );
-    venv
-}
+use switchyard_e2e::{Proxy, Upstream, UpstreamOptions, model_doc, python, workspace_root};
 
 #[tokio::test]
 async fn official_sdks_work_through_the_proxy_streaming_included() {

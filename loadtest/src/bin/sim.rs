@@ -28,7 +28,11 @@ enum HashFormat {
 }
 
 #[derive(Parser, Debug)]
-#[command(name = "switchyard-sim", version, about = "Simulated vLLM workers for routers and benchmarks")]
+#[command(
+    name = "switchyard-sim",
+    version,
+    about = "Simulated vLLM workers for routers and benchmarks"
+)]
 struct Args {
     /// Number of workers.
     #[arg(long, default_value_t = 3)]
@@ -97,28 +101,46 @@ fn shipped(file: &str) -> PathBuf {
     if relative.exists() {
         return relative;
     }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(relative)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(relative)
 }
 
 fn port(base: u16, index: usize) -> u16 {
-    if base == 0 { 0 } else { base.saturating_add(index as u16) }
+    if base == 0 {
+        0
+    } else {
+        base.saturating_add(index as u16)
+    }
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     anyhow::ensure!(args.time_scale > 0.0, "--time-scale must be positive");
-    anyhow::ensure!(args.block_size > 0 && args.num_blocks > 0, "--block-size and --num-blocks must be positive");
+    anyhow::ensure!(
+        args.block_size > 0 && args.num_blocks > 0,
+        "--block-size and --num-blocks must be positive"
+    );
 
-    let tokenizer_path = args.tokenizer.clone().unwrap_or_else(|| shipped("tokenizer.json"));
-    let template_path = args.chat_template.clone().unwrap_or_else(|| shipped("chat_template.jinja"));
+    let tokenizer_path = args
+        .tokenizer
+        .clone()
+        .unwrap_or_else(|| shipped("tokenizer.json"));
+    let template_path = args
+        .chat_template
+        .clone()
+        .unwrap_or_else(|| shipped("chat_template.jinja"));
     let tokenizer = Arc::new(
-        PromptTokenizer::from_files(&tokenizer_path, &template_path).context("loading the tokenizer")?,
+        PromptTokenizer::from_files(&tokenizer_path, &template_path)
+            .context("loading the tokenizer")?,
     );
     let latency = LatencyModel {
         prefill_s_per_token: args.prefill_s_per_token,
@@ -130,7 +152,11 @@ async fn main() -> anyhow::Result<()> {
     for index in 0..args.workers {
         let events = (!args.no_kv_events).then(|| PublisherConfig {
             endpoint: format!("tcp://{}:{}", args.host, port(args.kv_events_port, index)),
-            replay_endpoint: Some(format!("tcp://{}:{}", args.host, port(args.kv_replay_port, index))),
+            replay_endpoint: Some(format!(
+                "tcp://{}:{}",
+                args.host,
+                port(args.kv_replay_port, index)
+            )),
             topic: args.kv_topic.clone(),
             buffer_steps: 10_000,
             format: match args.kv_events_format {
@@ -165,8 +191,13 @@ async fn main() -> anyhow::Result<()> {
         workers.push(addresses);
         engines.push(engine);
     }
-    println!("{}", serde_json::json!({"model": args.model, "workers": workers}));
-    tokio::signal::ctrl_c().await.context("waiting for ctrl-c")?;
+    println!(
+        "{}",
+        serde_json::json!({"model": args.model, "workers": workers})
+    );
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for ctrl-c")?;
     drop(engines);
     Ok(())
 }

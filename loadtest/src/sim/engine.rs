@@ -49,7 +49,12 @@ impl Default for LatencyModel {
 impl LatencyModel {
     /// Model time of one step with `prefill_tokens` of prefill and `decode_seqs` decoding
     /// sequences holding `decode_context_tokens` tokens of context between them.
-    pub fn step_seconds(&self, prefill_tokens: usize, decode_seqs: usize, decode_context_tokens: usize) -> f64 {
+    pub fn step_seconds(
+        &self,
+        prefill_tokens: usize,
+        decode_seqs: usize,
+        decode_context_tokens: usize,
+    ) -> f64 {
         let mut seconds = self.step_overhead_s + prefill_tokens as f64 * self.prefill_s_per_token;
         if decode_seqs > 0 {
             seconds += self.decode_base_s
@@ -91,7 +96,9 @@ impl Default for EngineConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Output {
     /// Admitted; this many prompt tokens came from the prefix cache.
-    Started { cached_tokens: usize },
+    Started {
+        cached_tokens: usize,
+    },
     Token(u32),
     Finished,
 }
@@ -121,7 +128,11 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     /// Queue a request. `output_tokens` are the tokens it will generate, in order.
-    pub fn submit(&self, prompt: Vec<u32>, output_tokens: Vec<u32>) -> Result<mpsc::UnboundedReceiver<Output>, SubmitError> {
+    pub fn submit(
+        &self,
+        prompt: Vec<u32>,
+        output_tokens: Vec<u32>,
+    ) -> Result<mpsc::UnboundedReceiver<Output>, SubmitError> {
         let needed = (prompt.len() + output_tokens.len()).div_ceil(self.block_size);
         if needed > self.capacity_blocks {
             return Err(SubmitError::TooLong {
@@ -131,7 +142,9 @@ impl EngineHandle {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let sequence = Sequence::new(prompt, output_tokens, tx);
-        self.commands.send(Command::Submit(sequence)).map_err(|_| SubmitError::Stopped)?;
+        self.commands
+            .send(Command::Submit(sequence))
+            .map_err(|_| SubmitError::Stopped)?;
         Ok(rx)
     }
 
@@ -163,7 +176,11 @@ struct Sequence {
 }
 
 impl Sequence {
-    fn new(prompt: Vec<u32>, output_tokens: Vec<u32>, output: mpsc::UnboundedSender<Output>) -> Sequence {
+    fn new(
+        prompt: Vec<u32>,
+        output_tokens: Vec<u32>,
+        output: mpsc::UnboundedSender<Output>,
+    ) -> Sequence {
         Sequence {
             prompt_len: prompt.len(),
             tokens: prompt,
@@ -181,7 +198,10 @@ impl Sequence {
 }
 
 /// Start an engine on the current tokio runtime. Batches of KV events go to `events` when given.
-pub fn spawn(config: EngineConfig, events: Option<mpsc::UnboundedSender<KvEventBatch>>) -> EngineHandle {
+pub fn spawn(
+    config: EngineConfig,
+    events: Option<mpsc::UnboundedSender<KvEventBatch>>,
+) -> EngineHandle {
     let (commands, rx) = mpsc::unbounded_channel();
     let stats = Arc::new(EngineStats::default());
     let handle = EngineHandle {
@@ -245,7 +265,10 @@ impl Engine {
                 continue;
             }
             let (prefill, decode_seqs, context) = self.step_shape(&plan);
-            let seconds = self.config.latency.step_seconds(prefill, decode_seqs, context);
+            let seconds = self
+                .config
+                .latency
+                .step_seconds(prefill, decode_seqs, context);
             tokio::time::sleep(Duration::from_secs_f64(seconds * self.config.time_scale)).await;
             self.apply(&plan);
             self.flush_events();
@@ -255,7 +278,8 @@ impl Engine {
 
     /// Model seconds between two instants.
     fn model_seconds(&self, from: Instant, to: Instant) -> f64 {
-        to.saturating_duration_since(from).as_secs_f64() / self.config.time_scale.max(f64::MIN_POSITIVE)
+        to.saturating_duration_since(from).as_secs_f64()
+            / self.config.time_scale.max(f64::MIN_POSITIVE)
     }
 
     fn handle(&mut self, command: Command) {
@@ -346,7 +370,9 @@ impl Engine {
             let hashes = self.cache.hashes_of(&sequence.tokens);
             // The last prompt token is always recomputed, so a fully cached prompt still prefills one token.
             let cacheable = (sequence.tokens.len().saturating_sub(1)) / self.config.block_size;
-            let cached_blocks = self.cache.cached_prefix(hashes.get(..cacheable.min(hashes.len())).unwrap_or(&[]));
+            let cached_blocks = self
+                .cache
+                .cached_prefix(hashes.get(..cacheable.min(hashes.len())).unwrap_or(&[]));
             let prefix = hashes.get(..cached_blocks).unwrap_or(&[]);
             let acquired = self.cache.acquire_cached(prefix);
             let total_blocks = sequence.tokens.len().div_ceil(self.config.block_size);
@@ -361,7 +387,8 @@ impl Engine {
             sequence.blocks = acquired;
             sequence.blocks.extend(allocation.blocks);
             sequence.computed = cached_tokens;
-            self.stats.record_prefix_lookup(sequence.tokens.len(), cached_tokens);
+            self.stats
+                .record_prefix_lookup(sequence.tokens.len(), cached_tokens);
             if !sequence.started {
                 sequence.started = true;
                 let _ = sequence.output.send(Output::Started { cached_tokens });
@@ -388,11 +415,12 @@ impl Engine {
 
     fn note_evictions(&mut self, evicted: Vec<ExternalBlockHash>) {
         if !evicted.is_empty() {
-            self.pending_events.push(KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: evicted,
-                medium: Some("GPU".into()),
-                group_idx: None,
-            }));
+            self.pending_events
+                .push(KvEvent::BlockRemoved(BlockRemoved {
+                    block_hashes: evicted,
+                    medium: Some("GPU".into()),
+                    group_idx: None,
+                }));
         }
     }
 
@@ -410,11 +438,17 @@ impl Engine {
             let full = sequence.computed / block_size;
             let mut stored: Option<BlockStored> = None;
             for block in sequence.block_hashes.len()..full {
-                let tokens = sequence.tokens.get(block * block_size..(block + 1) * block_size).unwrap_or(&[]);
+                let tokens = sequence
+                    .tokens
+                    .get(block * block_size..(block + 1) * block_size)
+                    .unwrap_or(&[]);
                 let parent = sequence.block_hashes.last().copied();
                 let hash = self.cache.block_hash(parent, tokens);
                 sequence.block_hashes.push(hash);
-                let registered = sequence.blocks.get(block).is_some_and(|id| self.cache.register(*id, hash));
+                let registered = sequence
+                    .blocks
+                    .get(block)
+                    .is_some_and(|id| self.cache.register(*id, hash));
                 if !registered {
                     // A duplicate of a block another request cached first: close the current run.
                     if let Some(run) = stored.take() {
@@ -460,9 +494,12 @@ impl Engine {
             let sequence = self.running.remove(index);
             self.cache.release(&sequence.blocks);
             let _ = sequence.output.send(Output::Finished);
-            let ttft = sequence.first_token_at.map(|t| self.model_seconds(sequence.arrived, t));
+            let ttft = sequence
+                .first_token_at
+                .map(|t| self.model_seconds(sequence.arrived, t));
             let e2e = self.model_seconds(sequence.arrived, now);
-            self.stats.record_finished(sequence.prompt_len, sequence.generated, ttft, e2e);
+            self.stats
+                .record_finished(sequence.prompt_len, sequence.generated, ttft, e2e);
         }
     }
 
@@ -484,7 +521,8 @@ impl Engine {
     }
 
     fn update_gauges(&self) {
-        self.stats.set_gauges(self.running.len(), self.waiting.len(), self.cache.usage());
+        self.stats
+            .set_gauges(self.running.len(), self.waiting.len(), self.cache.usage());
     }
 }
 
@@ -493,7 +531,11 @@ mod tests {
     use super::*;
 
     /// Submit and wait: (cached tokens, time to first token, generated tokens).
-    async fn run_one(engine: &EngineHandle, prompt: Vec<u32>, output: Vec<u32>) -> (usize, Duration, Vec<u32>) {
+    async fn run_one(
+        engine: &EngineHandle,
+        prompt: Vec<u32>,
+        output: Vec<u32>,
+    ) -> (usize, Duration, Vec<u32>) {
         let start = Instant::now();
         let mut outputs = engine.submit(prompt, output).unwrap();
         let (mut cached, mut ttft, mut tokens) = (0, None, Vec::new());
@@ -513,7 +555,10 @@ mod tests {
     fn assert_close(measured: Duration, predicted_seconds: f64, steps: u32) {
         // Tokio timers tick in whole milliseconds: allow one per step.
         let error = (measured.as_secs_f64() - predicted_seconds).abs();
-        assert!(error <= 0.001 * f64::from(steps) + 1e-9, "measured {measured:?}, predicted {predicted_seconds}s");
+        assert!(
+            error <= 0.001 * f64::from(steps) + 1e-9,
+            "measured {measured:?}, predicted {predicted_seconds}s"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -535,7 +580,10 @@ mod tests {
         assert_eq!(cached, 960);
         assert_close(warm, latency.step_seconds(40, 0, 0), 1);
         let saved = cold.as_secs_f64() - warm.as_secs_f64();
-        assert!((saved - 960.0 * latency.prefill_s_per_token).abs() <= 0.002, "saved {saved}s");
+        assert!(
+            (saved - 960.0 * latency.prefill_s_per_token).abs() <= 0.002,
+            "saved {saved}s"
+        );
 
         // An identical prompt still recomputes its last block (vLLM never caches the last token).
         let (cached, _, _) = run_one(&engine, prompt, vec![1]).await;
@@ -560,7 +608,11 @@ mod tests {
         let second = run_one(&engine, (5000..5100).collect(), vec![1]).await;
         let first = first.await.unwrap();
         // 1000 tokens in chunks of 512: two prefill steps, the second samples the first token.
-        assert_close(first.1, latency.step_seconds(512, 0, 0) + latency.step_seconds(488, 0, 0), 2);
+        assert_close(
+            first.1,
+            latency.step_seconds(512, 0, 0) + latency.step_seconds(488, 0, 0),
+            2,
+        );
         // The second request waits for the first to finish (one decode step after its prefill).
         let predicted = latency.step_seconds(512, 0, 0)
             + latency.step_seconds(488, 0, 0)
@@ -584,7 +636,9 @@ mod tests {
         run_one(&engine, a.clone(), vec![1]).await;
         let stored = rx.recv().await.unwrap();
         assert_eq!(stored.data_parallel_rank, Some(0));
-        let [KvEvent::BlockStored(stored)] = stored.events.as_slice() else { panic!("{stored:?}") };
+        let [KvEvent::BlockStored(stored)] = stored.events.as_slice() else {
+            panic!("{stored:?}")
+        };
         assert_eq!(stored.block_hashes, a_hashes);
         assert_eq!(stored.parent_block_hash, None);
         assert_eq!(stored.token_ids, a);
@@ -604,7 +658,9 @@ mod tests {
             .flatten()
             .collect();
         assert_eq!(removed, vec![a_hashes[3], a_hashes[2], a_hashes[1]]);
-        assert!(batch.events.iter().any(|e| matches!(e, KvEvent::BlockStored(s) if s.block_hashes == cache.hashes_of(&b))));
+        assert!(batch.events.iter().any(
+            |e| matches!(e, KvEvent::BlockStored(s) if s.block_hashes == cache.hashes_of(&b))
+        ));
 
         // Only A's first block is still cached.
         let (cached, _, _) = run_one(&engine, a, vec![1]).await;
@@ -632,23 +688,44 @@ mod tests {
             .map(|i| {
                 let engine = engine.clone();
                 let answer = long_answer.clone();
-                tokio::spawn(async move { run_one(&engine, (i * 100..i * 100 + 8).collect(), answer).await })
+                tokio::spawn(async move {
+                    run_one(&engine, (i * 100..i * 100 + 8).collect(), answer).await
+                })
             })
             .collect();
         for job in jobs {
             assert_eq!(job.await.unwrap().2, long_answer);
         }
         let metrics = engine.stats.render("m");
-        assert!(!metrics.contains("vllm:num_preemptions_total{model_name=\"m\",engine=\"0\"} 0"), "{metrics}");
+        assert!(
+            !metrics.contains("vllm:num_preemptions_total{model_name=\"m\",engine=\"0\"} 0"),
+            "{metrics}"
+        );
     }
 
     #[test]
     fn oversized_requests_are_refused_up_front() {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         runtime.block_on(async {
-            let engine = spawn(EngineConfig { num_blocks: 2, block_size: 4, ..EngineConfig::default() }, None);
+            let engine = spawn(
+                EngineConfig {
+                    num_blocks: 2,
+                    block_size: 4,
+                    ..EngineConfig::default()
+                },
+                None,
+            );
             let error = engine.submit((0..9).collect(), vec![1]).unwrap_err();
-            assert_eq!(error, SubmitError::TooLong { needed: 3, capacity: 2 });
+            assert_eq!(
+                error,
+                SubmitError::TooLong {
+                    needed: 3,
+                    capacity: 2
+                }
+            );
         });
     }
 }

@@ -37,7 +37,10 @@ impl Worker {
         const TEXT: &str = " The quick brown fox jumps over the lazy dog while the simulated engine keeps \
                             producing plausible words one token at a time for every request it serves";
         let ids = tokenizer.encode(TEXT).unwrap_or_default();
-        let text = ids.iter().map(|id| (*id, tokenizer.decode(&[*id]))).collect();
+        let text = ids
+            .iter()
+            .map(|id| (*id, tokenizer.decode(&[*id])))
+            .collect();
         (ids, text)
     }
 }
@@ -56,13 +59,36 @@ pub fn router(worker: Arc<Worker>) -> Router {
         .with_state(worker)
 }
 
-/// vLLM's error body.
-fn error(status: StatusCode, kind: &str, message: impl Into<String>, param: Option<&str>) -> Response {
-    let body = json!({"error": {"message": message.into(), "type": kind, "param": param, "code": status.as_u16()}});
-    (status, axum::Json(body)).into_response()
+/// An error answered in vLLM's error body.
+struct Failure {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+    param: Option<&'static str>,
 }
 
-fn bad_request(message: impl Into<String>) -> Response {
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status.as_u16()}});
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+fn error(
+    status: StatusCode,
+    kind: &'static str,
+    message: impl Into<String>,
+    param: Option<&'static str>,
+) -> Failure {
+    Failure {
+        status,
+        kind,
+        message: message.into(),
+        param,
+    }
+}
+
+fn bad_request(message: impl Into<String>) -> Failure {
     error(StatusCode::BAD_REQUEST, "BadRequestError", message, None)
 }
 
@@ -81,9 +107,13 @@ struct Prepared {
     request_model: String,
 }
 
-fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Response> {
-    let request: Value = serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid JSON body: {e}")))?;
-    let model = request.get("model").and_then(Value::as_str).unwrap_or_default();
+fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> {
+    let request: Value =
+        serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid JSON body: {e}")))?;
+    let model = request
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
     if model != worker.model {
         return Err(error(
             StatusCode::NOT_FOUND,
@@ -110,9 +140,17 @@ fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Response>
         Api::Completions => match request.get("prompt") {
             Some(Value::String(text)) => worker.tokenizer.encode(text),
             Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_u64) => {
-                Ok(items.iter().filter_map(Value::as_u64).map(|t| t as u32).collect())
+                Ok(items
+                    .iter()
+                    .filter_map(Value::as_u64)
+                    .map(|t| t as u32)
+                    .collect())
             }
-            _ => return Err(bad_request("prompt must be a string or a list of token ids")),
+            _ => {
+                return Err(bad_request(
+                    "prompt must be a string or a list of token ids",
+                ));
+            }
         },
     }
     .map_err(|e| bad_request(e.to_string()))?;
@@ -135,11 +173,16 @@ fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Response>
     }
     let vocab = &worker.output_vocab;
     let offset = prompt.len() % vocab.len().max(1);
-    let output = (0..max_tokens).filter_map(|i| vocab.get((offset + i) % vocab.len().max(1)).copied()).collect();
+    let output = (0..max_tokens)
+        .filter_map(|i| vocab.get((offset + i) % vocab.len().max(1)).copied())
+        .collect();
     Ok(Prepared {
         prompt,
         output,
-        stream: request.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        stream: request
+            .get("stream")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
         include_usage: request
             .get("stream_options")
             .and_then(|o| o.get("include_usage"))
@@ -175,7 +218,10 @@ struct Collected {
 }
 
 async fn collect(mut outputs: mpsc::UnboundedReceiver<Output>) -> Collected {
-    let mut collected = Collected { tokens: Vec::new(), cached_tokens: 0 };
+    let mut collected = Collected {
+        tokens: Vec::new(),
+        cached_tokens: 0,
+    };
     while let Some(output) = outputs.recv().await {
         match output {
             Output::Started { cached_tokens } => collected.cached_tokens = cached_tokens,
@@ -187,7 +233,10 @@ async fn collect(mut outputs: mpsc::UnboundedReceiver<Output>) -> Collected {
 }
 
 fn text_of(worker: &Worker, tokens: &[u32]) -> String {
-    tokens.iter().filter_map(|t| worker.token_text.get(t).map(String::as_str)).collect()
+    tokens
+        .iter()
+        .filter_map(|t| worker.token_text.get(t).map(String::as_str))
+        .collect()
 }
 
 async fn chat_completions(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
@@ -205,13 +254,13 @@ async fn messages(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
 async fn serve(worker: Arc<Worker>, api: Api, body: Bytes) -> Response {
     let prepared = match prepare(&worker, api, &body) {
         Ok(prepared) => prepared,
-        Err(response) => return response,
+        Err(failure) => return failure.into_response(),
     };
     let prompt_len = prepared.prompt.len();
     let expected = prepared.output.len();
     let outputs = match worker.engine.submit(prepared.prompt, prepared.output) {
         Ok(outputs) => outputs,
-        Err(e) => return bad_request(e.to_string()),
+        Err(e) => return bad_request(e.to_string()).into_response(),
     };
     let id = request_id();
     if prepared.stream {
@@ -280,11 +329,20 @@ struct StreamState {
 impl StreamState {
     fn chunk(&self, delta: Value, finish: Option<&str>) -> String {
         let choice = match self.api {
-            Api::Completions => json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "logprobs": null, "finish_reason": finish}),
+            Api::Completions => {
+                json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "logprobs": null, "finish_reason": finish})
+            }
             _ => json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}),
         };
-        let object = if self.api == Api::Completions { "text_completion" } else { "chat.completion.chunk" };
-        format!("data: {}\n\n", json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]}))
+        let object = if self.api == Api::Completions {
+            "text_completion"
+        } else {
+            "chat.completion.chunk"
+        };
+        format!(
+            "data: {}\n\n",
+            json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]})
+        )
     }
 
     fn event(name: &str, data: Value) -> String {
@@ -300,7 +358,9 @@ impl StreamState {
                 if !self.started {
                     self.started = true;
                     match self.api {
-                        Api::Chat => out.push_str(&self.chunk(json!({"role": "assistant", "content": ""}), None)),
+                        Api::Chat => out.push_str(
+                            &self.chunk(json!({"role": "assistant", "content": ""}), None),
+                        ),
                         Api::Completions => {}
                         Api::Messages => {
                             out.push_str(&Self::event("message_start", json!({"type": "message_start", "message": {
@@ -314,7 +374,12 @@ impl StreamState {
             }
             Output::Token(token) => {
                 self.generated += 1;
-                let text = self.worker.token_text.get(&token).cloned().unwrap_or_default();
+                let text = self
+                    .worker
+                    .token_text
+                    .get(&token)
+                    .cloned()
+                    .unwrap_or_default();
                 let last = self.generated >= self.expected;
                 match self.api {
                     Api::Messages => out.push_str(&Self::event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}))),
@@ -325,13 +390,23 @@ impl StreamState {
                 self.done = true;
                 match self.api {
                     Api::Messages => {
-                        out.push_str(&Self::event("content_block_stop", json!({"type": "content_block_stop", "index": 0})));
+                        out.push_str(&Self::event(
+                            "content_block_stop",
+                            json!({"type": "content_block_stop", "index": 0}),
+                        ));
                         out.push_str(&Self::event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": null}, "usage": {"output_tokens": self.generated}})));
-                        out.push_str(&Self::event("message_stop", json!({"type": "message_stop"})));
+                        out.push_str(&Self::event(
+                            "message_stop",
+                            json!({"type": "message_stop"}),
+                        ));
                     }
                     _ => {
                         if self.include_usage {
-                            let object = if self.api == Api::Completions { "text_completion" } else { "chat.completion.chunk" };
+                            let object = if self.api == Api::Completions {
+                                "text_completion"
+                            } else {
+                                "chat.completion.chunk"
+                            };
                             out.push_str(&format!(
                                 "data: {}\n\n",
                                 json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [],
@@ -373,16 +448,24 @@ async fn models(State(worker): State<Arc<Worker>>) -> Response {
 
 async fn tokenize(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
     let Ok(request) = serde_json::from_slice::<Value>(&body) else {
-        return bad_request("invalid JSON body");
+        return bad_request("invalid JSON body").into_response();
     };
     let tokens = if request.get("messages").is_some() {
         worker.tokenizer.encode_chat(&openai_messages(&request))
     } else {
-        worker.tokenizer.encode(request.get("prompt").and_then(Value::as_str).unwrap_or_default())
+        worker.tokenizer.encode(
+            request
+                .get("prompt")
+                .and_then(Value::as_str)
+                .unwrap_or_default(),
+        )
     };
     match tokens {
-        Ok(tokens) => axum::Json(json!({"count": tokens.len(), "max_model_len": worker.max_model_len, "tokens": tokens})).into_response(),
-        Err(e) => bad_request(e.to_string()),
+        Ok(tokens) => axum::Json(
+            json!({"count": tokens.len(), "max_model_len": worker.max_model_len, "tokens": tokens}),
+        )
+        .into_response(),
+        Err(e) => bad_request(e.to_string()).into_response(),
     }
 }
 
@@ -390,13 +473,22 @@ async fn reset_prefix_cache(State(worker): State<Arc<Worker>>) -> Response {
     if worker.engine.reset_prefix_cache().await {
         StatusCode::OK.into_response()
     } else {
-        error(StatusCode::CONFLICT, "ConflictError", "requests are running; the prefix cache was not reset", None)
+        error(
+            StatusCode::CONFLICT,
+            "ConflictError",
+            "requests are running; the prefix cache was not reset",
+            None,
+        )
+        .into_response()
     }
 }
 
 async fn metrics(State(worker): State<Arc<Worker>>) -> Response {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         worker.engine.stats.render(&worker.model),
     )
         .into_response()

@@ -85,7 +85,11 @@ impl KvCache {
 
     /// The hash vLLM would give a full block after `parent` (sha256 over the parent hash, the
     /// seed and the tokens; published as its low 64 bits, like vLLM's int hashes).
-    pub fn block_hash(&self, parent: Option<ExternalBlockHash>, tokens: &[u32]) -> ExternalBlockHash {
+    pub fn block_hash(
+        &self,
+        parent: Option<ExternalBlockHash>,
+        tokens: &[u32],
+    ) -> ExternalBlockHash {
         let mut hasher = Sha256::new();
         hasher.update(self.hash_seed.to_be_bytes());
         match parent {
@@ -113,7 +117,10 @@ impl KvCache {
 
     /// How many leading blocks of `hashes` are cached.
     pub fn cached_prefix(&self, hashes: &[ExternalBlockHash]) -> usize {
-        hashes.iter().take_while(|h| self.by_hash.contains_key(h)).count()
+        hashes
+            .iter()
+            .take_while(|h| self.by_hash.contains_key(h))
+            .count()
     }
 
     /// Take a reference on the cached blocks of a prefix (they leave the free queue).
@@ -283,6 +290,10 @@ mod tests {
         let cache = KvCache::new(1, 2, 7);
         let h = cache.hashes_of(&[1, 2, 1, 2]);
         assert_ne!(h[0], h[1], "same tokens after a different prefix");
-        assert_ne!(KvCache::new(1, 2, 8).hashes_of(&[1, 2])[0], h[0], "the seed matters");
+        assert_ne!(
+            KvCache::new(1, 2, 8).hashes_of(&[1, 2])[0],
+            h[0],
+            "the seed matters"
+        );
     }
 }

@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// vLLM's TTFT buckets (`TIME_TO_FIRST_TOKEN_BUCKETS`).
 pub const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-    160.0, 640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 /// vLLM's request latency buckets (`REQUEST_LATENCY_BUCKETS`).
 pub const LATENCY_BUCKETS: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
-    1920.0, 7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
 ];
 
 #[derive(Debug)]
@@ -79,21 +79,32 @@ impl EngineStats {
     pub fn set_gauges(&self, running: usize, waiting: usize, kv_usage: f64) {
         self.running.store(running as u64, Ordering::Relaxed);
         self.waiting.store(waiting as u64, Ordering::Relaxed);
-        self.kv_usage_bits.store(kv_usage.to_bits(), Ordering::Relaxed);
+        self.kv_usage_bits
+            .store(kv_usage.to_bits(), Ordering::Relaxed);
     }
 
     pub fn record_prefix_lookup(&self, queried_tokens: usize, hit_tokens: usize) {
-        self.prefix_queries.fetch_add(queried_tokens as u64, Ordering::Relaxed);
-        self.prefix_hits.fetch_add(hit_tokens as u64, Ordering::Relaxed);
+        self.prefix_queries
+            .fetch_add(queried_tokens as u64, Ordering::Relaxed);
+        self.prefix_hits
+            .fetch_add(hit_tokens as u64, Ordering::Relaxed);
     }
 
     pub fn record_preemption(&self) {
         self.preemptions.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn record_finished(&self, prompt_tokens: usize, generated: usize, ttft: Option<f64>, e2e: f64) {
-        self.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
-        self.generation_tokens.fetch_add(generated as u64, Ordering::Relaxed);
+    pub fn record_finished(
+        &self,
+        prompt_tokens: usize,
+        generated: usize,
+        ttft: Option<f64>,
+        e2e: f64,
+    ) {
+        self.prompt_tokens
+            .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+        self.generation_tokens
+            .fetch_add(generated as u64, Ordering::Relaxed);
         self.success.fetch_add(1, Ordering::Relaxed);
         let mut histograms = match self.histograms.lock() {
             Ok(guard) => guard,
@@ -130,19 +141,57 @@ impl EngineStats {
         let labels = format!("model_name=\"{}\",engine=\"0\"", escape(model_name));
         let mut out = String::new();
         let mut gauge = |name: &str, help: &str, value: f64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{labels}}} {value}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{labels}}} {value}"
+            );
         };
-        gauge("vllm:num_requests_running", "Number of requests in model execution batches.", self.running() as f64);
-        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", self.waiting() as f64);
-        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", self.kv_usage());
+        gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            self.running() as f64,
+        );
+        gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            self.waiting() as f64,
+        );
+        gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            self.kv_usage(),
+        );
         let mut counter = |name: &str, help: &str, value: u64| {
-            let _ = writeln!(out, "# HELP {name}_total {help}\n# TYPE {name}_total counter\n{name}_total{{{labels}}} {value}");
+            let _ = writeln!(
+                out,
+                "# HELP {name}_total {help}\n# TYPE {name}_total counter\n{name}_total{{{labels}}} {value}"
+            );
         };
-        counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", self.prefix_queries());
-        counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", self.prefix_hits());
-        counter("vllm:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens.load(Ordering::Relaxed));
-        counter("vllm:generation_tokens", "Number of generation tokens processed.", self.generation_tokens.load(Ordering::Relaxed));
-        counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", self.preemptions.load(Ordering::Relaxed));
+        counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            self.prefix_queries(),
+        );
+        counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            self.prefix_hits(),
+        );
+        counter(
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed.",
+            self.prompt_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            self.generation_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            self.preemptions.load(Ordering::Relaxed),
+        );
         let _ = writeln!(
             out,
             "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter\nvllm:request_success_total{{{labels},finished_reason=\"length\"}} {}",
@@ -152,8 +201,20 @@ impl EngineStats {
             Ok(guard) => guard,
             Err(poisoned) => poisoned.into_inner(),
         };
-        write_histogram(&mut out, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", &labels, &histograms.ttft);
-        write_histogram(&mut out, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", &labels, &histograms.e2e);
+        write_histogram(
+            &mut out,
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            &labels,
+            &histograms.ttft,
+        );
+        write_histogram(
+            &mut out,
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            &labels,
+            &histograms.e2e,
+        );
         out
     }
 }
@@ -163,11 +224,18 @@ fn write_histogram(out: &mut String, name: &str, help: &str, labels: &str, histo
     for (bound, count) in histogram.bounds.iter().zip(&histogram.counts) {
         let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound:?}\"}} {count}");
     }
-    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", histogram.count);
+    let _ = writeln!(
+        out,
+        "{name}_bucket{{{labels},le=\"+Inf\"}} {}",
+        histogram.count
+    );
     let _ = writeln!(out, "{name}_sum{{{labels}}} {}", histogram.sum);
     let _ = writeln!(out, "{name}_count{{{labels}}} {}", histogram.count);
 }
 
 fn escape(value: &str) -> String {
-    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }

@@ -53,7 +53,10 @@ pub enum StartError {
 }
 
 /// Start a worker (engine, event publisher, HTTP server) on the current runtime.
-pub async fn start_worker(config: WorkerConfig, tokenizer: Arc<PromptTokenizer>) -> Result<(WorkerAddresses, EngineHandle), StartError> {
+pub async fn start_worker(
+    config: WorkerConfig,
+    tokenizer: Arc<PromptTokenizer>,
+) -> Result<(WorkerAddresses, EngineHandle), StartError> {
     let (kv_events, kv_replay, events_tx) = match config.events {
         Some(publisher_config) => {
             let (tx, rx) = mpsc::unbounded_channel();
@@ -75,10 +78,14 @@ pub async fn start_worker(config: WorkerConfig, tokenizer: Arc<PromptTokenizer>)
     });
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
-        .map_err(|source| StartError::Listen { addr: config.listen, source })?;
-    let addr = listener
-        .local_addr()
-        .map_err(|source| StartError::Listen { addr: config.listen, source })?;
+        .map_err(|source| StartError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Listen {
+        addr: config.listen,
+        source,
+    })?;
     tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, http::router(worker)).await {
             tracing::error!(%error, "simulated worker HTTP server stopped");

@@ -38,12 +38,18 @@ pub struct PublisherError {
 }
 
 /// Bind the sockets and publish every batch received on `batches` until the channel closes.
-pub async fn start(config: PublisherConfig, mut batches: mpsc::UnboundedReceiver<KvEventBatch>) -> Result<BoundPublisher, PublisherError> {
+pub async fn start(
+    config: PublisherConfig,
+    mut batches: mpsc::UnboundedReceiver<KvEventBatch>,
+) -> Result<BoundPublisher, PublisherError> {
     let mut publisher = zeromq::PubSocket::new();
     let endpoint = publisher
         .bind(&config.endpoint)
         .await
-        .map_err(|source| PublisherError { endpoint: config.endpoint.clone(), source })?
+        .map_err(|source| PublisherError {
+            endpoint: config.endpoint.clone(),
+            source,
+        })?
         .to_string();
     let mut replay = None;
     let mut replay_endpoint = None;
@@ -52,13 +58,17 @@ pub async fn start(config: PublisherConfig, mut batches: mpsc::UnboundedReceiver
         let bound = router
             .bind(requested)
             .await
-            .map_err(|source| PublisherError { endpoint: requested.clone(), source })?;
+            .map_err(|source| PublisherError {
+                endpoint: requested.clone(),
+                source,
+            })?;
         replay_endpoint = Some(bound.to_string());
         replay = Some(router);
     }
     let topic = Bytes::from(config.topic.clone().into_bytes());
     tokio::spawn(async move {
-        let mut buffer: VecDeque<(u64, Bytes)> = VecDeque::with_capacity(config.buffer_steps.min(65_536));
+        let mut buffer: VecDeque<(u64, Bytes)> =
+            VecDeque::with_capacity(config.buffer_steps.min(65_536));
         let mut next_seq: u64 = 0;
         loop {
             tokio::select! {
@@ -68,11 +78,10 @@ pub async fn start(config: PublisherConfig, mut batches: mpsc::UnboundedReceiver
                     let seq = next_seq;
                     next_seq += 1;
                     let frames = vec![topic.clone(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()];
-                    if let Ok(message) = ZmqMessage::try_from(frames) {
-                        if let Err(error) = publisher.send(message).await {
+                    if let Ok(message) = ZmqMessage::try_from(frames)
+                        && let Err(error) = publisher.send(message).await {
                             tracing::warn!(%error, "KV event publish failed");
                         }
-                    }
                     if buffer.len() >= config.buffer_steps.max(1) {
                         buffer.pop_front();
                     }
@@ -101,7 +110,10 @@ pub async fn start(config: PublisherConfig, mut batches: mpsc::UnboundedReceiver
             }
         }
     });
-    Ok(BoundPublisher { endpoint, replay_endpoint })
+    Ok(BoundPublisher {
+        endpoint,
+        replay_endpoint,
+    })
 }
 
 async fn recv_replay(router: &mut Option<zeromq::RouterSocket>) -> zeromq::ZmqResult<ZmqMessage> {
