@@ -73,6 +73,10 @@ pub struct Route {
     pub translate: bool,
     /// Indexes of workers already tried.
     pub tried: Vec<usize>,
+    /// Set when a pooled connection to this worker turned out closed: try it again on a fresh one.
+    pub reconnect_to: Option<usize>,
+    /// How many times that happened (bounded by the pool's `maxAttempts`).
+    pub reconnects: u32,
     /// The worker of the current attempt, counted as in flight.
     pub current: Option<InFlight>,
     pub last_connect_error: Option<String>,
@@ -311,6 +315,8 @@ impl Gateway {
             pool,
             table,
             tried: Vec::new(),
+            reconnect_to: None,
+            reconnects: 0,
             current: None,
             last_connect_error: None,
         };
@@ -454,10 +460,13 @@ impl ProxyHttp for Gateway {
             ));
         };
         route.current = None;
-        let picked = route.pool.pick(&route.tried).and_then(|index| {
-            let worker = route.pool.workers.get(index)?;
-            Some((index, worker.clone(), worker.socket?))
-        });
+        let reconnect = route.reconnect_to.take();
+        let picked = reconnect
+            .or_else(|| route.pool.pick(&route.tried))
+            .and_then(|index| {
+                let worker = route.pool.workers.get(index)?;
+                Some((index, worker.clone(), worker.socket?))
+            });
         let Some((index, worker, socket)) = picked else {
             let error = if route.tried.is_empty() {
                 ApiError::new(
@@ -486,7 +495,9 @@ impl ProxyHttp for Gateway {
                 "no worker to try",
             ));
         };
-        route.tried.push(index);
+        if reconnect.is_none() {
+            route.tried.push(index);
+        }
         route.current = Some(InFlight::start(&worker));
         let mut peer = HttpPeer::new(socket, false, String::new());
         peer.options.connection_timeout =
@@ -643,13 +654,18 @@ impl ProxyHttp for Gateway {
     ) -> Box<Error> {
         let mut e = e.more_context(format!("worker {}", peer.address()));
         // A pooled connection the worker had already closed fails before the worker saw the
-        // request: safe to retry. Anything after a response started is not.
-        let retry = client_reused
+        // request: safe to send again, to the same worker on a fresh connection. Anything after
+        // a response started is not retried.
+        let mut retry = false;
+        if let Some(route) = ctx.route.as_mut()
+            && client_reused
             && ctx.status == 0
-            && ctx
-                .route
-                .as_ref()
-                .is_some_and(|r| r.tried.len() < r.pool.config.max_attempts as usize);
+            && route.reconnects < route.pool.config.max_attempts
+        {
+            route.reconnects += 1;
+            route.reconnect_to = route.tried.last().copied();
+            retry = route.reconnect_to.is_some();
+        }
         e.set_retry(retry);
         e
     }
