@@ -21,7 +21,14 @@ pub struct SequenceHash(pub u64);
 
 /// Hash one block's tokens.
 pub fn local_block_hash(tokens: &[u32]) -> LocalBlockHash {
-    let mut bytes = Vec::with_capacity(tokens.len() * 4);
+    local_block_hash_salted(tokens, &[])
+}
+
+/// Hash one block's tokens with extra key bytes (a LoRA adapter's name): the same tokens under a
+/// different adapter are different KV, so they must not share a hash. Empty salt = no salt.
+pub fn local_block_hash_salted(tokens: &[u32], salt: &[u8]) -> LocalBlockHash {
+    let mut bytes = Vec::with_capacity(salt.len() + tokens.len() * 4);
+    bytes.extend_from_slice(salt);
     for token in tokens {
         bytes.extend_from_slice(&token.to_le_bytes());
     }

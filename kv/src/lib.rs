@@ -4,7 +4,9 @@
 //!   encodings vLLM has used (tagged maps since 0.24, positional arrays before), decode and encode.
 //! - [`tokenize`]: a `tokenizer.json` plus a chat template, rendering requests exactly as a worker does.
 //! - [`hash`]: chained hashes of full token blocks, the keys of the prefix index.
+//! - [`index`]: the prefix index itself: which worker holds which prefix.
 
 pub mod events;
 pub mod hash;
+pub mod index;
 pub mod tokenize;
