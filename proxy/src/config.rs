@@ -12,7 +12,9 @@ use pingora_core::services::background::BackgroundService;
 use sha2::{Digest, Sha256};
 use switchyard_snapshot::{ConfigErrors, Snapshot};
 
+use crate::kv::KvRegistry;
 use crate::routing::{EndpointRegistry, RoutingTable};
+use switchyard_kv::tokenize::TokenizeError;
 
 /// The embedded default configuration: three local workers, as `switchyard-sim --workers 3` starts them.
 pub const EMBEDDED_DEFAULT: &str = include_str!("../../conf/default.yaml");
@@ -22,6 +24,7 @@ pub const EMBEDDED_DEFAULT: &str = include_str!("../../conf/default.yaml");
 pub struct ConfigStore {
     table: ArcSwapOption<RoutingTable>,
     registry: EndpointRegistry,
+    kv: KvRegistry,
 }
 
 /// What applying a snapshot did.
@@ -38,17 +41,23 @@ impl ConfigStore {
         self.table.load_full()
     }
 
+    /// KV state (prefix indexes, tokenizers) of every pool.
+    pub fn kv(&self) -> &KvRegistry {
+        &self.kv
+    }
+
     /// Make `snapshot` live unless it routes exactly like the current one.
-    /// A snapshot with version 0 gets the next version after the current one.
-    pub fn apply(&self, snapshot: Snapshot) -> Applied {
+    /// A snapshot with version 0 gets the next version after the current one. Refused (the
+    /// current one stays) when a pool's tokenizer cannot be loaded.
+    pub fn apply(&self, snapshot: Snapshot) -> Result<Applied, TokenizeError> {
         let current = self.table.load_full();
         let current_version = current.as_ref().map_or(0, |t| t.snapshot.version);
         if let Some(current) = &current
             && current.snapshot.fingerprint == snapshot.fingerprint
         {
-            return Applied::Unchanged {
+            return Ok(Applied::Unchanged {
                 version: current_version,
-            };
+            });
         }
         let snapshot = if snapshot.version == 0 {
             snapshot.with_version(current_version + 1)
@@ -56,9 +65,9 @@ impl ConfigStore {
             snapshot
         };
         let version = snapshot.version;
-        let table = RoutingTable::build(Arc::new(snapshot), &self.registry);
+        let table = RoutingTable::build(Arc::new(snapshot), &self.registry, &self.kv)?;
         self.table.store(Some(Arc::new(table)));
-        Applied::Swapped { version }
+        Ok(Applied::Swapped { version })
     }
 }
 
@@ -106,11 +115,14 @@ impl FileWatcher {
         *last_digest = digest;
         match result {
             Ok(snapshot) => match self.store.apply(snapshot) {
-                Applied::Swapped { version } => {
+                Ok(Applied::Swapped { version }) => {
                     tracing::info!(version, "configuration reloaded");
                 }
-                Applied::Unchanged { version } => {
+                Ok(Applied::Unchanged { version }) => {
                     tracing::debug!(version, "configuration files changed; routing unchanged");
+                }
+                Err(error) => {
+                    tracing::error!(%error, "configuration rejected; keeping the last good snapshot");
                 }
             },
             Err(errors) => {

@@ -7,7 +7,9 @@
 
 pub mod api;
 pub mod config;
+pub mod kv;
 pub mod proxy;
 pub mod request;
 pub mod routing;
+pub mod scorer;
 pub mod translate;

@@ -11,6 +11,7 @@ use pingora_core::server::configuration::{Opt, ServerConf};
 use pingora_core::services::background::background_service;
 use pingora_proxy::ProxyServiceBuilder;
 use switchyard_proxy::config::{self, ConfigStore, FileWatcher};
+use switchyard_proxy::kv::KvService;
 use switchyard_proxy::proxy::{Gateway, Settings};
 
 #[derive(Parser, Debug)]
@@ -97,7 +98,10 @@ fn main() -> anyhow::Result<()> {
     }
 
     let store = Arc::new(ConfigStore::default());
-    store.apply(snapshot);
+    if let Err(error) = store.apply(snapshot) {
+        eprintln!("cannot serve the configuration: {error}");
+        std::process::exit(2);
+    }
 
     let conf = ServerConf {
         threads: args
@@ -123,6 +127,14 @@ fn main() -> anyhow::Result<()> {
             .build();
     proxy.add_tcp(&args.listen);
     server.add_service(proxy);
+
+    server.add_service(background_service(
+        "kv events and worker metrics",
+        KvService {
+            store: store.clone(),
+            interval: Duration::from_millis(200),
+        },
+    ));
 
     if !args.config.is_empty() {
         let watcher = FileWatcher {

@@ -10,8 +10,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rand::Rng;
+use switchyard_kv::index::WorkerId;
+use switchyard_kv::tokenize::{PromptTokenizer, TokenizeError};
 use switchyard_snapshot::snapshot::LoadBalancing;
 use switchyard_snapshot::{Model, ModelTarget, Pool, PoolId, Snapshot};
+
+use crate::kv::{KvRegistry, PoolKv, WorkerLoad};
 
 /// One worker as this proxy sees it.
 #[derive(Debug)]
@@ -21,11 +25,46 @@ pub struct WorkerState {
     /// Resolved when the table was built; `None` when the name did not resolve.
     pub socket: Option<SocketAddr>,
     in_flight: AtomicUsize,
+    /// Uncached prompt tokens this proxy sent that have not produced a first token yet.
+    pending_prefill_tokens: AtomicUsize,
+    /// Queue as the worker's metrics report it.
+    pub load: Arc<WorkerLoad>,
 }
 
 impl WorkerState {
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub fn pending_prefill_tokens(&self) -> usize {
+        self.pending_prefill_tokens.load(Ordering::Relaxed)
+    }
+}
+
+/// Counts prefill work sent to a worker until its first token (or the end of the request).
+#[derive(Debug)]
+pub struct PendingPrefill {
+    worker: Arc<WorkerState>,
+    tokens: usize,
+}
+
+impl PendingPrefill {
+    pub fn start(worker: &Arc<WorkerState>, tokens: usize) -> PendingPrefill {
+        worker
+            .pending_prefill_tokens
+            .fetch_add(tokens, Ordering::Relaxed);
+        PendingPrefill {
+            worker: worker.clone(),
+            tokens,
+        }
+    }
+}
+
+impl Drop for PendingPrefill {
+    fn drop(&mut self) {
+        self.worker
+            .pending_prefill_tokens
+            .fetch_sub(self.tokens, Ordering::Relaxed);
     }
 }
 
@@ -79,6 +118,8 @@ impl EndpointRegistry {
             address: address.to_owned(),
             socket,
             in_flight: AtomicUsize::new(0),
+            pending_prefill_tokens: AtomicUsize::new(0),
+            load: Arc::default(),
         });
         workers.insert(address.to_owned(), state.clone());
         state
@@ -99,6 +140,11 @@ impl EndpointRegistry {
 pub struct PoolRuntime {
     pub config: Pool,
     pub workers: Vec<Arc<WorkerState>>,
+    /// Each worker's slot in the pool's prefix index (same order as `workers`).
+    pub slots: Vec<WorkerId>,
+    pub kv: Arc<PoolKv>,
+    /// Set for cache-aware pools: renders and tokenizes prompts as the workers do.
+    pub tokenizer: Option<Arc<PromptTokenizer>>,
     next_round_robin: AtomicUsize,
 }
 
@@ -124,7 +170,8 @@ impl PoolRuntime {
                     .map(|offset| (start + offset) % count)
                     .find(eligible)
             }
-            LoadBalancing::LeastOutstanding => {
+            // Without a prompt to score (or as a fallback), cache-aware behaves as least-outstanding.
+            LoadBalancing::LeastOutstanding | LoadBalancing::CacheAware => {
                 let mut rng = rand::rng();
                 let mut best: Option<(usize, usize)> = None;
                 let mut ties = 0u32;
@@ -164,34 +211,53 @@ pub struct RoutingTable {
 }
 
 impl RoutingTable {
-    pub fn build(snapshot: Arc<Snapshot>, registry: &EndpointRegistry) -> RoutingTable {
+    /// Build the tables of a snapshot. Fails only when a pool's tokenizer cannot be loaded.
+    pub fn build(
+        snapshot: Arc<Snapshot>,
+        registry: &EndpointRegistry,
+        kv: &KvRegistry,
+    ) -> Result<RoutingTable, TokenizeError> {
         let mut pools = HashMap::with_capacity(snapshot.pools.len());
         let mut live = Vec::new();
         for (id, pool) in &snapshot.pools {
             let workers: Vec<Arc<WorkerState>> = pool
                 .endpoints
                 .iter()
-                .map(|address| registry.worker(address))
+                .map(|endpoint| registry.worker(&endpoint.address))
                 .collect();
             live.extend(workers.iter().cloned());
+            let pool_kv = kv.pool(id, pool.block_size as usize);
+            let slots = workers.iter().map(|w| pool_kv.slot(&w.address)).collect();
+            let tokenizer = match pool.load_balancing {
+                LoadBalancing::CacheAware => Some(kv.tokenizer(&pool.tokenizer)?),
+                _ => None,
+            };
             pools.insert(
                 id.clone(),
                 Arc::new(PoolRuntime {
                     config: pool.clone(),
                     workers,
+                    slots,
+                    kv: pool_kv,
+                    tokenizer,
                     next_round_robin: AtomicUsize::new(0),
                 }),
             );
         }
         registry.retain(&live);
+        kv.retain(&snapshot.pools.keys().cloned().collect::<Vec<_>>());
         let created_at = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        RoutingTable {
+        Ok(RoutingTable {
             snapshot,
             created_at,
             pools,
-        }
+        })
+    }
+
+    pub fn pools(&self) -> impl Iterator<Item = &Arc<PoolRuntime>> {
+        self.pools.values()
     }
 
     pub fn model(&self, name: &str) -> Option<&Model> {
@@ -233,7 +299,12 @@ mod tests {
             endpoints.join(", ")
         );
         let snapshot = switchyard_snapshot::load_str("test", &yaml).unwrap();
-        RoutingTable::build(Arc::new(snapshot), &EndpointRegistry::default())
+        RoutingTable::build(
+            Arc::new(snapshot),
+            &EndpointRegistry::default(),
+            &KvRegistry::default(),
+        )
+        .unwrap()
     }
 
     fn pool(table: &RoutingTable) -> &Arc<PoolRuntime> {
@@ -281,9 +352,10 @@ mod tests {
         let registry = EndpointRegistry::default();
         let first = table("least-outstanding", &["127.0.0.1:1"]);
         let snapshot = first.snapshot.clone();
-        let a = RoutingTable::build(snapshot.clone(), &registry);
+        let kv = KvRegistry::default();
+        let a = RoutingTable::build(snapshot.clone(), &registry, &kv).unwrap();
         let guard = InFlight::start(&pool(&a).workers[0]);
-        let b = RoutingTable::build(snapshot, &registry);
+        let b = RoutingTable::build(snapshot, &registry, &kv).unwrap();
         assert_eq!(pool(&b).workers[0].in_flight(), 1);
         drop(guard);
         assert_eq!(pool(&b).workers[0].in_flight(), 0);

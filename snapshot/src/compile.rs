@@ -4,11 +4,14 @@ use std::collections::BTreeMap;
 
 use sha2::{Digest, Sha256};
 
-use crate::documents::{Document, InferenceModelSpec, InferencePoolSpec, Kind, Spec};
+use crate::documents::{
+    Document, EndpointSpec, InferenceModelSpec, InferencePoolSpec, Kind, KvEventsSpec, Spec,
+};
 use crate::error::{ConfigError, ConfigErrors};
 use crate::parse::Parsed;
 use crate::snapshot::{
-    DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_MAX_ATTEMPTS, Model, ModelTarget, Pool, PoolId, Snapshot,
+    DEFAULT_BLOCK_SIZE, DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_MAX_ATTEMPTS, DEFAULT_METRICS_PATH,
+    DEFAULT_SCRAPE_INTERVAL_MS, Endpoint, Model, ModelTarget, Pool, PoolId, Snapshot,
 };
 
 /// Compile what was read, adding compile errors to the reading errors; a snapshot only when both are empty.
@@ -138,19 +141,51 @@ fn compile_pool(
             "required with a selector: the port the workers' HTTP server listens on".into(),
         ));
     }
-    let mut endpoints = Vec::with_capacity(spec.endpoints.len());
+    let mut endpoints: Vec<Endpoint> = Vec::with_capacity(spec.endpoints.len());
     for (index, endpoint) in spec.endpoints.iter().enumerate() {
-        match check_endpoint(endpoint) {
-            Ok(()) => endpoints.push(endpoint.trim().to_owned()),
-            Err(message) => errors.push(error_at(
-                document,
-                &format!("spec.endpoints[{index}]"),
-                message,
-            )),
+        let field = format!("spec.endpoints[{index}]");
+        match compile_endpoint(endpoint, spec.kv_events.as_ref()) {
+            Ok(endpoint) => endpoints.push(endpoint),
+            Err((suffix, message)) => {
+                errors.push(error_at(document, &format!("{field}{suffix}"), message))
+            }
         }
     }
     endpoints.sort();
-    endpoints.dedup();
+    endpoints.dedup_by(|a, b| a.address == b.address);
+    if spec.block_size == Some(0) {
+        errors.push(error_at(
+            document,
+            "spec.blockSize",
+            "must be at least 1".into(),
+        ));
+    }
+    if spec.scrape_interval_ms == Some(0) {
+        errors.push(error_at(
+            document,
+            "spec.scrapeIntervalMs",
+            "must be greater than 0".into(),
+        ));
+    }
+    if let Some(path) = &spec.metrics_path {
+        if !path.starts_with('/') {
+            errors.push(error_at(
+                document,
+                "spec.metricsPath",
+                format!("'{path}' must start with '/'"),
+            ));
+        }
+    }
+    if let Some(tokenizer) = &spec.tokenizer {
+        for (field, path) in [
+            ("spec.tokenizer.path", &tokenizer.path),
+            ("spec.tokenizer.chatTemplate", &tokenizer.chat_template),
+        ] {
+            if path.trim().is_empty() {
+                errors.push(error_at(document, field, "must name a file".into()));
+            }
+        }
+    }
     if spec.connect_timeout_ms == Some(0) {
         errors.push(error_at(
             document,
@@ -179,6 +214,21 @@ fn compile_pool(
             .connect_timeout_ms
             .unwrap_or(DEFAULT_CONNECT_TIMEOUT_MS),
         max_attempts: spec.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS),
+        block_size: spec.block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
+        tokenizer: spec.tokenizer.clone(),
+        kv_topic: spec
+            .kv_events
+            .as_ref()
+            .map(|k| k.topic.clone())
+            .unwrap_or_default(),
+        metrics_path: spec
+            .metrics_path
+            .clone()
+            .unwrap_or_else(|| DEFAULT_METRICS_PATH.to_owned()),
+        scrape_interval_ms: spec
+            .scrape_interval_ms
+            .unwrap_or(DEFAULT_SCRAPE_INTERVAL_MS),
+        scoring: spec.scoring.unwrap_or_default(),
     })
 }
 
@@ -305,6 +355,48 @@ fn check_name(document: &Document, errors: &mut Vec<ConfigError>) {
             ),
         ));
     }
+}
+
+/// A static endpoint with its KV-event sockets resolved (explicit, or the pool's ports on its host).
+fn compile_endpoint(
+    endpoint: &EndpointSpec,
+    kv: Option<&KvEventsSpec>,
+) -> Result<Endpoint, (&'static str, String)> {
+    let (address, kv_events, kv_replay) = match endpoint {
+        EndpointSpec::Address(address) => (address.trim(), None, None),
+        EndpointSpec::Detailed(detailed) => (
+            detailed.address.trim(),
+            detailed.kv_events.clone(),
+            detailed.kv_replay.clone(),
+        ),
+    };
+    let suffix = if matches!(endpoint, EndpointSpec::Detailed(_)) {
+        ".address"
+    } else {
+        ""
+    };
+    check_endpoint(address).map_err(|message| (suffix, message))?;
+    for (field, value) in [(".kvEvents", &kv_events), (".kvReplay", &kv_replay)] {
+        if let Some(value) = value {
+            if !value.starts_with("tcp://") && !value.starts_with("ipc://") {
+                return Err((
+                    field,
+                    format!("'{value}' must be a ZMQ endpoint such as tcp://10.0.0.7:5557"),
+                ));
+            }
+        }
+    }
+    let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
+    let kv_events = kv_events.or_else(|| kv.map(|kv| format!("tcp://{host}:{}", kv.port)));
+    let kv_replay = kv_replay.or_else(|| {
+        kv.and_then(|kv| kv.replay_port)
+            .map(|port| format!("tcp://{host}:{port}"))
+    });
+    Ok(Endpoint {
+        address: address.to_owned(),
+        kv_events,
+        kv_replay,
+    })
 }
 
 fn check_endpoint(endpoint: &str) -> Result<(), String> {

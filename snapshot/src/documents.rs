@@ -48,13 +48,97 @@ pub enum Engine {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum LoadBalancing {
+    /// The worker predicted to return the first token soonest, from its queue and from how much
+    /// of the prompt its KV cache already holds (needs KV events for the cache part).
+    #[default]
+    CacheAware,
     /// Uniformly at random: what a Kubernetes Service does.
     Random,
     /// Each worker in turn.
     RoundRobin,
     /// The worker with the fewest requests in flight from this proxy; ties broken at random.
-    #[default]
     LeastOutstanding,
+}
+
+/// A static worker: `host:port`, or an object naming its KV-event sockets too (for several
+/// workers on one host, whose event ports differ).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum EndpointSpec {
+    Address(String),
+    Detailed(DetailedEndpoint),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DetailedEndpoint {
+    /// `host:port` of the worker's HTTP server.
+    pub address: String,
+    /// ZMQ endpoint of its KV-event PUB socket, e.g. `tcp://10.0.0.7:5557`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<String>,
+    /// ZMQ endpoint of its replay ROUTER socket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_replay: Option<String>,
+}
+
+/// Where every worker of the pool publishes KV events (vLLM `--kv-events-config`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KvEventsSpec {
+    /// PUB port on each worker's host (vLLM's default is 5557).
+    pub port: u16,
+    /// Replay ROUTER port on each worker's host, when vLLM runs with a `replay_endpoint`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_port: Option<u16>,
+    /// ZMQ topic (vLLM's default is empty: everything).
+    #[serde(default)]
+    pub topic: String,
+}
+
+/// The tokenizer the workers use, so the router hashes the same tokens.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TokenizerSpec {
+    /// Path of a Hugging Face `tokenizer.json`.
+    pub path: String,
+    /// Path of the Jinja chat template.
+    pub chat_template: String,
+}
+
+/// Coefficients of the predicted-TTFT score, in microseconds (integers keep CRDs float-free).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ScoringSpec {
+    /// Prefill time per uncached prompt token (default 300 µs: a ~27B model on one L40S).
+    #[serde(default = "default_prefill_micros")]
+    pub prefill_micros_per_token: u32,
+    /// Added time per request already running on the worker (decode steps slow prefill).
+    #[serde(default = "default_running_micros")]
+    pub running_request_micros: u32,
+    /// Workers predicted within this much of the best are treated as tied and load is spread.
+    #[serde(default = "default_tie_micros")]
+    pub tie_tolerance_micros: u32,
+}
+
+fn default_prefill_micros() -> u32 {
+    300
+}
+fn default_running_micros() -> u32 {
+    500
+}
+fn default_tie_micros() -> u32 {
+    5_000
+}
+
+impl Default for ScoringSpec {
+    fn default() -> ScoringSpec {
+        ScoringSpec {
+            prefill_micros_per_token: default_prefill_micros(),
+            running_request_micros: default_running_micros(),
+            tie_tolerance_micros: default_tie_micros(),
+        }
+    }
 }
 
 /// Whether the pool's workers serve the Anthropic Messages API (`/v1/messages`) themselves.
@@ -82,9 +166,9 @@ pub struct InferencePoolSpec {
     /// The workers' HTTP port when they are found through `selector`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_port: Option<u16>,
-    /// Static worker addresses, `host:port`, for use outside Kubernetes.
+    /// Static workers, for use outside Kubernetes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub endpoints: Vec<String>,
+    pub endpoints: Vec<EndpointSpec>,
     #[serde(default)]
     pub load_balancing: LoadBalancing,
     #[serde(default)]
@@ -95,6 +179,23 @@ pub struct InferencePoolSpec {
     /// How many workers one request may be tried on when connecting fails (1 = no retry).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
+    /// Tokens per KV block (vLLM `--block-size`, default 16).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    /// KV-event sockets of every worker (per-endpoint sockets override).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<KvEventsSpec>,
+    /// Default: the tokenizer shipped with Switchyard (conf/tokenizer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<TokenizerSpec>,
+    /// Path of the workers' Prometheus metrics (default `/metrics`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_path: Option<String>,
+    /// How often each worker's metrics are read (default 250 ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scrape_interval_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scoring: Option<ScoringSpec>,
 }
 
 /// One target of an `InferenceModel`.

@@ -51,7 +51,11 @@ mod tests {
         );
         let snapshot = load_str("t.yaml", &text).unwrap();
         let pool = &snapshot.pools[&PoolId::new("default", "p")];
-        assert_eq!(pool.endpoints, ["10.0.0.1:8000", "10.0.0.2:8000"]);
+        let addresses: Vec<&str> = pool.endpoints.iter().map(|e| e.address.as_str()).collect();
+        assert_eq!(addresses, ["10.0.0.1:8000", "10.0.0.2:8000"]);
+        assert_eq!(pool.load_balancing, snapshot::LoadBalancing::CacheAware);
+        assert_eq!(pool.block_size, 16);
+        assert_eq!(pool.endpoints[0].kv_events, None);
         assert_eq!(pool.max_attempts, snapshot::DEFAULT_MAX_ATTEMPTS);
         let alias = &snapshot.models["Org/Alias"];
         assert_eq!(alias.targets.len(), 1, "weight 0 targets are dropped");
@@ -156,6 +160,34 @@ mod tests {
             missing.contains("nope.yaml") && missing.contains("cannot read"),
             "{missing}"
         );
+    }
+
+    #[test]
+    fn kv_event_sockets_come_from_the_pool_or_the_endpoint() {
+        let text = "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {name: p}\nspec:\n  model: m\n  blockSize: 32\n  kvEvents: {port: 5557, replayPort: 5657}\n  endpoints:\n    - 10.0.0.1:8000\n    - {address: \"127.0.0.1:8002\", kvEvents: \"tcp://127.0.0.1:6000\"}\n";
+        let snapshot = load_str("t", text).unwrap();
+        let pool = &snapshot.pools[&PoolId::new("default", "p")];
+        assert_eq!(pool.block_size, 32);
+        assert_eq!(pool.endpoints[0].address, "10.0.0.1:8000");
+        assert_eq!(
+            pool.endpoints[0].kv_events.as_deref(),
+            Some("tcp://10.0.0.1:5557")
+        );
+        assert_eq!(
+            pool.endpoints[0].kv_replay.as_deref(),
+            Some("tcp://10.0.0.1:5657")
+        );
+        assert_eq!(
+            pool.endpoints[1].kv_events.as_deref(),
+            Some("tcp://127.0.0.1:6000")
+        );
+        assert_eq!(
+            pool.endpoints[1].kv_replay.as_deref(),
+            Some("tcp://127.0.0.1:5657")
+        );
+        let bad = text.replace("tcp://127.0.0.1:6000", "127.0.0.1:6000");
+        let errors = load_str("t", &bad).unwrap_err().to_string();
+        assert!(errors.contains("spec.endpoints[1].kvEvents"), "{errors}");
     }
 
     #[test]

@@ -4,12 +4,18 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::documents::{AnthropicMessages, Engine, LoadBalancing};
+pub use crate::documents::{
+    AnthropicMessages, Engine, LoadBalancing, ScoringSpec as Scoring, TokenizerSpec as Tokenizer,
+};
 
 /// Default time to open a connection to one worker.
 pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
 /// Default number of workers one request may be tried on when connecting fails.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+/// vLLM's default block size.
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+pub const DEFAULT_METRICS_PATH: &str = "/metrics";
+pub const DEFAULT_SCRAPE_INTERVAL_MS: u64 = 250;
 
 /// Identifies a pool: `namespace/name`.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -52,12 +58,30 @@ pub struct Pool {
     pub engine: Engine,
     /// The model name the workers serve.
     pub served_model: String,
-    /// `host:port` of each worker, sorted and deduplicated.
-    pub endpoints: Vec<String>,
+    /// The workers, sorted by address and deduplicated.
+    pub endpoints: Vec<Endpoint>,
     pub load_balancing: LoadBalancing,
     pub anthropic_messages: AnthropicMessages,
     pub connect_timeout_ms: u64,
     pub max_attempts: u32,
+    pub block_size: u32,
+    /// `None`: the tokenizer shipped with Switchyard.
+    pub tokenizer: Option<Tokenizer>,
+    pub kv_topic: String,
+    pub metrics_path: String,
+    pub scrape_interval_ms: u64,
+    pub scoring: Scoring,
+}
+
+/// One worker of a pool.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Endpoint {
+    /// `host:port` of its HTTP server.
+    pub address: String,
+    /// ZMQ endpoint of its KV-event PUB socket, when it publishes events.
+    pub kv_events: Option<String>,
+    /// ZMQ endpoint of its replay socket.
+    pub kv_replay: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

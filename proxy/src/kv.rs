@@ -1,0 +1,604 @@
+//! What the proxy knows about each worker beyond its address: the prefix index fed by its KV
+//! events, and its queue read from its metrics. A background service keeps one event subscriber
+//! and one metrics scraper per worker of every cache-aware pool, following pool membership.
+//!
+//! Event stream rules (vLLM's publisher numbers batches from 0 per process):
+//! - the next batch has the next sequence number: apply it;
+//! - a higher one is a gap: ask the replay socket for the missing batches; if that fails, drop
+//!   the worker's entries (they may be wrong) and carry on from the new batch;
+//! - a lower one means the publisher restarted (its cache is gone): drop the worker's entries,
+//!   replay what the new process already published, carry on;
+//! - the first batch after (re)connecting with a sequence above 0 is a gap from 0.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use pingora_core::server::ShutdownWatch;
+use pingora_core::services::background::BackgroundService;
+use switchyard_kv::events::{REPLAY_END_SEQ, decode_frames, decode_seq};
+use switchyard_kv::index::{PrefixIndex, WorkerId};
+use switchyard_kv::tokenize::{PromptTokenizer, TokenizeError};
+use switchyard_snapshot::PoolId;
+use switchyard_snapshot::snapshot::{LoadBalancing, Tokenizer};
+use tokio::task::JoinHandle;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::config::ConfigStore;
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match mutex.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+/// Counters of one worker's event stream.
+#[derive(Debug, Default)]
+pub struct StreamStats {
+    pub batches: AtomicU64,
+    pub gaps_replayed: AtomicU64,
+    pub gaps_cleared: AtomicU64,
+    pub publisher_restarts: AtomicU64,
+    pub decode_errors: AtomicU64,
+}
+
+/// Routing decisions of a pool, by what decided them.
+#[derive(Debug, Default)]
+pub struct DecisionStats {
+    /// The chosen worker held part of the prompt.
+    pub cache_hit: AtomicU64,
+    /// No worker held any of it: chosen by queue alone.
+    pub no_cache: AtomicU64,
+    /// A worker holding more of the prompt was passed over because its queue was longer.
+    pub spread: AtomicU64,
+}
+
+/// The prefix index and worker slots of one pool, kept across snapshots while the pool lives.
+#[derive(Debug)]
+pub struct PoolKv {
+    pub id: PoolId,
+    pub index: PrefixIndex,
+    slots: Mutex<HashMap<String, WorkerId>>,
+    streams: Mutex<HashMap<WorkerId, Arc<StreamStats>>>,
+    pub decisions: DecisionStats,
+    /// Running average of routed prompt sizes (tokens), as f64 bits: estimates the work behind
+    /// each request a worker reports as waiting.
+    prompt_tokens_average: AtomicU64,
+}
+
+impl PoolKv {
+    fn new(id: PoolId, block_size: usize) -> PoolKv {
+        PoolKv {
+            id,
+            index: PrefixIndex::new(block_size),
+            slots: Mutex::new(HashMap::new()),
+            streams: Mutex::new(HashMap::new()),
+            decisions: DecisionStats::default(),
+            prompt_tokens_average: AtomicU64::new(0f64.to_bits()),
+        }
+    }
+
+    /// The worker's slot in this pool's index, assigned on first sight (lowest free).
+    pub fn slot(&self, address: &str) -> WorkerId {
+        let mut slots = lock(&self.slots);
+        if let Some(slot) = slots.get(address) {
+            return *slot;
+        }
+        let mut candidate = 0u16;
+        while slots.values().any(|s| s.0 == candidate) {
+            candidate += 1;
+        }
+        slots.insert(address.to_owned(), WorkerId(candidate));
+        WorkerId(candidate)
+    }
+
+    /// One past the highest slot in use (the size of an overlap buffer).
+    pub fn slot_count(&self) -> usize {
+        lock(&self.slots)
+            .values()
+            .map(|s| usize::from(s.0) + 1)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Forget a worker that left the pool, and everything it held.
+    fn release(&self, address: &str) {
+        if let Some(slot) = lock(&self.slots).remove(address) {
+            self.index.remove_worker(slot);
+            lock(&self.streams).remove(&slot);
+        }
+    }
+
+    pub fn stream_stats(&self, slot: WorkerId) -> Arc<StreamStats> {
+        lock(&self.streams).entry(slot).or_default().clone()
+    }
+
+    /// Slots and addresses, for metrics.
+    pub fn workers(&self) -> Vec<(String, WorkerId)> {
+        let mut workers: Vec<_> = lock(&self.slots)
+            .iter()
+            .map(|(a, s)| (a.clone(), *s))
+            .collect();
+        workers.sort();
+        workers
+    }
+
+    pub fn prompt_tokens_average(&self) -> f64 {
+        f64::from_bits(self.prompt_tokens_average.load(Ordering::Relaxed))
+    }
+
+    pub fn record_prompt_tokens(&self, tokens: usize) {
+        let previous = self.prompt_tokens_average();
+        let next = if previous == 0.0 {
+            tokens as f64
+        } else {
+            0.9 * previous + 0.1 * tokens as f64
+        };
+        self.prompt_tokens_average
+            .store(next.to_bits(), Ordering::Relaxed);
+    }
+}
+
+/// Pool KV state and tokenizers that outlive snapshots.
+#[derive(Default)]
+pub struct KvRegistry {
+    pools: Mutex<HashMap<PoolId, Arc<PoolKv>>>,
+    tokenizers: Mutex<HashMap<Option<Tokenizer>, Arc<PromptTokenizer>>>,
+}
+
+impl KvRegistry {
+    /// The pool's KV state; a new (empty) one when the block size changed.
+    pub fn pool(&self, id: &PoolId, block_size: usize) -> Arc<PoolKv> {
+        let mut pools = lock(&self.pools);
+        match pools.get(id) {
+            Some(existing) if existing.index.block_size() == block_size => existing.clone(),
+            _ => {
+                let created = Arc::new(PoolKv::new(id.clone(), block_size));
+                pools.insert(id.clone(), created.clone());
+                created
+            }
+        }
+    }
+
+    /// Pools that still exist; the rest are dropped.
+    pub fn retain(&self, live: &[PoolId]) {
+        lock(&self.pools).retain(|id, _| live.contains(id));
+    }
+
+    pub fn pools(&self) -> Vec<Arc<PoolKv>> {
+        lock(&self.pools).values().cloned().collect()
+    }
+
+    /// The tokenizer of a pool (`None`: the shipped one), loaded once.
+    pub fn tokenizer(
+        &self,
+        spec: &Option<Tokenizer>,
+    ) -> Result<Arc<PromptTokenizer>, TokenizeError> {
+        if let Some(existing) = lock(&self.tokenizers).get(spec) {
+            return Ok(existing.clone());
+        }
+        let loaded = Arc::new(match spec {
+            None => PromptTokenizer::shipped()?,
+            Some(spec) => {
+                PromptTokenizer::from_files(spec.path.as_ref(), spec.chat_template.as_ref())?
+            }
+        });
+        lock(&self.tokenizers).insert(spec.clone(), loaded.clone());
+        Ok(loaded)
+    }
+}
+
+/// The queue of one worker as its metrics report it.
+#[derive(Debug, Default)]
+pub struct WorkerLoad {
+    waiting: AtomicU64,
+    running: AtomicU64,
+    kv_usage_bits: AtomicU64,
+    /// Milliseconds since the service started at the last good scrape (0: never).
+    last_ok_ms: AtomicU64,
+    failures: AtomicU64,
+}
+
+impl WorkerLoad {
+    pub fn waiting(&self) -> u64 {
+        self.waiting.load(Ordering::Relaxed)
+    }
+    pub fn running(&self) -> u64 {
+        self.running.load(Ordering::Relaxed)
+    }
+    pub fn kv_usage(&self) -> f64 {
+        f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed))
+    }
+    /// Healthy unless the last three scrapes in a row failed.
+    pub fn healthy(&self) -> bool {
+        self.failures.load(Ordering::Relaxed) < 3
+    }
+    pub fn scraped(&self) -> bool {
+        self.last_ok_ms.load(Ordering::Relaxed) > 0
+    }
+
+    /// Read vLLM's queue gauges from a Prometheus text exposition (summed over label sets).
+    pub fn update_from_metrics(&self, text: &str, now_ms: u64) {
+        let (mut waiting, mut running, mut usage) = (0.0, 0.0, 0.0f64);
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((name_and_labels, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let name = name_and_labels.split('{').next().unwrap_or_default();
+            let Ok(value) = value.trim().parse::<f64>() else {
+                continue;
+            };
+            match name {
+                "vllm:num_requests_waiting" => waiting += value,
+                "vllm:num_requests_running" => running += value,
+                "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                    usage = usage.max(value)
+                }
+                _ => {}
+            }
+        }
+        self.waiting
+            .store(waiting.max(0.0) as u64, Ordering::Relaxed);
+        self.running
+            .store(running.max(0.0) as u64, Ordering::Relaxed);
+        self.kv_usage_bits.store(usage.to_bits(), Ordering::Relaxed);
+        self.last_ok_ms.store(now_ms.max(1), Ordering::Relaxed);
+        self.failures.store(0, Ordering::Relaxed);
+    }
+
+    fn scrape_failed(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Everything a subscriber needs.
+#[derive(Clone)]
+struct StreamTarget {
+    pool: Arc<PoolKv>,
+    slot: WorkerId,
+    address: String,
+    events: String,
+    replay: Option<String>,
+    topic: String,
+}
+
+/// Apply one decoded message, handling gaps and restarts. Returns the next expected sequence.
+async fn on_message(
+    target: &StreamTarget,
+    stats: &StreamStats,
+    expected: Option<u64>,
+    seq: u64,
+    batch: &switchyard_kv::events::KvEventBatch,
+) -> u64 {
+    let index = &target.pool.index;
+    match expected {
+        Some(expected) if seq == expected => {}
+        Some(expected) if seq > expected => fill_gap(target, stats, expected, seq).await,
+        Some(_) => {
+            // Sequence went back: a new publisher process, with a new (empty) cache.
+            stats.publisher_restarts.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(worker = %target.address, seq, "KV event publisher restarted; clearing its entries");
+            index.clear_worker(target.slot);
+            if seq > 0 {
+                fill_gap(target, stats, 0, seq).await;
+            }
+        }
+        None if seq > 0 => fill_gap(target, stats, 0, seq).await,
+        None => {}
+    }
+    index.apply_batch(target.slot, batch);
+    stats.batches.fetch_add(1, Ordering::Relaxed);
+    seq + 1
+}
+
+async fn fill_gap(target: &StreamTarget, stats: &StreamStats, from: u64, to: u64) {
+    let replayed = match &target.replay {
+        Some(replay) => replay_range(target, replay, from, to).await,
+        None => Err("no replay endpoint".to_owned()),
+    };
+    match replayed {
+        Ok(()) => {
+            stats.gaps_replayed.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(reason) => {
+            stats.gaps_cleared.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(worker = %target.address, from, to, %reason, "KV event gap could not be filled; the worker's cache entries were dropped");
+            target.pool.index.clear_worker(target.slot);
+        }
+    }
+}
+
+/// Fetch batches `from..to` from the replay socket and apply them in order.
+async fn replay_range(
+    target: &StreamTarget,
+    endpoint: &str,
+    from: u64,
+    to: u64,
+) -> Result<(), String> {
+    let mut dealer = zeromq::DealerSocket::new();
+    tokio::time::timeout(Duration::from_secs(2), dealer.connect(endpoint))
+        .await
+        .map_err(|_| "replay connect timed out".to_owned())?
+        .map_err(|e| format!("replay connect: {e}"))?;
+    let request = ZmqMessage::try_from(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&from.to_be_bytes()),
+    ])
+    .map_err(|e| e.to_string())?;
+    dealer
+        .send(request)
+        .await
+        .map_err(|e| format!("replay request: {e}"))?;
+    let mut next = from;
+    loop {
+        let reply = tokio::time::timeout(Duration::from_secs(2), dealer.recv())
+            .await
+            .map_err(|_| "replay timed out".to_owned())?
+            .map_err(|e| format!("replay receive: {e}"))?
+            .into_vec();
+        // Replies are [empty, topic, seq, payload] (vLLM ≥ 0.27) or [empty, seq, payload] before.
+        let frames = reply.get(1..).unwrap_or_default();
+        let seq_frame = if frames.len() >= 3 {
+            frames.get(1)
+        } else {
+            frames.first()
+        };
+        let seq = seq_frame.ok_or("empty replay reply")?;
+        if decode_seq(seq).map_err(|e| e.to_string())? == REPLAY_END_SEQ {
+            break;
+        }
+        let frames: Vec<Bytes> = if frames.len() >= 3 {
+            frames.to_vec()
+        } else {
+            std::iter::once(Bytes::from(target.topic.clone().into_bytes()))
+                .chain(frames.iter().cloned())
+                .collect()
+        };
+        let message = decode_frames(&frames).map_err(|e| e.to_string())?;
+        if message.seq < next {
+            continue;
+        }
+        if message.seq >= to {
+            break;
+        }
+        if message.seq > next {
+            return Err(format!(
+                "replay buffer starts at {} but {next} is needed",
+                message.seq
+            ));
+        }
+        target.pool.index.apply_batch(target.slot, &message.batch);
+        next = message.seq + 1;
+    }
+    if next < to {
+        return Err(format!("replay ended at {next}, before {to}"));
+    }
+    Ok(())
+}
+
+/// Subscribe to one worker's events until cancelled, reconnecting with backoff.
+async fn run_subscriber(target: StreamTarget) {
+    let stats = target.pool.stream_stats(target.slot);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let mut socket = zeromq::SubSocket::new();
+        let connected = async {
+            socket.connect(&target.events).await?;
+            socket.subscribe(&target.topic).await
+        }
+        .await;
+        if let Err(error) = connected {
+            tracing::debug!(worker = %target.address, endpoint = %target.events, %error, "KV event subscribe failed; retrying");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+            continue;
+        }
+        backoff = Duration::from_millis(100);
+        tracing::info!(worker = %target.address, endpoint = %target.events, "subscribed to KV events");
+        let mut expected = None;
+        loop {
+            let message = match socket.recv().await {
+                Ok(message) => message,
+                Err(error) => {
+                    tracing::warn!(worker = %target.address, %error, "KV event stream broke; resubscribing");
+                    break;
+                }
+            };
+            match decode_frames(&message.into_vec()) {
+                Ok(message) => {
+                    expected = Some(
+                        on_message(&target, &stats, expected, message.seq, &message.batch).await,
+                    );
+                }
+                Err(error) => {
+                    stats.decode_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(worker = %target.address, %error, "undecodable KV event message skipped");
+                }
+            }
+        }
+    }
+}
+
+async fn run_scraper(url: String, load: Arc<WorkerLoad>, interval: Duration, started: Instant) {
+    let client = reqwest::Client::builder()
+        .timeout(interval.max(Duration::from_millis(500)) * 2)
+        .build()
+        .unwrap_or_default();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let text = match client.get(&url).send().await {
+            Ok(response) if response.status().is_success() => response.text().await.ok(),
+            _ => None,
+        };
+        match text {
+            Some(text) => load.update_from_metrics(&text, started.elapsed().as_millis() as u64 + 1),
+            None => load.scrape_failed(),
+        }
+    }
+}
+
+/// Keeps subscribers and scrapers in line with the live snapshot.
+pub struct KvService {
+    pub store: Arc<ConfigStore>,
+    pub interval: Duration,
+}
+
+struct Running {
+    key: String,
+    task: JoinHandle<()>,
+}
+
+#[async_trait]
+impl BackgroundService for KvService {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let started = Instant::now();
+        let mut subscribers: HashMap<(PoolId, String), Running> = HashMap::new();
+        let mut scrapers: HashMap<String, Running> = HashMap::new();
+        let mut seen_version = None;
+        let mut ticker = tokio::time::interval(self.interval);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = shutdown.changed() => break,
+            }
+            let Some(table) = self.store.current() else {
+                continue;
+            };
+            if seen_version == Some(table.snapshot.version) {
+                continue;
+            }
+            seen_version = Some(table.snapshot.version);
+            let mut wanted_subscribers = HashMap::new();
+            let mut wanted_scrapers = HashMap::new();
+            for pool in table.pools() {
+                if pool.config.load_balancing != LoadBalancing::CacheAware {
+                    continue;
+                }
+                for (position, worker) in pool.workers.iter().enumerate() {
+                    let endpoint = pool.config.endpoints.get(position);
+                    let url = format!("http://{}{}", worker.address, pool.config.metrics_path);
+                    wanted_scrapers.insert(
+                        worker.address.clone(),
+                        (
+                            format!("{url}|{}", pool.config.scrape_interval_ms),
+                            url,
+                            Duration::from_millis(pool.config.scrape_interval_ms),
+                            worker.load.clone(),
+                        ),
+                    );
+                    if let Some(events) = endpoint.and_then(|e| e.kv_events.clone()) {
+                        let replay = endpoint.and_then(|e| e.kv_replay.clone());
+                        let key = format!(
+                            "{events}|{}|{}|{}",
+                            replay.as_deref().unwrap_or(""),
+                            pool.config.kv_topic,
+                            pool.kv.index.block_size()
+                        );
+                        let target = StreamTarget {
+                            pool: pool.kv.clone(),
+                            slot: pool.slots.get(position).copied().unwrap_or(WorkerId(0)),
+                            address: worker.address.clone(),
+                            events,
+                            replay,
+                            topic: pool.config.kv_topic.clone(),
+                        };
+                        wanted_subscribers.insert(
+                            (pool.config.id.clone(), worker.address.clone()),
+                            (key, target),
+                        );
+                    }
+                }
+            }
+            // Stop what is no longer wanted (or changed), forgetting the worker's index entries.
+            subscribers.retain(|id, running| {
+                let keep = wanted_subscribers
+                    .get(id)
+                    .is_some_and(|(key, _)| *key == running.key);
+                if !keep {
+                    running.task.abort();
+                    if let Some(pool) = table.pool(&id.0) {
+                        if !pool.workers.iter().any(|w| w.address == id.1) {
+                            pool.kv.index.clear_worker(pool.kv.slot(&id.1));
+                        }
+                    }
+                }
+                keep
+            });
+            for pool in table.pools() {
+                let live: Vec<&str> = pool.workers.iter().map(|w| w.address.as_str()).collect();
+                for (address, _) in pool.kv.workers() {
+                    if !live.contains(&address.as_str()) {
+                        pool.kv.release(&address);
+                    }
+                }
+            }
+            for (id, (key, target)) in wanted_subscribers {
+                subscribers.entry(id).or_insert_with(|| Running {
+                    key,
+                    task: tokio::spawn(run_subscriber(target)),
+                });
+            }
+            scrapers.retain(|address, running| {
+                let keep = wanted_scrapers
+                    .get(address)
+                    .is_some_and(|(key, ..)| *key == running.key);
+                if !keep {
+                    running.task.abort();
+                }
+                keep
+            });
+            for (address, (key, url, interval, load)) in wanted_scrapers {
+                scrapers.entry(address).or_insert_with(|| Running {
+                    key,
+                    task: tokio::spawn(run_scraper(url, load, interval, started)),
+                });
+            }
+        }
+        for running in subscribers.into_values().chain(scrapers.into_values()) {
+            running.task.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_parsing_sums_engines_and_ignores_comments() {
+        let load = WorkerLoad::default();
+        let text = "# HELP vllm:num_requests_waiting x\n# TYPE vllm:num_requests_waiting gauge\n\
+                    vllm:num_requests_waiting{model_name=\"m\",engine=\"0\"} 3.0\n\
+                    vllm:num_requests_waiting{model_name=\"m\",engine=\"1\"} 2.0\n\
+                    vllm:num_requests_running{model_name=\"m\",engine=\"0\"} 7\n\
+                    vllm:kv_cache_usage_perc{model_name=\"m\",engine=\"0\"} 0.25\n\
+                    vllm:prefix_cache_hits_total{model_name=\"m\"} 99\n";
+        load.update_from_metrics(text, 10);
+        assert_eq!(
+            (load.waiting(), load.running(), load.kv_usage()),
+            (5, 7, 0.25)
+        );
+        assert!(load.healthy() && load.scraped());
+        for _ in 0..3 {
+            load.scrape_failed();
+        }
+        assert!(!load.healthy());
+    }
+
+    #[test]
+    fn slots_are_reused_after_a_worker_leaves() {
+        let pool = PoolKv::new(PoolId::new("default", "p"), 16);
+        assert_eq!(pool.slot("a:1"), WorkerId(0));
+        assert_eq!(pool.slot("b:1"), WorkerId(1));
+        assert_eq!(pool.slot("a:1"), WorkerId(0));
+        pool.release("a:1");
+        assert_eq!(pool.slot("c:1"), WorkerId(0));
+        assert_eq!(pool.slot_count(), 2);
+    }
+}

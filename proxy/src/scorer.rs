@@ -1,0 +1,269 @@
+//! Choosing a worker by predicted time to first token.
+//!
+//! predicted_ttft(worker) = prefill_cost × (queued_prefill_tokens + uncached_prompt_tokens)
+//!                          + running_cost × running_requests
+//!
+//! where uncached tokens come from the prefix index (what the worker's KV cache already holds of
+//! this prompt), queued prefill is the larger of what this proxy has sent that has not produced
+//! a first token yet and the worker's reported waiting requests times the pool's average prompt,
+//! and running requests come from the worker's metrics. Staying on the cached worker is therefore
+//! only worth it until its own backlog outweighs the prefill another worker would redo: cache
+//! affinity alone would hot-spot one worker. Workers within `tie_tolerance` of the best are tied
+//! and the one with fewest requests in flight (then a random one) wins, so load spreads.
+
+use std::fmt::Write;
+
+use rand::Rng;
+use switchyard_kv::index::Overlap;
+
+use crate::routing::PoolRuntime;
+
+/// One worker's numbers for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerScore {
+    /// Position in `PoolRuntime::workers`.
+    pub position: usize,
+    pub matched_blocks: u32,
+    pub cached_tokens: usize,
+    pub uncached_tokens: usize,
+    pub queued_tokens: usize,
+    pub running: u64,
+    pub in_flight: usize,
+    pub healthy: bool,
+    pub predicted_ttft_s: f64,
+}
+
+/// What decided a routing choice (for metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The chosen worker holds part of the prompt and no worker holds more.
+    CacheHit,
+    /// No worker holds any of the prompt.
+    NoCache,
+    /// A worker holding more of the prompt was passed over because its queue was longer.
+    Spread,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub chosen: usize,
+    pub outcome: Outcome,
+    pub prompt_tokens: usize,
+    pub scores: Vec<WorkerScore>,
+}
+
+impl Decision {
+    /// A one-line explanation for the `x-switchyard-route` header and logs.
+    pub fn explain(&self, pool: &PoolRuntime) -> String {
+        let mut out = String::new();
+        let address = |position: usize| {
+            pool.workers
+                .get(position)
+                .map_or("?", |w| w.address.as_str())
+        };
+        let _ = write!(
+            out,
+            "policy=cache-aware; chosen={}; outcome={:?}; prompt_tokens={}",
+            address(self.chosen),
+            self.outcome,
+            self.prompt_tokens
+        );
+        for score in &self.scores {
+            let _ = write!(
+                out,
+                "; {} matched_blocks={} cached_tokens={} queued_tokens={} running={} in_flight={} healthy={} predicted_ttft_ms={:.1}",
+                address(score.position),
+                score.matched_blocks,
+                score.cached_tokens,
+                score.queued_tokens,
+                score.running,
+                score.in_flight,
+                score.healthy,
+                score.predicted_ttft_s * 1000.0
+            );
+        }
+        out
+    }
+}
+
+/// Score every eligible worker (not in `exclude`, address resolved) and choose one.
+pub fn decide(
+    pool: &PoolRuntime,
+    prompt_tokens: usize,
+    overlap: &Overlap,
+    exclude: &[usize],
+) -> Option<Decision> {
+    let scoring = pool.config.scoring;
+    let prefill_cost = f64::from(scoring.prefill_micros_per_token) / 1e6;
+    let running_cost = f64::from(scoring.running_request_micros) / 1e6;
+    let tolerance = f64::from(scoring.tie_tolerance_micros) / 1e6;
+    let block_size = pool.kv.index.block_size();
+    let average_prompt = pool.kv.prompt_tokens_average();
+
+    let mut scores = Vec::with_capacity(pool.workers.len());
+    for (position, worker) in pool.workers.iter().enumerate() {
+        if exclude.contains(&position) || worker.socket.is_none() {
+            continue;
+        }
+        let matched_blocks = pool
+            .slots
+            .get(position)
+            .map_or(0, |slot| overlap.depth(*slot));
+        let cached_tokens = (matched_blocks as usize * block_size).min(prompt_tokens);
+        let uncached_tokens = prompt_tokens - cached_tokens;
+        let load = &worker.load;
+        let reported_queue = (load.waiting() as f64 * average_prompt) as usize;
+        let queued_tokens = worker.pending_prefill_tokens().max(reported_queue);
+        let in_flight = worker.in_flight();
+        let running = if load.scraped() {
+            load.running()
+        } else {
+            in_flight as u64
+        };
+        let predicted_ttft_s =
+            prefill_cost * (queued_tokens + uncached_tokens) as f64 + running_cost * running as f64;
+        scores.push(WorkerScore {
+            position,
+            matched_blocks,
+            cached_tokens,
+            uncached_tokens,
+            queued_tokens,
+            running,
+            in_flight,
+            healthy: load.healthy(),
+            predicted_ttft_s,
+        });
+    }
+    let any_healthy = scores.iter().any(|s| s.healthy);
+    let eligible = |s: &&WorkerScore| s.healthy || !any_healthy;
+    let best = scores
+        .iter()
+        .filter(eligible)
+        .map(|s| s.predicted_ttft_s)
+        .fold(f64::INFINITY, f64::min);
+    if !best.is_finite() {
+        return None;
+    }
+    let tied: Vec<&WorkerScore> = scores
+        .iter()
+        .filter(eligible)
+        .filter(|s| s.predicted_ttft_s <= best + tolerance)
+        .collect();
+    let fewest = tied.iter().map(|s| s.in_flight).min().unwrap_or(0);
+    let least_loaded: Vec<&&WorkerScore> = tied.iter().filter(|s| s.in_flight == fewest).collect();
+    let pick = rand::rng().random_range(0..least_loaded.len().max(1));
+    let chosen = least_loaded
+        .get(pick)
+        .map(|s| (s.position, s.matched_blocks))?;
+    let most_matched = scores
+        .iter()
+        .filter(eligible)
+        .map(|s| s.matched_blocks)
+        .max()
+        .unwrap_or(0);
+    let outcome = if most_matched > chosen.1 {
+        Outcome::Spread
+    } else if chosen.1 > 0 {
+        Outcome::CacheHit
+    } else {
+        Outcome::NoCache
+    };
+    Some(Decision {
+        chosen: chosen.0,
+        outcome,
+        prompt_tokens,
+        scores,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use switchyard_kv::events::{BlockStored, ExternalBlockHash, KvEvent};
+    use switchyard_kv::hash::sequence_hashes;
+    use switchyard_kv::index::WorkerId;
+
+    use super::*;
+    use crate::kv::KvRegistry;
+    use crate::routing::{EndpointRegistry, PendingPrefill, RoutingTable};
+
+    fn table() -> RoutingTable {
+        let yaml = "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {name: p}\n\
+                    spec: {model: m, blockSize: 4, endpoints: [\"127.0.0.1:1\", \"127.0.0.1:2\", \"127.0.0.1:3\"]}\n";
+        let snapshot = switchyard_snapshot::load_str("test", yaml).unwrap();
+        RoutingTable::build(
+            Arc::new(snapshot),
+            &EndpointRegistry::default(),
+            &KvRegistry::default(),
+        )
+        .unwrap()
+    }
+
+    fn store(pool: &PoolRuntime, position: usize, tokens: &[u32]) {
+        let hashes: Vec<ExternalBlockHash> = (0..tokens.len() / 4)
+            .map(|i| ExternalBlockHash(1000 * position as u64 + i as u64))
+            .collect();
+        pool.kv.index.apply(
+            pool.slots[position],
+            &KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes,
+                token_ids: tokens.to_vec(),
+                block_size: 4,
+                ..Default::default()
+            }),
+        );
+    }
+
+    fn overlap(pool: &PoolRuntime, tokens: &[u32]) -> Overlap {
+        let mut out = Overlap::default();
+        pool.kv
+            .index
+            .overlap_into(&sequence_hashes(tokens, 4), pool.kv.slot_count(), &mut out);
+        out
+    }
+
+    #[test]
+    fn the_cached_worker_wins_until_its_backlog_outweighs_the_saved_prefill() {
+        let table = table();
+        let pool = table.pools().next().unwrap();
+        let prompt: Vec<u32> = (0..400).collect();
+        store(pool, 1, &prompt[..396]);
+        let lookup = overlap(pool, &prompt);
+        assert_eq!(lookup.depth(WorkerId(pool.slots[1].0)), 99);
+
+        let first = decide(pool, 400, &lookup, &[]).unwrap();
+        assert_eq!(first.chosen, 1);
+        assert_eq!(first.outcome, Outcome::CacheHit);
+        assert_eq!(first.scores[1].uncached_tokens, 4);
+
+        // Pile prefill work onto the cached worker: it stays best while its backlog is smaller
+        // than the 396 tokens the others would have to prefill...
+        let _some = PendingPrefill::start(&pool.workers[1], 300);
+        assert_eq!(decide(pool, 400, &lookup, &[]).unwrap().chosen, 1);
+        // ...and loses once the backlog is larger (no hot spot).
+        let _more = PendingPrefill::start(&pool.workers[1], 200);
+        let spread = decide(pool, 400, &lookup, &[]).unwrap();
+        assert_ne!(spread.chosen, 1);
+        assert_eq!(spread.outcome, Outcome::Spread);
+        assert!(spread.explain(pool).contains("matched_blocks=99"));
+    }
+
+    #[test]
+    fn ties_spread_and_exclusions_hold() {
+        let table = table();
+        let pool = table.pools().next().unwrap();
+        let lookup = overlap(pool, &[1, 2, 3, 4]);
+        let mut seen = [0; 3];
+        for _ in 0..300 {
+            let decision = decide(pool, 4, &lookup, &[]).unwrap();
+            assert_eq!(decision.outcome, Outcome::NoCache);
+            seen[decision.chosen] += 1;
+        }
+        assert!(seen.iter().all(|n| *n > 30), "{seen:?}");
+        for _ in 0..20 {
+            assert_eq!(decide(pool, 4, &lookup, &[0, 2]).unwrap().chosen, 1);
+        }
+        assert!(decide(pool, 4, &lookup, &[0, 1, 2]).is_none());
+    }
+}
