@@ -80,7 +80,9 @@ impl WorkerSet {
             .get_or_insert_with(|| vec![0u64; word + 1].into_boxed_slice());
         if high.len() <= word {
             let mut grown = vec![0u64; word + 1];
-            grown[..high.len()].copy_from_slice(high);
+            for (to, from) in grown.iter_mut().zip(high.iter()) {
+                *to = *from;
+            }
             *high = grown.into_boxed_slice();
         }
         if let Some(bits) = high.get_mut(word) {
@@ -212,6 +214,8 @@ impl PrefixIndex {
     fn shard(&self, hash: SequenceHash) -> &Shard {
         // The top bits pick the shard; the map uses the whole hash.
         let index = (hash.0 >> 58) as usize % SHARDS;
+        // `shards` has exactly SHARDS entries (built in `new`), so the index is always in range.
+        #[allow(clippy::indexing_slicing)]
         &self.shards[index]
     }
 
@@ -352,11 +356,12 @@ impl PrefixIndex {
         // `active` holds the workers that matched every block so far (up to 4 words inline).
         let mut active_inline = [u64::MAX; 4];
         let mut active_heap;
-        let active: &mut [u64] = if words <= 4 {
-            &mut active_inline[..words]
-        } else {
-            active_heap = vec![u64::MAX; words];
-            &mut active_heap
+        let active: &mut [u64] = match active_inline.get_mut(..words) {
+            Some(inline) => inline,
+            None => {
+                active_heap = vec![u64::MAX; words];
+                &mut active_heap
+            }
         };
         for (depth, hash) in request.iter().enumerate() {
             let shard = match self.shard(*hash).read() {

@@ -19,6 +19,7 @@ pub enum Endpoint {
     Models,
     Health,
     Ready,
+    Metrics,
 }
 
 impl Endpoint {
@@ -36,6 +37,7 @@ impl Endpoint {
             "/v1/models" => Endpoint::Models,
             "/health" => Endpoint::Health,
             "/ready" => Endpoint::Ready,
+            "/metrics" => Endpoint::Metrics,
             _ => return None,
         })
     }
@@ -45,7 +47,9 @@ impl Endpoint {
             Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => {
                 http::Method::POST
             }
-            Endpoint::Models | Endpoint::Health | Endpoint::Ready => http::Method::GET,
+            Endpoint::Models | Endpoint::Health | Endpoint::Ready | Endpoint::Metrics => {
+                http::Method::GET
+            }
         }
     }
 
@@ -58,6 +62,7 @@ impl Endpoint {
             Endpoint::Models => "/v1/models",
             Endpoint::Health => "/health",
             Endpoint::Ready => "/ready",
+            Endpoint::Metrics => "/metrics",
         }
     }
 
@@ -69,6 +74,7 @@ impl Endpoint {
             Endpoint::Models => "models",
             Endpoint::Health => "health",
             Endpoint::Ready => "ready",
+            Endpoint::Metrics => "metrics",
         }
     }
 }

@@ -65,6 +65,8 @@ pub struct PoolKv {
     slots: Mutex<HashMap<String, WorkerId>>,
     streams: Mutex<HashMap<WorkerId, Arc<StreamStats>>>,
     pub decisions: DecisionStats,
+    /// Recently tokenized prompts.
+    pub prompts: crate::prompt::PromptCache,
     /// Running average of routed prompt sizes (tokens), as f64 bits: estimates the work behind
     /// each request a worker reports as waiting.
     prompt_tokens_average: AtomicU64,
@@ -78,6 +80,7 @@ impl PoolKv {
             slots: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             decisions: DecisionStats::default(),
+            prompts: crate::prompt::PromptCache::default(),
             prompt_tokens_average: AtomicU64::new(0f64.to_bits()),
         }
     }
@@ -522,10 +525,10 @@ impl BackgroundService for KvService {
                     .is_some_and(|(key, _)| *key == running.key);
                 if !keep {
                     running.task.abort();
-                    if let Some(pool) = table.pool(&id.0) {
-                        if !pool.workers.iter().any(|w| w.address == id.1) {
-                            pool.kv.index.clear_worker(pool.kv.slot(&id.1));
-                        }
+                    if let Some(pool) = table.pool(&id.0)
+                        && !pool.workers.iter().any(|w| w.address == id.1)
+                    {
+                        pool.kv.index.clear_worker(pool.kv.slot(&id.1));
                     }
                 }
                 keep

@@ -8,6 +8,8 @@
 pub mod api;
 pub mod config;
 pub mod kv;
+pub mod metrics;
+pub mod prompt;
 pub mod proxy;
 pub mod request;
 pub mod routing;

@@ -23,9 +23,15 @@ use switchyard_snapshot::snapshot::AnthropicMessages;
 
 use crate::api::{ApiError, ClientFormat, Endpoint, ErrorKind, client_format_for_path};
 use crate::config::ConfigStore;
+use crate::metrics;
+use crate::prompt::{self, PromptInfo};
 use crate::request;
-use crate::routing::{InFlight, PoolRuntime, RoutingTable};
+use crate::routing::{InFlight, PendingPrefill, PoolRuntime, RoutingTable};
+use crate::scorer::{self, Decision, Outcome};
 use crate::translate::{self, StreamTranslator};
+use switchyard_kv::index::Overlap;
+use switchyard_kv::tokenize::PromptTokenizer;
+use switchyard_snapshot::snapshot::LoadBalancing;
 
 /// Bytes Pingora's retry buffer holds (pingora-core `BODY_BUF_LIMIT`).
 const RETRY_BUFFER_BYTES: usize = 64 * 1024;
@@ -80,6 +86,14 @@ pub struct Route {
     /// The worker of the current attempt, counted as in flight.
     pub current: Option<InFlight>,
     pub last_connect_error: Option<String>,
+    /// The prompt as the pool's workers tokenize it (cache-aware pools).
+    pub prompt: Option<Arc<PromptInfo>>,
+    /// The scorer's decision for the current attempt (cache-aware pools).
+    pub decision: Option<Decision>,
+    /// Prefill work counted against the chosen worker until its first token.
+    pub pending: Option<PendingPrefill>,
+    /// The client asked for the routing explanation (`x-switchyard-explain`).
+    pub explain: bool,
 }
 
 #[derive(Debug, Default)]
@@ -92,6 +106,77 @@ enum ResponseMode {
         status: u16,
     },
     TranslateStream(Box<StreamTranslator>),
+}
+
+/// Request header asking for the routing explanation.
+const EXPLAIN_HEADER: &str = "x-switchyard-explain";
+/// Response header carrying it.
+const EXPLAIN_RESPONSE_HEADER: &str = "x-switchyard-route";
+/// Bodies larger than this are tokenized on the blocking pool, off the proxy's async threads.
+const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
+
+/// Tokenize the prompt for cache-aware routing. A failure only costs cache affinity: the request
+/// is still routed, by queue alone.
+async fn analyse_prompt(
+    tokenizer: Arc<PromptTokenizer>,
+    pool: Arc<PoolRuntime>,
+    endpoint: Endpoint,
+    body: Bytes,
+) -> Option<Arc<PromptInfo>> {
+    let inline = body.len() <= INLINE_TOKENIZE_BYTES;
+    let work = move || {
+        prompt::analyse(
+            &tokenizer,
+            &pool.kv.prompts,
+            endpoint,
+            &body,
+            pool.kv.index.block_size(),
+        )
+    };
+    let result = if inline {
+        work()
+    } else {
+        tokio::task::spawn_blocking(work)
+            .await
+            .unwrap_or_else(|e| Err(format!("tokenizer task failed: {e}")))
+    };
+    match result {
+        Ok(info) => Some(info),
+        Err(error) => {
+            tracing::debug!(%error, "prompt not tokenized for routing");
+            None
+        }
+    }
+}
+
+/// Pick the worker of an attempt: the scorer for cache-aware pools, the pool's policy otherwise.
+fn choose_worker(route: &mut Route, first_attempt: bool) -> Option<usize> {
+    if route.pool.config.load_balancing != LoadBalancing::CacheAware {
+        return route.pool.pick(&route.tried);
+    }
+    let kv = &route.pool.kv;
+    let mut overlap = Overlap::default();
+    let prompt_tokens = match &route.prompt {
+        Some(prompt) => {
+            kv.index
+                .overlap_into(&prompt.hashes, kv.slot_count(), &mut overlap);
+            prompt.tokens
+        }
+        None => 0,
+    };
+    let decision = scorer::decide(&route.pool, prompt_tokens, &overlap, &route.tried)?;
+    if first_attempt {
+        kv.record_prompt_tokens(prompt_tokens);
+        let counter = match decision.outcome {
+            Outcome::CacheHit => &kv.decisions.cache_hit,
+            Outcome::NoCache => &kv.decisions.no_cache,
+            Outcome::Spread => &kv.decisions.spread,
+        };
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    let chosen = decision.chosen;
+    route.decision = Some(decision);
+    Some(chosen)
 }
 
 /// Per-request state.
@@ -300,6 +385,13 @@ impl Gateway {
                 ),
             ));
         }
+        let prompt = match &pool.tokenizer {
+            Some(tokenizer) => {
+                analyse_prompt(tokenizer.clone(), pool.clone(), endpoint, body.clone()).await
+            }
+            None => None,
+        };
+        let explain = session.req_header().headers.contains_key(EXPLAIN_HEADER);
         let translate = endpoint == Endpoint::Messages
             && pool.config.anthropic_messages == AnthropicMessages::Translate;
         let upstream_body = if translate {
@@ -319,6 +411,10 @@ impl Gateway {
             reconnects: 0,
             current: None,
             last_connect_error: None,
+            prompt,
+            decision: None,
+            pending: None,
+            explain,
         };
         Ok((route, upstream_body))
     }
@@ -436,6 +532,18 @@ impl ProxyHttp for Gateway {
                 return Ok(true);
             }
             Endpoint::Models => return self.list_models(session, ctx).await,
+            Endpoint::Metrics => {
+                let body = Bytes::from(metrics::render(&self.store));
+                ctx.status = 200;
+                let mut header = ResponseHeader::build(200, Some(3))?;
+                header.insert_header("content-type", "text/plain; version=0.0.4; charset=utf-8")?;
+                header.insert_header("content-length", body.len().to_string())?;
+                session
+                    .write_response_header(Box::new(header), false)
+                    .await?;
+                session.write_response_body(Some(body), true).await?;
+                return Ok(true);
+            }
             Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => {}
         }
         match self.route(session, endpoint).await {
@@ -460,9 +568,11 @@ impl ProxyHttp for Gateway {
             ));
         };
         route.current = None;
+        route.pending = None;
         let reconnect = route.reconnect_to.take();
+        let first_attempt = route.tried.is_empty() && reconnect.is_none();
         let picked = reconnect
-            .or_else(|| route.pool.pick(&route.tried))
+            .or_else(|| choose_worker(route, first_attempt))
             .and_then(|index| {
                 let worker = route.pool.workers.get(index)?;
                 Some((index, worker.clone(), worker.socket?))
@@ -499,6 +609,16 @@ impl ProxyHttp for Gateway {
             route.tried.push(index);
         }
         route.current = Some(InFlight::start(&worker));
+        let uncached = match (&route.decision, &route.prompt) {
+            (Some(decision), _) => decision
+                .scores
+                .iter()
+                .find(|s| s.position == index)
+                .map_or(0, |s| s.uncached_tokens),
+            (None, Some(prompt)) => prompt.tokens,
+            (None, None) => 0,
+        };
+        route.pending = Some(PendingPrefill::start(&worker, uncached));
         let mut peer = HttpPeer::new(socket, false, String::new());
         peer.options.connection_timeout =
             Some(Duration::from_millis(route.pool.config.connect_timeout_ms));
@@ -558,9 +678,20 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         ctx.status = upstream_response.status.as_u16();
         upstream_response.insert_header("x-request-id", ctx.request_id.as_str())?;
-        let Some(route) = &ctx.route else {
+        let Some(route) = ctx.route.as_mut() else {
             return Ok(());
         };
+        if route.explain
+            && let Some(decision) = &route.decision
+        {
+            upstream_response
+                .insert_header(EXPLAIN_RESPONSE_HEADER, decision.explain(&route.pool))?;
+        }
+        if !route.stream {
+            // A non-streamed answer arrives whole: its prefill is long over.
+            route.pending = None;
+        }
+        let route = &*route;
         if route.translate {
             upstream_response.remove_header(&http::header::CONTENT_LENGTH);
             let streaming = route.stream && ctx.status < 400;
@@ -763,9 +894,13 @@ impl ProxyHttp for Gateway {
             duration_ms = ctx.started.elapsed().as_millis() as u64,
             "request"
         );
+        if let Some(decision) = route.and_then(|r| r.decision.as_ref().map(|d| (d, &r.pool))) {
+            tracing::debug!(request_id = %ctx.request_id, route = %decision.0.explain(decision.1), "routing decision");
+        }
         // Release the in-flight slot now rather than when Pingora drops the context.
         if let Some(route) = ctx.route.as_mut() {
             route.current = None;
+            route.pending = None;
         }
     }
 }

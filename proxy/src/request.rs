@@ -104,7 +104,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
             }
         }
         Endpoint::Completions => require_prompt(head.prompt)?,
-        Endpoint::Models | Endpoint::Health | Endpoint::Ready => {}
+        Endpoint::Models | Endpoint::Health | Endpoint::Ready | Endpoint::Metrics => {}
     }
 
     let model_span = span_within(body, raw_model.get())

@@ -167,14 +167,14 @@ fn compile_pool(
             "must be greater than 0".into(),
         ));
     }
-    if let Some(path) = &spec.metrics_path {
-        if !path.starts_with('/') {
-            errors.push(error_at(
-                document,
-                "spec.metricsPath",
-                format!("'{path}' must start with '/'"),
-            ));
-        }
+    if let Some(path) = &spec.metrics_path
+        && !path.starts_with('/')
+    {
+        errors.push(error_at(
+            document,
+            "spec.metricsPath",
+            format!("'{path}' must start with '/'"),
+        ));
     }
     if let Some(tokenizer) = &spec.tokenizer {
         for (field, path) in [
@@ -377,13 +377,14 @@ fn compile_endpoint(
     };
     check_endpoint(address).map_err(|message| (suffix, message))?;
     for (field, value) in [(".kvEvents", &kv_events), (".kvReplay", &kv_replay)] {
-        if let Some(value) = value {
-            if !value.starts_with("tcp://") && !value.starts_with("ipc://") {
-                return Err((
-                    field,
-                    format!("'{value}' must be a ZMQ endpoint such as tcp://10.0.0.7:5557"),
-                ));
-            }
+        if let Some(value) = value
+            && !value.starts_with("tcp://")
+            && !value.starts_with("ipc://")
+        {
+            return Err((
+                field,
+                format!("'{value}' must be a ZMQ endpoint such as tcp://10.0.0.7:5557"),
+            ));
         }
     }
     let host = address.rsplit_once(':').map_or(address, |(host, _)| host);

@@ -43,6 +43,7 @@ struct Shared {
     options: UpstreamOptions,
     received: Mutex<Vec<Received>>,
     gate: Semaphore,
+    scrapes: std::sync::atomic::AtomicU64,
 }
 
 /// A running test upstream; stops when dropped.
@@ -63,6 +64,7 @@ impl Upstream {
             options,
             received: Mutex::new(Vec::new()),
             gate: Semaphore::new(0),
+            scrapes: std::sync::atomic::AtomicU64::new(0),
         });
         let app = Router::new()
             .fallback(handle)
@@ -85,6 +87,11 @@ impl Upstream {
 
     pub fn name(&self) -> &str {
         &self.shared.name
+    }
+
+    /// How many times `/metrics` was read.
+    pub fn scrapes(&self) -> u64 {
+        self.shared.scrapes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn received(&self) -> Vec<Received> {
@@ -137,6 +144,11 @@ async fn handle(
     body: Bytes,
 ) -> Response {
     let path = uri.path().to_owned();
+    if path == "/metrics" {
+        // Cache-aware pools scrape this; it is not a request the tests count.
+        shared.scrapes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return "vllm:num_requests_waiting{model_name=\"m\",engine=\"0\"} 0.0\nvllm:num_requests_running{model_name=\"m\",engine=\"0\"} 0.0\n".into_response();
+    }
     if let Ok(mut received) = shared.received.lock() {
         received.push(Received {
             method: method.clone(),

@@ -1,0 +1,175 @@
+//! The proxy's own Prometheus metrics (`GET /metrics`): prefix index, KV event streams, worker
+//! queues as scraped, and routing decisions.
+
+use std::fmt::Write;
+use std::sync::atomic::Ordering;
+
+use crate::config::ConfigStore;
+
+fn escape(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Render every metric in Prometheus text format 0.0.4.
+pub fn render(store: &ConfigStore) -> String {
+    let mut out = String::new();
+    let mut pools = store.kv().pools();
+    pools.sort_by(|a, b| a.id.cmp(&b.id));
+    let mut family = |name: &str, kind: &str, help: &str, samples: Vec<(String, f64)>| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (labels, value) in samples {
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        }
+    };
+    let per_pool = |f: &dyn Fn(&crate::kv::PoolKv) -> f64| -> Vec<(String, f64)> {
+        pools
+            .iter()
+            .map(|p| (format!("pool=\"{}\"", escape(&p.id.0)), f(p)))
+            .collect()
+    };
+    family(
+        "switchyard_kv_index_blocks",
+        "gauge",
+        "Blocks held across workers, as the prefix index knows them.",
+        per_pool(&|p| p.index.stored_blocks() as f64),
+    );
+    family(
+        "switchyard_kv_index_prefixes",
+        "gauge",
+        "Distinct block prefixes in the index.",
+        per_pool(&|p| p.index.nodes() as f64),
+    );
+    family(
+        "switchyard_kv_events_applied_total",
+        "counter",
+        "KV events applied to the index.",
+        per_pool(&|p| p.index.stats.events_applied.load(Ordering::Relaxed) as f64),
+    );
+    family(
+        "switchyard_kv_orphan_blocks_total",
+        "counter",
+        "Stored blocks whose parent was unknown (missed events), not indexed.",
+        per_pool(&|p| p.index.stats.orphan_blocks.load(Ordering::Relaxed) as f64),
+    );
+    family(
+        "switchyard_kv_malformed_events_total",
+        "counter",
+        "BlockStored events inconsistent with the pool's block size.",
+        per_pool(&|p| p.index.stats.malformed_events.load(Ordering::Relaxed) as f64),
+    );
+
+    let mut per_worker =
+        |name: &str, kind: &str, help: &str, value: &dyn Fn(&crate::kv::StreamStats) -> u64| {
+            let mut samples = Vec::new();
+            for pool in &pools {
+                for (address, slot) in pool.workers() {
+                    let stats = pool.stream_stats(slot);
+                    samples.push((
+                        format!(
+                            "pool=\"{}\",worker=\"{}\"",
+                            escape(&pool.id.0),
+                            escape(&address)
+                        ),
+                        value(&stats) as f64,
+                    ));
+                }
+            }
+            family(name, kind, help, samples);
+        };
+    per_worker(
+        "switchyard_kv_event_batches_total",
+        "counter",
+        "KV event batches received per worker.",
+        &|s| s.batches.load(Ordering::Relaxed),
+    );
+    per_worker(
+        "switchyard_kv_event_gaps_replayed_total",
+        "counter",
+        "Sequence gaps filled from the worker's replay socket.",
+        &|s| s.gaps_replayed.load(Ordering::Relaxed),
+    );
+    per_worker(
+        "switchyard_kv_event_gaps_cleared_total",
+        "counter",
+        "Sequence gaps that could not be filled: the worker's entries were dropped.",
+        &|s| s.gaps_cleared.load(Ordering::Relaxed),
+    );
+    per_worker(
+        "switchyard_kv_publisher_restarts_total",
+        "counter",
+        "Times a worker's event sequence started over.",
+        &|s| s.publisher_restarts.load(Ordering::Relaxed),
+    );
+    per_worker(
+        "switchyard_kv_decode_errors_total",
+        "counter",
+        "Event messages that could not be decoded.",
+        &|s| s.decode_errors.load(Ordering::Relaxed),
+    );
+
+    let mut decisions = Vec::new();
+    for pool in &pools {
+        for (outcome, counter) in [
+            ("cache_hit", &pool.decisions.cache_hit),
+            ("no_cache", &pool.decisions.no_cache),
+            ("spread", &pool.decisions.spread),
+        ] {
+            decisions.push((
+                format!("pool=\"{}\",outcome=\"{outcome}\"", escape(&pool.id.0)),
+                counter.load(Ordering::Relaxed) as f64,
+            ));
+        }
+    }
+    family(
+        "switchyard_routing_decisions_total",
+        "counter",
+        "Cache-aware routing decisions by outcome.",
+        decisions,
+    );
+
+    if let Some(table) = store.current() {
+        let mut waiting = Vec::new();
+        let mut running = Vec::new();
+        let mut in_flight = Vec::new();
+        for pool in table.pools() {
+            for worker in &pool.workers {
+                let labels = format!(
+                    "pool=\"{}\",worker=\"{}\"",
+                    escape(&pool.config.id.0),
+                    escape(&worker.address)
+                );
+                waiting.push((labels.clone(), worker.load.waiting() as f64));
+                running.push((labels.clone(), worker.load.running() as f64));
+                in_flight.push((labels, worker.in_flight() as f64));
+            }
+        }
+        family(
+            "switchyard_worker_requests_waiting",
+            "gauge",
+            "Waiting requests the worker last reported.",
+            waiting,
+        );
+        family(
+            "switchyard_worker_requests_running",
+            "gauge",
+            "Running requests the worker last reported.",
+            running,
+        );
+        family(
+            "switchyard_worker_requests_in_flight",
+            "gauge",
+            "Requests this proxy has in flight to the worker.",
+            in_flight,
+        );
+        family(
+            "switchyard_config_version",
+            "gauge",
+            "Version of the live configuration snapshot.",
+            vec![(String::new(), table.snapshot.version as f64)],
+        );
+    }
+    out
+}

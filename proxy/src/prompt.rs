@@ -1,0 +1,202 @@
+//! The request's prompt as the worker will see it: rendered with the pool's chat template,
+//! tokenized with its tokenizer, and cut into chained block hashes for the prefix index.
+//!
+//! Bounded: only the first [`MAX_ROUTING_PROMPT_CHARS`] characters of a prompt are tokenized
+//! (cache affinity is decided by the prefix; a longer tail changes nothing but the cost). Rendered
+//! prompts seen recently are remembered by their hash, so a retried or repeated prompt is not
+//! tokenized again.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value;
+use switchyard_kv::hash::{SequenceHash, sequence_hashes};
+use switchyard_kv::tokenize::{PromptTokenizer, anthropic_messages, openai_messages};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::api::Endpoint;
+
+/// Characters of a prompt tokenized for routing.
+pub const MAX_ROUTING_PROMPT_CHARS: usize = 400_000;
+/// Rendered prompts remembered per pool.
+const CACHE_ENTRIES: usize = 512;
+
+/// What routing needs to know about a prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptInfo {
+    /// Prompt tokens (of the tokenized prefix, when the prompt was longer than the bound).
+    pub tokens: usize,
+    /// Chained hashes of its full blocks.
+    pub hashes: Vec<SequenceHash>,
+}
+
+/// Entries by key, and keys in insertion order.
+#[derive(Debug, Default)]
+struct Entries {
+    by_key: HashMap<u64, Arc<PromptInfo>>,
+    order: VecDeque<u64>,
+}
+
+/// Recently tokenized prompts, first in first out.
+#[derive(Debug, Default)]
+pub struct PromptCache {
+    entries: Mutex<Entries>,
+}
+
+impl PromptCache {
+    fn get(&self, key: u64) -> Option<Arc<PromptInfo>> {
+        self.entries.lock().ok()?.by_key.get(&key).cloned()
+    }
+
+    fn put(&self, key: u64, info: Arc<PromptInfo>) {
+        let Ok(mut entries) = self.entries.lock() else {
+            return;
+        };
+        let Entries { by_key, order } = &mut *entries;
+        if by_key.insert(key, info).is_none() {
+            order.push_back(key);
+            while order.len() > CACHE_ENTRIES {
+                if let Some(old) = order.pop_front() {
+                    by_key.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+/// What to tokenize: rendered text, or token ids the client sent itself.
+enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+fn prompt_of(
+    tokenizer: &PromptTokenizer,
+    endpoint: Endpoint,
+    request: &Value,
+) -> Result<Prompt, String> {
+    Ok(match endpoint {
+        Endpoint::ChatCompletions => Prompt::Text(
+            tokenizer
+                .render_chat(&openai_messages(request))
+                .map_err(|e| e.to_string())?,
+        ),
+        Endpoint::Messages => Prompt::Text(
+            tokenizer
+                .render_chat(&anthropic_messages(request))
+                .map_err(|e| e.to_string())?,
+        ),
+        Endpoint::Completions => match request.get("prompt") {
+            Some(Value::String(text)) => Prompt::Text(text.clone()),
+            Some(Value::Array(items)) if items.iter().all(Value::is_u64) => Prompt::Tokens(
+                items
+                    .iter()
+                    .filter_map(Value::as_u64)
+                    .map(|t| t as u32)
+                    .collect(),
+            ),
+            Some(Value::Array(items)) => match items.first() {
+                // A batch of prompts: route by the first.
+                Some(Value::String(text)) => Prompt::Text(text.clone()),
+                Some(Value::Array(ids)) => Prompt::Tokens(
+                    ids.iter()
+                        .filter_map(Value::as_u64)
+                        .map(|t| t as u32)
+                        .collect(),
+                ),
+                _ => return Err("empty prompt".into()),
+            },
+            _ => return Err("no prompt".into()),
+        },
+        Endpoint::Models | Endpoint::Health | Endpoint::Ready | Endpoint::Metrics => {
+            return Err("no prompt".into());
+        }
+    })
+}
+
+fn truncate(text: &str, max_chars: usize) -> &str {
+    match text.char_indices().nth(max_chars) {
+        Some((byte, _)) => text.get(..byte).unwrap_or(text),
+        None => text,
+    }
+}
+
+/// Tokenize a request body for routing (CPU work: call off the async threads for big bodies).
+pub fn analyse(
+    tokenizer: &PromptTokenizer,
+    cache: &PromptCache,
+    endpoint: Endpoint,
+    body: &[u8],
+    block_size: usize,
+) -> Result<Arc<PromptInfo>, String> {
+    let request: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    let tokens = match prompt_of(tokenizer, endpoint, &request)? {
+        Prompt::Tokens(tokens) => tokens,
+        Prompt::Text(text) => {
+            let text = truncate(&text, MAX_ROUTING_PROMPT_CHARS);
+            let key = xxh3_64(text.as_bytes()) ^ block_size as u64;
+            if let Some(hit) = cache.get(key) {
+                return Ok(hit);
+            }
+            let tokens = tokenizer.encode(text).map_err(|e| e.to_string())?;
+            let info = Arc::new(PromptInfo {
+                tokens: tokens.len(),
+                hashes: sequence_hashes(&tokens, block_size),
+            });
+            cache.put(key, info.clone());
+            return Ok(info);
+        }
+    };
+    Ok(Arc::new(PromptInfo {
+        tokens: tokens.len(),
+        hashes: sequence_hashes(&tokens, block_size),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_prompts_hash_like_the_worker_renders_them() {
+        let tokenizer = PromptTokenizer::shipped().unwrap();
+        let cache = PromptCache::default();
+        let body = br#"{"model":"m","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Tell me about rivers, lakes and the sea in some detail please."}]}"#;
+        let info = analyse(&tokenizer, &cache, Endpoint::ChatCompletions, body, 4).unwrap();
+        let rendered = tokenizer
+            .render_chat(&openai_messages(&serde_json::from_slice(body).unwrap()))
+            .unwrap();
+        let tokens = tokenizer.encode(&rendered).unwrap();
+        assert_eq!(info.tokens, tokens.len());
+        assert_eq!(info.hashes, sequence_hashes(&tokens, 4));
+        // The second time comes from the cache (same Arc).
+        let again = analyse(&tokenizer, &cache, Endpoint::ChatCompletions, body, 4).unwrap();
+        assert!(Arc::ptr_eq(&info, &again));
+    }
+
+    #[test]
+    fn token_id_prompts_and_bounds() {
+        let tokenizer = PromptTokenizer::shipped().unwrap();
+        let cache = PromptCache::default();
+        let info = analyse(
+            &tokenizer,
+            &cache,
+            Endpoint::Completions,
+            br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#,
+            4,
+        )
+        .unwrap();
+        assert_eq!((info.tokens, info.hashes.len()), (9, 2));
+        assert_eq!(truncate("héllo", 2), "hé");
+        assert!(
+            analyse(
+                &tokenizer,
+                &cache,
+                Endpoint::Completions,
+                br#"{"model":"m"}"#,
+                4
+            )
+            .is_err()
+        );
+    }
+}
