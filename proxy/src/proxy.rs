@@ -108,6 +108,8 @@ enum ResponseMode {
     TranslateStream(Box<StreamTranslator>),
 }
 
+/// Admin path prefix: `POST /debug/route/v1/chat/completions` explains without forwarding.
+const DEBUG_ROUTE_PREFIX: &str = "/debug/route";
 /// Request header asking for the routing explanation.
 const EXPLAIN_HEADER: &str = "x-switchyard-explain";
 /// Response header carrying it.
@@ -419,6 +421,71 @@ impl Gateway {
         Ok((route, upstream_body))
     }
 
+    /// `POST /debug/route/v1/...`: how the request would be routed, without sending it.
+    async fn debug_route(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        inner: &str,
+    ) -> Result<bool> {
+        let inner = format!("/{}", inner.trim_start_matches('/'));
+        ctx.format = client_format_for_path(&inner);
+        let endpoint = match Endpoint::from_path(&inner) {
+            Some(
+                endpoint @ (Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages),
+            ) => endpoint,
+            _ => {
+                let error = ApiError::new(
+                    ErrorKind::NotFound,
+                    "unknown_url",
+                    format!(
+                        "{DEBUG_ROUTE_PREFIX}{inner}: explains POST /v1/chat/completions, /v1/completions or /v1/messages"
+                    ),
+                );
+                return self.respond_error(session, ctx, error).await;
+            }
+        };
+        ctx.endpoint = Some(endpoint);
+        let (mut route, _) = match self.route(session, endpoint).await {
+            Ok(routed) => routed,
+            Err(error) => return self.respond_error(session, ctx, error).await,
+        };
+        let chosen = choose_worker(&mut route, false);
+        let address = |position: usize| route.pool.workers.get(position).map(|w| w.address.clone());
+        let scores: Vec<serde_json::Value> = route
+            .decision
+            .iter()
+            .flat_map(|d| d.scores.iter())
+            .map(|score| {
+                json!({
+                    "worker": address(score.position),
+                    "matched_blocks": score.matched_blocks,
+                    "cached_tokens": score.cached_tokens,
+                    "uncached_tokens": score.uncached_tokens,
+                    "queued_tokens": score.queued_tokens,
+                    "running": score.running,
+                    "in_flight": score.in_flight,
+                    "healthy": score.healthy,
+                    "predicted_ttft_ms": score.predicted_ttft_s * 1000.0,
+                })
+            })
+            .collect();
+        let body = json!({
+            "model": route.requested_model,
+            "upstream_model": route.upstream_model,
+            "pool": route.pool.config.id.0,
+            "policy": route.pool.config.load_balancing,
+            "prompt_tokens": route.prompt.as_ref().map(|p| p.tokens),
+            "prompt_blocks": route.prompt.as_ref().map(|p| p.hashes.len()),
+            "chosen": chosen.and_then(address),
+            "outcome": route.decision.as_ref().map(|d| format!("{:?}", d.outcome)),
+            "scores": scores,
+        });
+        self.respond_json(session, ctx, 200, Bytes::from(body.to_string()), &[])
+            .await?;
+        Ok(true)
+    }
+
     async fn list_models(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         let Some(table) = self.store.current() else {
             let error = ApiError::new(
@@ -480,6 +547,9 @@ impl ProxyHttp for Gateway {
         ctx.request_id = request_id(session);
         let path = session.req_header().uri.path().to_owned();
         ctx.format = client_format_for_path(&path);
+        if let Some(inner) = path.strip_prefix(DEBUG_ROUTE_PREFIX) {
+            return self.debug_route(session, ctx, inner).await;
+        }
         let Some(endpoint) = Endpoint::from_path(&path) else {
             let error = ApiError::new(
                 ErrorKind::NotFound,

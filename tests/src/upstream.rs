@@ -91,7 +91,9 @@ impl Upstream {
 
     /// How many times `/metrics` was read.
     pub fn scrapes(&self) -> u64 {
-        self.shared.scrapes.load(std::sync::atomic::Ordering::Relaxed)
+        self.shared
+            .scrapes
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn received(&self) -> Vec<Received> {
@@ -146,7 +148,9 @@ async fn handle(
     let path = uri.path().to_owned();
     if path == "/metrics" {
         // Cache-aware pools scrape this; it is not a request the tests count.
-        shared.scrapes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        shared
+            .scrapes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         return "vllm:num_requests_waiting{model_name=\"m\",engine=\"0\"} 0.0\nvllm:num_requests_running{model_name=\"m\",engine=\"0\"} 0.0\n".into_response();
     }
     if let Ok(mut received) = shared.received.lock() {

@@ -1,0 +1,420 @@
+//! Cache-aware routing end to end: the real proxy subscribed to simulated vLLM workers' KV events
+//! follows where a prompt's prefix is cached; and the event stream's gaps, replays and restarts.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde_json::{Value, json};
+use switchyard_e2e::{Proxy, Sim, Upstream};
+use switchyard_kv::events::{
+    BlockStored, ExternalBlockHash, HashEncoding, KvEvent, KvEventBatch, REPLAY_END_SEQ,
+    WireFormat, encode_batch,
+};
+use switchyard_kv::tokenize::{PromptTokenizer, openai_messages};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+fn system_prompt() -> String {
+    (0..40)
+        .map(|i| format!("Rule {i}: answer precisely and cite section {}. ", i * 7))
+        .collect()
+}
+
+fn chat(model: &str, system: &str, question: &str) -> Value {
+    json!({"model": model, "max_tokens": 2, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": question},
+    ]})
+}
+
+/// The routing the proxy would do for `body`, without sending it.
+async fn explain(proxy: &Proxy, body: &Value) -> Value {
+    let response = reqwest::Client::new()
+        .post(format!("{}/debug/route/v1/chat/completions", proxy.url()))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.json().await.unwrap()
+}
+
+fn matched(explained: &Value, worker: &str) -> u64 {
+    explained["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["worker"] == worker)
+        .map_or(0, |s| s["matched_blocks"].as_u64().unwrap())
+}
+
+/// Poll until `condition` holds for the proxy's explanation of `body`.
+async fn wait_for(
+    proxy: &Proxy,
+    body: &Value,
+    what: &str,
+    condition: impl Fn(&Value) -> bool,
+) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let explained = explain(proxy, body).await;
+        if condition(&explained) {
+            return explained;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}; last: {explained}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Send through the proxy; returns the worker that served it.
+async fn send(proxy: &Proxy, body: &Value) -> String {
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .header("x-switchyard-explain", "1")
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let route = response.headers()["x-switchyard-route"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let _ = response.bytes().await.unwrap();
+    route
+        .split("; ")
+        .find_map(|part| part.strip_prefix("chosen="))
+        .unwrap()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after_eviction() {
+    let sim = Sim::start(&[
+        "--workers",
+        "3",
+        "--time-scale",
+        "0.01",
+        "--num-blocks",
+        "96",
+        "--block-size",
+        "16",
+    ]);
+    let endpoints: Vec<String> = sim
+        .workers
+        .iter()
+        .map(|w| {
+            format!(
+                "{{address: \"{}\", kvEvents: \"{}\", kvReplay: \"{}\"}}",
+                w.http,
+                w.kv_events.as_deref().unwrap(),
+                w.kv_replay.as_deref().unwrap()
+            )
+        })
+        .collect();
+    let yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  endpoints: [{}]\n{}",
+        sim.model,
+        endpoints.join(", "),
+        switchyard_e2e::model_doc("default", "sim", None)
+    );
+    let proxy = Proxy::start(&yaml, &[]).await;
+    let system = system_prompt();
+
+    // Warm the prefix on whichever worker the proxy picks.
+    let warm = send(&proxy, &chat("default", &system, "question 0")).await;
+    let probe = chat("default", &system, "question 1");
+    let explained = wait_for(&proxy, &probe, "the index to learn the warm prefix", |e| {
+        matched(e, &warm) >= 10
+    })
+    .await;
+    assert_eq!(explained["chosen"], warm.as_str());
+    assert_eq!(explained["outcome"], "CacheHit");
+
+    // Requests sharing the prefix go to that worker.
+    for i in 1..5 {
+        assert_eq!(
+            send(&proxy, &chat("default", &system, &format!("question {i}"))).await,
+            warm
+        );
+    }
+
+    // The worker evicts the prefix (other prompts sent straight to it fill its 96 blocks)...
+    let client = reqwest::Client::new();
+    for i in 0..8 {
+        let filler: String = (0..60).map(|j| format!("filler {i} item {j}; ")).collect();
+        let response = client
+            .post(format!("http://{warm}/v1/chat/completions"))
+            .json(&chat(&sim.model, &filler, "x"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+    }
+    wait_for(&proxy, &probe, "BlockRemoved to reach the index", |e| {
+        matched(e, &warm) == 0
+    })
+    .await;
+
+    // ...and once another worker holds it, requests follow it there.
+    let other = sim
+        .workers
+        .iter()
+        .map(|w| w.http.clone())
+        .find(|w| *w != warm)
+        .unwrap();
+    let response = client
+        .post(format!("http://{other}/v1/chat/completions"))
+        .json(&chat(&sim.model, &system, "warm elsewhere"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    wait_for(&proxy, &probe, "the index to learn the new holder", |e| {
+        matched(e, &other) >= 10
+    })
+    .await;
+    assert_eq!(
+        send(&proxy, &chat("default", &system, "question 9")).await,
+        other
+    );
+
+    // Routing decisions and index size are exported.
+    let metrics = reqwest::get(format!("{}/metrics", proxy.url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(
+            "switchyard_routing_decisions_total{pool=\"default/sim\",outcome=\"cache_hit\"}"
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("switchyard_kv_index_blocks{pool=\"default/sim\"}"),
+        "{metrics}"
+    );
+}
+
+/// A KV-event publisher under the test's control, encoding exactly as vLLM does.
+struct Publisher {
+    socket: zeromq::PubSocket,
+    endpoint: String,
+    replay_endpoint: String,
+    /// What the replay socket can serve.
+    buffer: Arc<Mutex<BTreeMap<u64, Bytes>>>,
+    next_seq: u64,
+}
+
+impl Publisher {
+    async fn start() -> Publisher {
+        let mut socket = zeromq::PubSocket::new();
+        let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let mut router = zeromq::RouterSocket::new();
+        let replay_endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let buffer: Arc<Mutex<BTreeMap<u64, Bytes>>> = Arc::default();
+        let served = buffer.clone();
+        tokio::spawn(async move {
+            while let Ok(request) = router.recv().await {
+                let frames = request.into_vec();
+                let identity = frames[0].clone();
+                let start = u64::from_be_bytes(frames[2][..8].try_into().unwrap());
+                let batches: Vec<(u64, Bytes)> = served
+                    .lock()
+                    .unwrap()
+                    .range(start..)
+                    .map(|(s, p)| (*s, p.clone()))
+                    .collect();
+                for (seq, payload) in batches {
+                    let reply = vec![
+                        identity.clone(),
+                        Bytes::new(),
+                        Bytes::new(),
+                        Bytes::copy_from_slice(&seq.to_be_bytes()),
+                        payload,
+                    ];
+                    router
+                        .send(ZmqMessage::try_from(reply).unwrap())
+                        .await
+                        .unwrap();
+                }
+                let end = vec![
+                    identity,
+                    Bytes::new(),
+                    Bytes::new(),
+                    Bytes::copy_from_slice(&REPLAY_END_SEQ.to_be_bytes()),
+                    Bytes::new(),
+                ];
+                router
+                    .send(ZmqMessage::try_from(end).unwrap())
+                    .await
+                    .unwrap();
+            }
+        });
+        Publisher {
+            socket,
+            endpoint,
+            replay_endpoint,
+            buffer,
+            next_seq: 0,
+        }
+    }
+
+    /// Buffer the next batch for replay and, when `live`, publish it.
+    async fn publish(&mut self, events: Vec<KvEvent>, live: bool) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let batch = KvEventBatch {
+            ts: 0.0,
+            events,
+            data_parallel_rank: Some(0),
+        };
+        let payload = Bytes::from(encode_batch(&batch, WireFormat::Tagged, HashEncoding::Int));
+        self.buffer.lock().unwrap().insert(seq, payload.clone());
+        if live {
+            let frames = vec![
+                Bytes::new(),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload,
+            ];
+            self.socket
+                .send(ZmqMessage::try_from(frames).unwrap())
+                .await
+                .unwrap();
+        }
+        seq
+    }
+
+    /// A publisher restart: numbering starts over and the old batches are gone.
+    fn restart(&mut self) {
+        self.next_seq = 0;
+        self.buffer.lock().unwrap().clear();
+    }
+}
+
+/// BlockStored for every full 16-token block of the rendered chat prompt.
+fn stored(tokenizer: &PromptTokenizer, body: &Value, first_hash: u64) -> KvEvent {
+    let tokens = tokenizer.encode_chat(&openai_messages(body)).unwrap();
+    let blocks = tokens.len() / 16;
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: (0..blocks as u64)
+            .map(|i| ExternalBlockHash(first_hash + i))
+            .collect(),
+        parent_block_hash: None,
+        token_ids: tokens[..blocks * 16].to_vec(),
+        block_size: 16,
+        medium: Some("GPU".into()),
+        ..Default::default()
+    })
+}
+
+#[tokio::test]
+async fn event_gaps_are_replayed_or_cleared_and_restarts_reset_the_worker() {
+    let worker = Upstream::start("w").await;
+    let mut publisher = Publisher::start().await;
+    let yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: p}}\nspec:\n  model: m\n  blockSize: 16\n  endpoints: [{{address: \"{}\", kvEvents: \"{}\", kvReplay: \"{}\"}}]\n{}",
+        worker.endpoint(),
+        publisher.endpoint,
+        publisher.replay_endpoint,
+        switchyard_e2e::model_doc("m", "p", None)
+    );
+    let proxy = Proxy::start(&yaml, &[]).await;
+    let address = worker.endpoint();
+    let tokenizer = PromptTokenizer::shipped().unwrap();
+    let first = chat("m", &system_prompt(), "first");
+    let second = chat(
+        "m",
+        &format!("Another system prompt. {}", system_prompt()),
+        "second",
+    );
+
+    // Batch 0 goes out before the proxy has subscribed (lost, like vLLM's slow joiner). The next
+    // live batch starts above 0, so the proxy replays from 0.
+    publisher
+        .publish(vec![stored(&tokenizer, &first, 1_000)], true)
+        .await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        publisher.publish(vec![], true).await;
+        if matched(&explain(&proxy, &first).await, &address) >= 10 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "batch 0 never recovered through replay"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // A batch missed in the middle of the stream is fetched from the replay socket.
+    publisher
+        .publish(vec![stored(&tokenizer, &second, 5_000)], false)
+        .await;
+    publisher.publish(vec![], true).await;
+    wait_for(&proxy, &second, "the missed batch to be replayed", |e| {
+        matched(e, &address) >= 10
+    })
+    .await;
+
+    // A gap the replay buffer no longer covers: the worker's entries can't be trusted and go.
+    let lost = publisher
+        .publish(vec![KvEvent::AllBlocksCleared], false)
+        .await;
+    publisher.buffer.lock().unwrap().remove(&lost);
+    publisher.publish(vec![], true).await;
+    wait_for(
+        &proxy,
+        &first,
+        "the unfillable gap to clear the worker",
+        |e| matched(e, &address) == 0,
+    )
+    .await;
+    assert_eq!(matched(&explain(&proxy, &second).await, &address), 0);
+
+    // Rebuild, then restart the publisher: sequence numbers start over and old entries go.
+    publisher
+        .publish(vec![stored(&tokenizer, &first, 9_000)], true)
+        .await;
+    wait_for(&proxy, &first, "the new store", |e| {
+        matched(e, &address) >= 10
+    })
+    .await;
+    publisher.restart();
+    publisher
+        .publish(vec![stored(&tokenizer, &second, 20_000)], true)
+        .await;
+    wait_for(&proxy, &second, "events after the restart", |e| {
+        matched(e, &address) >= 10
+    })
+    .await;
+    assert_eq!(
+        matched(&explain(&proxy, &first).await, &address),
+        0,
+        "entries from before the restart were dropped"
+    );
+
+    let metrics = reqwest::get(format!("{}/metrics", proxy.url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let value = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing:\n{metrics}"))
+    };
+    assert!(value("switchyard_kv_event_gaps_replayed_total") >= 2.0);
+    assert!(value("switchyard_kv_event_gaps_cleared_total") >= 1.0);
+    assert!(value("switchyard_kv_publisher_restarts_total") >= 1.0);
+}
