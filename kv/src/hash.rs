@@ -1,61 +1,67 @@
 //! Chained block hashes over token content.
 //!
 //! The router cannot reuse vLLM's own block hashes (they depend on vLLM's hash seed and algorithm),
-//! so it hashes token content itself: a block's [`LocalBlockHash`] covers its tokens, and its
-//! [`SequenceHash`] chains the parent's sequence hash with it, so equal sequence hashes mean equal
-//! prefixes. XXH3-64 with seed 1337 over little-endian u32 tokens, as Dynamo's kv-router does, so
-//! both indexes can be fed the same keys in benchmarks.
+//! so it hashes token content itself. Each block's tokens are hashed on their own (XXH3-64 over
+//! their in-memory u32 bytes, in place; an optional salt such as a LoRA adapter's name goes into
+//! the seed: other weights, other KV), and a block's [`SequenceHash`] mixes its parent's sequence
+//! hash with that local hash (a splitmix64 finaliser), so equal sequence hashes mean equal
+//! prefixes. The expensive hashes of a prompt's blocks are independent of each other, which lets
+//! the CPU overlap them; only the cheap mix is serial. This runs for every block of every routed
+//! prompt.
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-/// Seed of every hash in this module.
+/// Seed of the token hashes of unsalted blocks.
 pub const HASH_SEED: u64 = 1337;
-
-/// Hash of one block's tokens, independent of what came before.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct LocalBlockHash(pub u64);
 
 /// Hash of a block and everything before it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SequenceHash(pub u64);
 
-/// Hash one block's tokens.
-pub fn local_block_hash(tokens: &[u32]) -> LocalBlockHash {
-    local_block_hash_salted(tokens, &[])
+fn token_seed(salt: &[u8]) -> u64 {
+    if salt.is_empty() {
+        HASH_SEED
+    } else {
+        HASH_SEED ^ xxh3_64(salt)
+    }
 }
 
-/// Hash one block's tokens with extra key bytes (a LoRA adapter's name): the same tokens under a
-/// different adapter are different KV, so they must not share a hash. Empty salt = no salt.
-pub fn local_block_hash_salted(tokens: &[u32], salt: &[u8]) -> LocalBlockHash {
-    let mut bytes = Vec::with_capacity(salt.len() + tokens.len() * 4);
-    bytes.extend_from_slice(salt);
-    for token in tokens {
-        bytes.extend_from_slice(&token.to_le_bytes());
-    }
-    LocalBlockHash(xxh3_64_with_seed(&bytes, HASH_SEED))
+fn local(tokens: &[u32], seed: u64) -> u64 {
+    xxh3_64_with_seed(bytemuck::cast_slice(tokens), seed)
 }
 
-/// Chain a block onto its parent (`None` for the first block).
-pub fn chain(parent: Option<SequenceHash>, block: LocalBlockHash) -> SequenceHash {
-    match parent {
-        None => SequenceHash(block.0),
-        Some(parent) => {
-            let mut bytes = [0u8; 16];
-            bytes[..8].copy_from_slice(&parent.0.to_le_bytes());
-            bytes[8..].copy_from_slice(&block.0.to_le_bytes());
-            SequenceHash(xxh3_64_with_seed(&bytes, HASH_SEED))
-        }
-    }
+/// Chain a block's local hash onto its parent. The local hash is already uniform (XXH3), so a
+/// cheap invertible mix of the parent is enough to make the result depend on the whole prefix;
+/// its latency is what a prompt's serial chain costs per block.
+fn mix(parent: Option<SequenceHash>, local: u64) -> SequenceHash {
+    SequenceHash(match parent {
+        None => local,
+        Some(parent) => parent.0.wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29) ^ local,
+    })
+}
+
+/// Hash one block after `parent` (an empty `salt` means none).
+pub fn block_hash(parent: Option<SequenceHash>, salt: &[u8], tokens: &[u32]) -> SequenceHash {
+    mix(parent, local(tokens, token_seed(salt)))
 }
 
 /// Sequence hashes of every full block of `tokens`; a trailing partial block is not hashed.
 pub fn sequence_hashes(tokens: &[u32], block_size: usize) -> Vec<SequenceHash> {
-    let mut hashes = Vec::with_capacity(tokens.len() / block_size.max(1));
+    sequence_hashes_salted(tokens, block_size, &[])
+}
+
+/// [`sequence_hashes`] with a salt mixed into every block.
+pub fn sequence_hashes_salted(tokens: &[u32], block_size: usize, salt: &[u8]) -> Vec<SequenceHash> {
+    let block_size = block_size.max(1);
+    let seed = token_seed(salt);
+    let mut hashes: Vec<SequenceHash> = tokens
+        .chunks_exact(block_size)
+        .map(|block| SequenceHash(local(block, seed)))
+        .collect();
     let mut parent = None;
-    for block in tokens.chunks_exact(block_size.max(1)) {
-        let hash = chain(parent, local_block_hash(block));
-        hashes.push(hash);
-        parent = Some(hash);
+    for hash in &mut hashes {
+        *hash = mix(parent, hash.0);
+        parent = Some(*hash);
     }
     hashes
 }

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
 
 use crate::events::{BlockStored, ExternalBlockHash, KvEvent, KvEventBatch};
-use crate::hash::{SequenceHash, chain, local_block_hash_salted};
+use crate::hash::{SequenceHash, block_hash};
 
 /// A worker's slot in the index (dense, small).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -131,6 +131,11 @@ impl WorkerSet {
 
 type Shard = RwLock<HashMap<SequenceHash, WorkerSet, BuildIdentity>>;
 
+/// The top bits pick the shard; the map uses the whole hash.
+fn shard_of(hash: SequenceHash) -> usize {
+    (hash.0 >> 58) as usize % SHARDS
+}
+
 /// Per worker: vLLM's hash of each block it holds → our hash of it.
 #[derive(Debug, Default)]
 struct WorkerBlocks {
@@ -212,11 +217,9 @@ impl PrefixIndex {
     }
 
     fn shard(&self, hash: SequenceHash) -> &Shard {
-        // The top bits pick the shard; the map uses the whole hash.
-        let index = (hash.0 >> 58) as usize % SHARDS;
         // `shards` has exactly SHARDS entries (built in `new`), so the index is always in range.
         #[allow(clippy::indexing_slicing)]
-        &self.shards[index]
+        &self.shards[shard_of(hash)]
     }
 
     fn add(&self, hash: SequenceHash, worker: WorkerId) {
@@ -303,26 +306,45 @@ impl PrefixIndex {
                 }
             }
         };
-        let lora_id_bytes = stored.lora_id.map(i64::to_le_bytes);
-        for (external, tokens) in stored
-            .block_hashes
-            .iter()
-            .zip(stored.token_ids.chunks_exact(block_size))
-        {
-            let local = match (stored.lora_name.as_deref(), &lora_id_bytes) {
-                (Some(name), _) => local_block_hash_salted(tokens, name.as_bytes()),
-                (None, Some(id)) => local_block_hash_salted(tokens, id),
-                (None, None) => local_block_hash_salted(tokens, &[]),
-            };
-            let ours = chain(parent, local);
-            let previous = self.with_worker(worker, |w| w.by_external.insert(*external, ours));
-            if let Some(previous) = previous.filter(|p| *p != ours) {
-                self.drop_worker_from(previous, worker);
-            }
-            self.add(ours, worker);
-            self.stats.blocks_stored.fetch_add(1, Ordering::Relaxed);
-            parent = Some(ours);
+        // Blocks under a LoRA adapter are different KV: salt their hashes with its name (or id).
+        let lora_id = stored.lora_id.map(|id| id.to_string());
+        let salt = stored
+            .lora_name
+            .as_deref()
+            .or(lora_id.as_deref())
+            .unwrap_or_default()
+            .as_bytes();
+        let ours: Vec<SequenceHash> = stored
+            .token_ids
+            .chunks_exact(block_size)
+            .map(|tokens| {
+                let hash = block_hash(parent, salt, tokens);
+                parent = Some(hash);
+                hash
+            })
+            .collect();
+        // One lock of the worker map per event, then one shard lock per block.
+        let replaced: Vec<SequenceHash> = self.with_worker(worker, |w| {
+            stored
+                .block_hashes
+                .iter()
+                .zip(&ours)
+                .filter_map(|(external, hash)| {
+                    w.by_external
+                        .insert(*external, *hash)
+                        .filter(|previous| previous != hash)
+                })
+                .collect()
+        });
+        for previous in replaced {
+            self.drop_worker_from(previous, worker);
         }
+        for hash in &ours {
+            self.add(*hash, worker);
+        }
+        self.stats
+            .blocks_stored
+            .fetch_add(ours.len() as u64, Ordering::Relaxed);
     }
 
     /// Forget everything a worker holds (AllBlocksCleared, an unfillable gap, or the worker left).
@@ -363,10 +385,27 @@ impl PrefixIndex {
                 &mut active_heap
             }
         };
+        // Each shard is read-locked at most once per lookup and held until it returns: a writer
+        // waits for one lookup at most, a lookup for one node update at most.
+        let mut guards: [Option<
+            std::sync::RwLockReadGuard<'_, HashMap<SequenceHash, WorkerSet, BuildIdentity>>,
+        >; SHARDS] = std::array::from_fn(|_| None);
         for (depth, hash) in request.iter().enumerate() {
-            let shard = match self.shard(*hash).read() {
-                Ok(guard) => guard,
-                Err(poisoned) => poisoned.into_inner(),
+            let shard_index = shard_of(*hash);
+            let Some(slot) = guards.get_mut(shard_index) else {
+                return;
+            };
+            let shard = match slot {
+                Some(guard) => guard,
+                None => {
+                    let Some(lock) = self.shards.get(shard_index) else {
+                        return;
+                    };
+                    slot.insert(match lock.read() {
+                        Ok(guard) => guard,
+                        Err(poisoned) => poisoned.into_inner(),
+                    })
+                }
             };
             let set = shard.get(hash);
             let mut any = false;

@@ -88,19 +88,16 @@ fn main() -> anyhow::Result<()> {
             std::process::exit(2);
         }
     };
-    if args.check {
-        println!(
-            "configuration OK: {} pool(s), {} model(s)",
-            snapshot.pools.len(),
-            snapshot.models.len()
-        );
-        return Ok(());
-    }
-
+    let (pools, models) = (snapshot.pools.len(), snapshot.models.len());
+    // Building the routing tables also loads each pool's tokenizer, so --check catches a bad path.
     let store = Arc::new(ConfigStore::default());
     if let Err(error) = store.apply(snapshot) {
         eprintln!("cannot serve the configuration: {error}");
         std::process::exit(2);
+    }
+    if args.check {
+        println!("configuration OK: {pools} pool(s), {models} model(s)");
+        return Ok(());
     }
 
     let conf = ServerConf {

@@ -335,8 +335,8 @@ async fn event_gaps_are_replayed_or_cleared_and_restarts_reset_the_worker() {
         "second",
     );
 
-    // Batch 0 goes out before the proxy has subscribed (lost, like vLLM's slow joiner). The next
-    // live batch starts above 0, so the proxy replays from 0.
+    // Batch 0 may go out before the proxy has subscribed (lost, like vLLM's slow joiner); then the
+    // first live batch it sees is above 0 and it replays from 0. Either way batch 0 must arrive.
     publisher
         .publish(vec![stored(&tokenizer, &first, 1_000)], true)
         .await;
@@ -414,7 +414,8 @@ async fn event_gaps_are_replayed_or_cleared_and_restarts_reset_the_worker() {
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("{name} missing:\n{metrics}"))
     };
-    assert!(value("switchyard_kv_event_gaps_replayed_total") >= 2.0);
+    // The mid-stream gap was replayed (the start-up one only when batch 0 was missed live).
+    assert!(value("switchyard_kv_event_gaps_replayed_total") >= 1.0);
     assert!(value("switchyard_kv_event_gaps_cleared_total") >= 1.0);
     assert!(value("switchyard_kv_publisher_restarts_total") >= 1.0);
 }

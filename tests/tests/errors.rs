@@ -250,3 +250,24 @@ async fn an_invalid_config_at_start_is_refused_with_every_error() {
     assert!(stderr.contains("spec.targets[0].pool"), "{stderr}");
     assert!(stderr.contains("bad.yaml"), "{stderr}");
 }
+
+#[test]
+fn a_tokenizer_that_cannot_be_loaded_is_reported_by_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool.yaml");
+    std::fs::write(
+        &path,
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {name: p}\n\
+         spec: {model: m, endpoints: [\"127.0.0.1:9\"], tokenizer: {path: /nonexistent/tokenizer.json, chatTemplate: /nonexistent/t.jinja}}\n",
+    )
+    .unwrap();
+    let output = std::process::Command::new(switchyard_e2e::process::binary("switchyard-proxy"))
+        .arg("--config")
+        .arg(&path)
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("/nonexistent/tokenizer.json"), "{stderr}");
+}
