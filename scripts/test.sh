@@ -37,3 +37,6 @@ echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo test"
 cargo test --workspace --locked
+# The index benchmark lives in its own workspace (dynamo-kv-router pins tokio): keep it compiling.
+echo "== index benchmark compiles"
+(cd loadtest/index-bench && cargo check --benches --locked --quiet)

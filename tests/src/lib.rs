@@ -73,3 +73,20 @@ pub fn run_python(script: &str, args: &[&str]) -> String {
     );
     stdout
 }
+
+/// One recording test upstream named `worker` serving `served`, and a proxy in front of it whose
+/// pool `p` answers to `aliases`, started with extra `args`.
+pub async fn one_worker_proxy(
+    worker: &str,
+    served: &str,
+    aliases: &[&str],
+    args: &[&str],
+) -> (Upstream, Proxy) {
+    let upstream = Upstream::start(worker).await;
+    let proxy = Proxy::start(
+        &pool_config("p", served, &[upstream.endpoint()], "", aliases),
+        args,
+    )
+    .await;
+    (upstream, proxy)
+}

@@ -4,22 +4,11 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use serde_json::{Value, json};
-use switchyard_e2e::{Proxy, Upstream, UpstreamOptions, pool_config};
+use switchyard_e2e::{Proxy, Upstream, UpstreamOptions, one_worker_proxy, pool_config};
 
 #[tokio::test]
 async fn non_streaming_chat_resolves_the_alias_and_rewrites_only_the_model() {
-    let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(
-        &pool_config(
-            "local",
-            "Qwen/Qwen3-27B",
-            &[worker.endpoint()],
-            "",
-            &["fast"],
-        ),
-        &[],
-    )
-    .await;
+    let (worker, proxy) = one_worker_proxy("w1", "Qwen/Qwen3-27B", &["fast"], &[]).await;
     let request = json!({
         "model": "fast",
         "messages": [{"role": "user", "content": "say \"model\": hi ünïcode"}],
@@ -65,12 +54,7 @@ async fn non_streaming_chat_resolves_the_alias_and_rewrites_only_the_model() {
 
 #[tokio::test]
 async fn completions_endpoint_is_forwarded() {
-    let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(
-        &pool_config("p", "base", &[worker.endpoint()], "", &["base"]),
-        &[],
-    )
-    .await;
+    let (worker, proxy) = one_worker_proxy("w1", "base", &["base"], &[]).await;
     let response = reqwest::Client::new()
         .post(format!("{}/v1/completions", proxy.url()))
         .json(&json!({"model": "base", "prompt": "Once upon"}))
@@ -142,12 +126,7 @@ async fn streaming_passes_each_chunk_through_before_the_next_exists() {
 
 #[tokio::test]
 async fn multi_megabyte_body_arrives_upstream_byte_for_byte() {
-    let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(
-        &pool_config("p", "served-name", &[worker.endpoint()], "", &["alias"]),
-        &[],
-    )
-    .await;
+    let (worker, proxy) = one_worker_proxy("w1", "served-name", &["alias"], &[]).await;
     let client = reqwest::Client::new();
     // Sizes around Pingora's 64 KiB retry buffer and well past it.
     for size in [10, 65_535, 65_536, 70_000, 200_000, 5 * 1024 * 1024] {
@@ -175,12 +154,7 @@ async fn multi_megabyte_body_arrives_upstream_byte_for_byte() {
 
 #[tokio::test]
 async fn chunked_request_bodies_are_forwarded_with_a_content_length() {
-    let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(
-        &pool_config("p", "m", &[worker.endpoint()], "", &["m"]),
-        &[],
-    )
-    .await;
+    let (worker, proxy) = one_worker_proxy("w1", "m", &["m"], &[]).await;
     let body = serde_json::to_vec(
         &json!({"model": "m", "messages": [{"role": "user", "content": "chunked"}]}),
     )
@@ -232,12 +206,7 @@ async fn chunked_request_bodies_are_forwarded_with_a_content_length() {
 
 #[tokio::test]
 async fn models_lists_the_aliases() {
-    let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(
-        &pool_config("p", "m", &[worker.endpoint()], "", &["alpha", "org/beta"]),
-        &[],
-    )
-    .await;
+    let (_worker, proxy) = one_worker_proxy("w1", "m", &["alpha", "org/beta"], &[]).await;
     let client = reqwest::Client::new();
     let body: Value = client
         .get(format!("{}/v1/models", proxy.url()))
@@ -276,12 +245,7 @@ async fn models_lists_the_aliases() {
 
 #[tokio::test]
 async fn http2_cleartext_clients_are_served() {
-    let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(
-        &pool_config("p", "m", &[worker.endpoint()], "", &["m"]),
-        &[],
-    )
-    .await;
+    let (worker, proxy) = one_worker_proxy("w1", "m", &["m"], &[]).await;
     let client = reqwest::Client::builder()
         .http2_prior_knowledge()
         .build()

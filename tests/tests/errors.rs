@@ -1,7 +1,7 @@
 //! Every bad input and every unavailable upstream gets a clear error in the client's own format.
 
 use serde_json::{Value, json};
-use switchyard_e2e::{Proxy, Upstream, free_port, pool_config};
+use switchyard_e2e::{Proxy, free_port, one_worker_proxy, pool_config};
 
 struct Answer {
     status: u16,
@@ -53,12 +53,7 @@ fn assert_anthropic(answer: &Answer, status: u16, error_type: &str, message_part
 
 #[tokio::test]
 async fn bad_requests_get_openai_errors_on_openai_paths() {
-    let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(
-        &pool_config("p", "m", &[worker.endpoint()], "", &["m"]),
-        &["--max-body-bytes", "4096"],
-    )
-    .await;
+    let (worker, proxy) = one_worker_proxy("w1", "m", &["m"], &["--max-body-bytes", "4096"]).await;
     let post = reqwest::Method::POST;
     let chat = "/v1/chat/completions";
 
@@ -142,12 +137,7 @@ async fn bad_requests_get_openai_errors_on_openai_paths() {
 
 #[tokio::test]
 async fn bad_requests_get_anthropic_errors_on_the_messages_path() {
-    let worker = Upstream::start("w1").await;
-    let proxy = Proxy::start(
-        &pool_config("p", "m", &[worker.endpoint()], "", &["m"]),
-        &["--max-body-bytes", "4096"],
-    )
-    .await;
+    let (worker, proxy) = one_worker_proxy("w1", "m", &["m"], &["--max-body-bytes", "4096"]).await;
     let post = reqwest::Method::POST;
     let path = "/v1/messages";
     assert_anthropic(
