@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use serde_json::json;
+use switchyard_loadtest::compare::{self, Arrival, RouterKind, RouterResult, RunConfig};
 use switchyard_loadtest::overhead::{self, LoadResult};
+use switchyard_loadtest::workload::{self, WorkloadKind, WorkloadSize};
 
 #[derive(Parser, Debug)]
 #[command(name = "switchyard-bench", version, about = "Switchyard benchmarks")]
@@ -21,6 +23,8 @@ struct Args {
 
 #[derive(Subcommand, Debug)]
 enum Bench {
+    /// Routers side by side on the same workloads against fresh simulated vLLM workers.
+    Compare(CompareArgs),
     /// Proxy overhead: direct vs through switchyard-proxy, same load, interleaved rounds.
     Overhead {
         /// Concurrent closed-loop clients.
@@ -39,6 +43,59 @@ enum Bench {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+}
+
+#[derive(clap::Args, Debug)]
+struct CompareArgs {
+    #[arg(long, value_enum, num_args = 1.., default_values_t = [WorkloadKind::SharedPrefix, WorkloadKind::MultiTurn, WorkloadKind::NoShared])]
+    workloads: Vec<WorkloadKind>,
+    #[arg(long, value_enum, num_args = 1.., default_values_t = [RouterKind::Random, RouterKind::RoundRobin, RouterKind::LeastOutstanding, RouterKind::Switchyard, RouterKind::VllmRouter])]
+    routers: Vec<RouterKind>,
+    /// Requests per workload.
+    #[arg(long, default_value_t = 192)]
+    requests: usize,
+    /// shared-prefix: distinct system prompts.
+    #[arg(long, default_value_t = 16)]
+    groups: usize,
+    /// Words per shared system prompt (shared-prefix) or per prompt (no-shared).
+    #[arg(long, default_value_t = 1500)]
+    prompt_words: usize,
+    #[arg(long, default_value_t = 20)]
+    question_words: usize,
+    /// multi-turn: turns per conversation.
+    #[arg(long, default_value_t = 6)]
+    turns: usize,
+    #[arg(long, default_value_t = 32)]
+    output_tokens: usize,
+    /// Poisson arrivals at this many requests per model second (default: closed loop).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Closed-loop clients when no --rate is given.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Capacity sweep: Poisson rates to try (comma separated, per model second).
+    #[arg(long, value_delimiter = ',')]
+    sweep_rates: Vec<f64>,
+    /// The TTFT target of the capacity sweep: p90 at or below this many model seconds.
+    #[arg(long, default_value_t = 2.0)]
+    slo_p90_s: f64,
+    #[arg(long, default_value_t = 0.05)]
+    time_scale: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// KV blocks per simulated worker (the default makes 16 shared prompts overflow one worker
+    /// but fit across three, where routing decides the hit rate).
+    #[arg(long, default_value_t = 1500)]
+    num_blocks: usize,
+    /// Results as JSON.
+    #[arg(long, default_value = "bench-results/compare.json")]
+    json: PathBuf,
+    /// CI mode: a small shared-prefix run of random vs switchyard, well under a minute; fails
+    /// unless switchyard's prefix-cache hit rate is at least 1.5x random's.
+    #[arg(long)]
+    quick: bool,
 }
 
 struct Killed(Child);
@@ -180,10 +237,177 @@ async fn overhead_bench(
     Ok(())
 }
 
+async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
+    if args.quick {
+        args.workloads = vec![WorkloadKind::SharedPrefix];
+        args.routers = vec![RouterKind::Random, RouterKind::Switchyard];
+        (
+            args.requests,
+            args.groups,
+            args.prompt_words,
+            args.question_words,
+        ) = (48, 6, 500, 8);
+        (
+            args.output_tokens,
+            args.concurrency,
+            args.num_blocks,
+            args.time_scale,
+        ) = (8, 6, 160, 0.1);
+        args.sweep_rates.clear();
+    }
+    let bin_dir = std::env::current_exe()?
+        .parent()
+        .map(PathBuf::from)
+        .context("binary directory")?;
+    let root = bin_dir
+        .ancestors()
+        .nth(2)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    let vllm_router = compare::find_vllm_router(&root);
+    if args.routers.contains(&RouterKind::VllmRouter) && vllm_router.is_none() {
+        println!(
+            "vllm-router: skipped (not installed; `pip install vllm-router` into .venv or PATH to include it)"
+        );
+        args.routers.retain(|r| *r != RouterKind::VllmRouter);
+    }
+    let size = WorkloadSize {
+        requests: args.requests,
+        groups: args.groups,
+        prompt_words: args.prompt_words,
+        question_words: args.question_words,
+        turns: args.turns,
+        output_tokens: args.output_tokens,
+    };
+    let arrival = match args.rate {
+        Some(rate) => Arrival::Poisson { rate },
+        None => Arrival::Concurrency {
+            clients: args.concurrency,
+        },
+    };
+    let mut report = serde_json::Map::new();
+    let mut quick_failure = None;
+    for kind in &args.workloads {
+        let conversations = workload::generate(*kind, size, args.seed);
+        let config = RunConfig {
+            bin_dir: bin_dir.clone(),
+            workload: *kind,
+            size,
+            seed: args.seed,
+            arrival,
+            time_scale: args.time_scale,
+            workers: args.workers,
+            num_blocks: args.num_blocks,
+            vllm_router: vllm_router.clone(),
+        };
+        let mut results: Vec<RouterResult> = Vec::new();
+        for (index, router) in args.routers.iter().enumerate() {
+            let label = format!(
+                "{} [{}/{}] {}",
+                kind.name(),
+                index + 1,
+                args.routers.len(),
+                router.name()
+            );
+            results.push(compare::run(&config, *router, &conversations, label).await?);
+        }
+        let arrival_text = match arrival {
+            Arrival::Poisson { rate } => format!("Poisson {rate} req/s"),
+            Arrival::Concurrency { clients } => format!("{clients} concurrent clients"),
+        };
+        compare::print_table(
+            &format!(
+                "{} ({} requests, {arrival_text}, {} workers, seed {})",
+                kind.name(),
+                args.requests,
+                args.workers,
+                args.seed
+            ),
+            &results,
+        );
+        let mut capacity = serde_json::Map::new();
+        if !args.sweep_rates.is_empty() {
+            println!(
+                "capacity ({}): highest rate with TTFT p90 <= {} s",
+                kind.name(),
+                args.slo_p90_s
+            );
+            let mut random_capacity = None;
+            for router in &args.routers {
+                let mut best = 0.0f64;
+                let mut points = Vec::new();
+                for rate in &args.sweep_rates {
+                    let swept = RunConfig {
+                        arrival: Arrival::Poisson { rate: *rate },
+                        ..config.clone()
+                    };
+                    let label = format!("{} sweep {} @ {rate}/s", kind.name(), router.name());
+                    let result = compare::run(&swept, *router, &conversations, label).await?;
+                    if result.ttft_p90 <= args.slo_p90_s && result.errors == 0 {
+                        best = best.max(*rate);
+                    }
+                    points.push(serde_json::json!({"rate": rate, "ttft_p90": result.ttft_p90, "ttft_p50": result.ttft_p50}));
+                }
+                if *router == RouterKind::Random {
+                    random_capacity = Some(best);
+                }
+                let ratio = random_capacity
+                    .filter(|r| *r > 0.0)
+                    .map_or(f64::NAN, |r| best / r);
+                println!(
+                    "  {:<18} {best:>6.2} req/s  ({ratio:.2}x random)",
+                    router.name()
+                );
+                capacity.insert(
+                    router.name().to_owned(),
+                    serde_json::json!({"capacity": best, "points": points}),
+                );
+            }
+        }
+        if args.quick {
+            let rate = |name: &str| {
+                results
+                    .iter()
+                    .find(|r| r.router == name)
+                    .map_or(0.0, |r| r.cache_hit_rate)
+            };
+            let (random, ours) = (rate("random"), rate("switchyard"));
+            if ours < random * 1.5 {
+                quick_failure = Some(format!(
+                    "switchyard hit rate {ours:.2} is not 1.5x random's {random:.2}"
+                ));
+            } else {
+                println!("quick check passed: switchyard hit rate {ours:.2} vs random {random:.2}");
+            }
+        }
+        report.insert(
+            kind.name().to_owned(),
+            serde_json::json!({"size": size, "arrival": arrival, "results": results, "capacity": capacity}),
+        );
+    }
+    if let Some(parent) = args.json.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::write(
+        &args.json,
+        serde_json::to_vec_pretty(&serde_json::Value::Object(report))?,
+    )?;
+    println!(
+        "
+results written to {}",
+        args.json.display()
+    );
+    if let Some(failure) = quick_failure {
+        bail!(failure);
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     match args.command {
+        Bench::Compare(compare_args) => compare_bench(compare_args).await,
         Bench::Overhead {
             concurrency,
             seconds,
