@@ -165,6 +165,17 @@ impl Overlap {
     pub fn depth(&self, worker: WorkerId) -> u32 {
         self.depths.get(usize::from(worker.0)).copied().unwrap_or(0)
     }
+
+    /// Raise a worker's depth to at least `depth` (knowledge from outside the index).
+    pub fn raise(&mut self, worker: WorkerId, depth: u32) {
+        let index = usize::from(worker.0);
+        if self.depths.len() <= index {
+            self.depths.resize(index + 1, 0);
+        }
+        if let Some(slot) = self.depths.get_mut(index) {
+            *slot = (*slot).max(depth);
+        }
+    }
 }
 
 /// The index of one pool (one block size, one tokenizer).

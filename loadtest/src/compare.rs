@@ -174,22 +174,22 @@ fn start_sim(config: &RunConfig) -> anyhow::Result<Sim> {
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
     let value: Value = serde_json::from_str(&line).context("reading the simulator's addresses")?;
-    let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
-    let workers = value["workers"]
-        .as_array()
+    let text = |v: &Value, key: &str| {
+        v.get(key)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let workers = value
+        .get("workers")
+        .and_then(Value::as_array)
         .context("workers")?
         .iter()
-        .map(|w| {
-            (
-                text(&w["http"]),
-                text(&w["kv_events"]),
-                text(&w["kv_replay"]),
-            )
-        })
+        .map(|w| (text(w, "http"), text(w, "kv_events"), text(w, "kv_replay")))
         .collect();
     Ok(Sim {
         _child: child,
-        model: text(&value["model"]),
+        model: text(&value, "model"),
         workers,
     })
 }
@@ -308,8 +308,9 @@ async fn stream_one(
                 let Ok(chunk) = serde_json::from_str::<Value>(data) else {
                     continue;
                 };
-                if let Some(content) = chunk["choices"][0]["delta"]["content"]
-                    .as_str()
+                if let Some(content) = chunk
+                    .pointer("/choices/0/delta/content")
+                    .and_then(Value::as_str)
                     .filter(|c| !c.is_empty())
                 {
                     ttft.get_or_insert_with(|| start.elapsed());
@@ -472,7 +473,8 @@ pub async fn run(
         Arrival::Poisson { rate } => {
             let mut rng = StdRng::seed_from_u64(config.seed ^ 0x5eed);
             let mut at = 0.0f64;
-            for conversation in conversations.iter().cloned() {
+            for conversation in conversations {
+                let conversation = conversation.clone();
                 // Exponential gaps in model time, slept in wall time.
                 at += -(1.0 - rng.random::<f64>()).ln() / rate.max(1e-9);
                 let start = started + Duration::from_secs_f64(at * scale);

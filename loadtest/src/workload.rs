@@ -55,8 +55,11 @@ const WORDS: &[&str] = &[
 fn words(rng: &mut StdRng, count: usize) -> String {
     (0..count)
         .map(|_| {
-            WORDS[rng.random_range(0..WORDS.len())].to_owned()
-                + &rng.random_range(0..1000).to_string()
+            let word = WORDS
+                .get(rng.random_range(0..WORDS.len()))
+                .copied()
+                .unwrap_or("word");
+            format!("{word}{}", rng.random_range(0..1000))
         })
         .collect::<Vec<_>>()
         .join(" ")

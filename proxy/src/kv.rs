@@ -57,6 +57,71 @@ pub struct DecisionStats {
     pub spread: AtomicU64,
 }
 
+/// Prompts routed to a worker whose blocks its KV events have not confirmed yet: the worker will
+/// hold them within one prefill, so later requests with the same prefix can follow at once
+/// instead of all being spread before the first one's events arrive.
+#[derive(Debug, Default)]
+pub struct Predictions {
+    entries: Mutex<Vec<(u64, WorkerId, Arc<crate::prompt::PromptInfo>)>>,
+    next_id: AtomicU64,
+}
+
+impl Predictions {
+    /// Predict that `worker` will hold `prompt`'s blocks until the guard drops.
+    pub fn add(
+        self: &Arc<Self>,
+        worker: WorkerId,
+        prompt: Arc<crate::prompt::PromptInfo>,
+    ) -> Prediction {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        lock(&self.entries).push((id, worker, prompt));
+        Prediction {
+            predictions: self.clone(),
+            id,
+        }
+    }
+
+    /// Raise each worker's depth in `overlap` to the longest prefix of `request` it was sent.
+    pub fn raise(
+        &self,
+        request: &[switchyard_kv::hash::SequenceHash],
+        overlap: &mut switchyard_kv::index::Overlap,
+    ) {
+        for (_, worker, prompt) in lock(&self.entries).iter() {
+            let common = prompt
+                .hashes
+                .iter()
+                .zip(request)
+                .take_while(|(a, b)| a == b)
+                .count();
+            if common > 0 {
+                overlap.raise(*worker, common as u32);
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        lock(&self.entries).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Keeps a prediction alive for as long as its request runs.
+#[derive(Debug)]
+pub struct Prediction {
+    predictions: Arc<Predictions>,
+    id: u64,
+}
+
+impl Drop for Prediction {
+    fn drop(&mut self) {
+        lock(&self.predictions.entries).retain(|(id, _, _)| *id != self.id);
+    }
+}
+
 /// The prefix index and worker slots of one pool, kept across snapshots while the pool lives.
 #[derive(Debug)]
 pub struct PoolKv {
@@ -67,9 +132,11 @@ pub struct PoolKv {
     pub decisions: DecisionStats,
     /// Recently tokenized prompts.
     pub prompts: crate::prompt::PromptCache,
-    /// Running average of routed prompt sizes (tokens), as f64 bits: estimates the work behind
-    /// each request a worker reports as waiting.
-    prompt_tokens_average: AtomicU64,
+    /// Prompts in flight, not yet confirmed by KV events.
+    pub predictions: Arc<Predictions>,
+    /// Running average of the prefill work (uncached prompt tokens) of routed requests, as f64
+    /// bits: estimates the work behind each request a worker reports as waiting.
+    prefill_tokens_average: AtomicU64,
 }
 
 impl PoolKv {
@@ -81,7 +148,8 @@ impl PoolKv {
             streams: Mutex::new(HashMap::new()),
             decisions: DecisionStats::default(),
             prompts: crate::prompt::PromptCache::default(),
-            prompt_tokens_average: AtomicU64::new(0f64.to_bits()),
+            predictions: Arc::default(),
+            prefill_tokens_average: AtomicU64::new(0f64.to_bits()),
         }
     }
 
@@ -130,18 +198,18 @@ impl PoolKv {
         workers
     }
 
-    pub fn prompt_tokens_average(&self) -> f64 {
-        f64::from_bits(self.prompt_tokens_average.load(Ordering::Relaxed))
+    pub fn prefill_tokens_average(&self) -> f64 {
+        f64::from_bits(self.prefill_tokens_average.load(Ordering::Relaxed))
     }
 
-    pub fn record_prompt_tokens(&self, tokens: usize) {
-        let previous = self.prompt_tokens_average();
+    pub fn record_prefill_tokens(&self, tokens: usize) {
+        let previous = self.prefill_tokens_average();
         let next = if previous == 0.0 {
             tokens as f64
         } else {
             0.9 * previous + 0.1 * tokens as f64
         };
-        self.prompt_tokens_average
+        self.prefill_tokens_average
             .store(next.to_bits(), Ordering::Relaxed);
     }
 }

@@ -23,6 +23,7 @@ use switchyard_snapshot::snapshot::AnthropicMessages;
 
 use crate::api::{ApiError, ClientFormat, Endpoint, ErrorKind, client_format_for_path};
 use crate::config::ConfigStore;
+use crate::kv::Prediction;
 use crate::metrics;
 use crate::prompt::{self, PromptInfo};
 use crate::request;
@@ -92,6 +93,8 @@ pub struct Route {
     pub decision: Option<Decision>,
     /// Prefill work counted against the chosen worker until its first token.
     pub pending: Option<PendingPrefill>,
+    /// The chosen worker will hold this prompt's blocks; counted until the request ends.
+    pub prediction: Option<Prediction>,
     /// The client asked for the routing explanation (`x-switchyard-explain`).
     pub explain: bool,
 }
@@ -162,13 +165,19 @@ fn choose_worker(route: &mut Route, first_attempt: bool) -> Option<usize> {
         Some(prompt) => {
             kv.index
                 .overlap_into(&prompt.hashes, kv.slot_count(), &mut overlap);
+            kv.predictions.raise(&prompt.hashes, &mut overlap);
             prompt.tokens
         }
         None => 0,
     };
     let decision = scorer::decide(&route.pool, prompt_tokens, &overlap, &route.tried)?;
     if first_attempt {
-        kv.record_prompt_tokens(prompt_tokens);
+        let prefill = decision
+            .scores
+            .iter()
+            .find(|s| s.position == decision.chosen)
+            .map_or(prompt_tokens, |s| s.uncached_tokens);
+        kv.record_prefill_tokens(prefill);
         let counter = match decision.outcome {
             Outcome::CacheHit => &kv.decisions.cache_hit,
             Outcome::NoCache => &kv.decisions.no_cache,
@@ -416,6 +425,7 @@ impl Gateway {
             prompt,
             decision: None,
             pending: None,
+            prediction: None,
             explain,
         };
         Ok((route, upstream_body))
@@ -639,6 +649,7 @@ impl ProxyHttp for Gateway {
         };
         route.current = None;
         route.pending = None;
+        route.prediction = None;
         let reconnect = route.reconnect_to.take();
         let first_attempt = route.tried.is_empty() && reconnect.is_none();
         let picked = reconnect
@@ -689,6 +700,12 @@ impl ProxyHttp for Gateway {
             (None, None) => 0,
         };
         route.pending = Some(PendingPrefill::start(&worker, uncached));
+        route.prediction = match (&route.prompt, route.pool.slots.get(index)) {
+            (Some(prompt), Some(slot)) => {
+                Some(route.pool.kv.predictions.add(*slot, prompt.clone()))
+            }
+            _ => None,
+        };
         let mut peer = HttpPeer::new(socket, false, String::new());
         peer.options.connection_timeout =
             Some(Duration::from_millis(route.pool.config.connect_timeout_ms));
@@ -971,6 +988,7 @@ impl ProxyHttp for Gateway {
         if let Some(route) = ctx.route.as_mut() {
             route.current = None;
             route.pending = None;
+            route.prediction = None;
         }
     }
 }

@@ -5,11 +5,12 @@
 //!
 //! where uncached tokens come from the prefix index (what the worker's KV cache already holds of
 //! this prompt), queued prefill is the larger of what this proxy has sent that has not produced
-//! a first token yet and the worker's reported waiting requests times the pool's average prompt,
+//! a first token yet and the worker's reported waiting requests times the pool's average prefill,
 //! and running requests come from the worker's metrics. Staying on the cached worker is therefore
 //! only worth it until its own backlog outweighs the prefill another worker would redo: cache
 //! affinity alone would hot-spot one worker. Workers within `tie_tolerance` of the best are tied
-//! and the one with fewest requests in flight (then a random one) wins, so load spreads.
+//! and the one holding most of the prompt, then the one with fewest requests in flight, then a
+//! random one wins: load spreads where the cache does not decide.
 
 use std::fmt::Write;
 
@@ -98,7 +99,7 @@ pub fn decide(
     let running_cost = f64::from(scoring.running_request_micros) / 1e6;
     let tolerance = f64::from(scoring.tie_tolerance_micros) / 1e6;
     let block_size = pool.kv.index.block_size();
-    let average_prompt = pool.kv.prompt_tokens_average();
+    let average_prefill = pool.kv.prefill_tokens_average();
 
     let mut scores = Vec::with_capacity(pool.workers.len());
     for (position, worker) in pool.workers.iter().enumerate() {
@@ -112,7 +113,7 @@ pub fn decide(
         let cached_tokens = (matched_blocks as usize * block_size).min(prompt_tokens);
         let uncached_tokens = prompt_tokens - cached_tokens;
         let load = &worker.load;
-        let reported_queue = (load.waiting() as f64 * average_prompt) as usize;
+        let reported_queue = (load.waiting() as f64 * average_prefill) as usize;
         let queued_tokens = worker.pending_prefill_tokens().max(reported_queue);
         let in_flight = worker.in_flight();
         let running = if load.scraped() {
@@ -149,8 +150,16 @@ pub fn decide(
         .filter(eligible)
         .filter(|s| s.predicted_ttft_s <= best + tolerance)
         .collect();
-    let fewest = tied.iter().map(|s| s.in_flight).min().unwrap_or(0);
-    let least_loaded: Vec<&&WorkerScore> = tied.iter().filter(|s| s.in_flight == fewest).collect();
+    // Among near-ties, the worker holding more of the prompt keeps it (its cache then serves the
+    // next request too); with equal holdings, the one with fewest requests in flight.
+    let most_cached = tied.iter().map(|s| s.matched_blocks).max().unwrap_or(0);
+    let cached: Vec<&&WorkerScore> = tied
+        .iter()
+        .filter(|s| s.matched_blocks == most_cached)
+        .collect();
+    let fewest = cached.iter().map(|s| s.in_flight).min().unwrap_or(0);
+    let least_loaded: Vec<&&&WorkerScore> =
+        cached.iter().filter(|s| s.in_flight == fewest).collect();
     let pick = rand::rng().random_range(0..least_loaded.len().max(1));
     let chosen = least_loaded
         .get(pick)
