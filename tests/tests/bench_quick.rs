@@ -29,6 +29,10 @@ fn cache_aware_routing_multiplies_the_prefix_cache_hit_rate() {
             .unwrap()
     };
     assert!(hit("switchyard") >= 1.5 * hit("random"), "{report}");
+    assert!(
+        dir.path().join("ttft-cdf-shared-prefix.png").exists(),
+        "the TTFT CDF plot was not written:\n{stdout}"
+    );
     for result in results {
         assert_eq!(result["errors"], 0, "{result}");
         assert_eq!(result["requests"], 48, "{result}");

@@ -237,6 +237,41 @@ async fn overhead_bench(
     Ok(())
 }
 
+/// PNG plots next to the JSON, drawn by loadtest/plot.py with matplotlib (the project's .venv
+/// has it; otherwise `python3`). Missing Python or matplotlib only skips the plots.
+fn plot(root: &std::path::Path, json: &std::path::Path) {
+    let venv = root.join(".venv/bin/python");
+    let python = if venv.exists() {
+        venv
+    } else {
+        PathBuf::from("python3")
+    };
+    let out_dir = json
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    match Command::new(&python)
+        .arg(root.join("loadtest/plot.py"))
+        .arg(json)
+        .arg(&out_dir)
+        .output()
+    {
+        Ok(output) if output.status.success() => {
+            for line in String::from_utf8_lossy(&output.stdout).lines() {
+                println!("plot written to {line}");
+            }
+        }
+        Ok(output) => println!(
+            "plots skipped: {}",
+            String::from_utf8_lossy(&output.stderr)
+                .lines()
+                .last()
+                .unwrap_or("plot.py failed")
+        ),
+        Err(error) => println!("plots skipped: cannot run {}: {error}", python.display()),
+    }
+}
+
 async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
     if args.quick {
         args.workloads = vec![WorkloadKind::SharedPrefix];
@@ -392,11 +427,8 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
         &args.json,
         serde_json::to_vec_pretty(&serde_json::Value::Object(report))?,
     )?;
-    println!(
-        "
-results written to {}",
-        args.json.display()
-    );
+    println!("\nresults written to {}", args.json.display());
+    plot(&root, &args.json);
     if let Some(failure) = quick_failure {
         bail!(failure);
     }

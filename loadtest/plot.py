@@ -1,0 +1,58 @@
+"""Plot switchyard-bench compare results: TTFT CDF per router, and TTFT p90 vs load from the
+capacity sweep. Usage: plot.py RESULTS.json OUT_DIR. Needs matplotlib (scripts/test.sh installs
+it into .venv)."""
+
+import json
+import pathlib
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(results_path: str, out_dir: str) -> None:
+    results = json.loads(pathlib.Path(results_path).read_text())
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for workload, report in results.items():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for router in report["results"]:
+            ttfts = router["ttfts"]
+            if not ttfts:
+                continue
+            ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+            ax.step(ttfts, ys, where="post", label=f'{router["router"]} (p50 {router["ttft_p50"]:.2f}s)')
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token (model seconds)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"TTFT CDF, {workload}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"ttft-cdf-{workload}.png", dpi=120)
+        plt.close(fig)
+        print(out / f"ttft-cdf-{workload}.png")
+
+        capacity = report.get("capacity") or {}
+        if capacity:
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            for router, sweep in capacity.items():
+                points = sweep["points"]
+                ax.plot([p["rate"] for p in points], [p["ttft_p90"] for p in points], marker="o",
+                        label=f'{router} (capacity {sweep["capacity"]:.2f}/s)')
+            ax.set_xlabel("arrival rate (requests per model second)")
+            ax.set_ylabel("TTFT p90 (model seconds)")
+            ax.set_yscale("log")
+            ax.set_title(f"TTFT vs load, {workload}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(out / f"ttft-vs-load-{workload}.png", dpi=120)
+            plt.close(fig)
+            print(out / f"ttft-vs-load-{workload}.png")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
