@@ -109,7 +109,8 @@ pub struct RouterResult {
     pub ttfts: Vec<f64>,
 }
 
-struct Killed(Child);
+/// A child process killed (and reaped) when dropped.
+pub struct Killed(pub Child);
 
 impl Drop for Killed {
     fn drop(&mut self) {
@@ -118,13 +119,15 @@ impl Drop for Killed {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
+/// A port that was free a moment ago on 127.0.0.1.
+pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
 }
 
-async fn wait_ready(url: &str, timeout: Duration) -> anyhow::Result<()> {
+/// Poll `url` until it answers 2xx, or fail after `timeout`.
+pub async fn wait_ready(url: &str, timeout: Duration) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         if let Ok(response) = reqwest::get(url).await

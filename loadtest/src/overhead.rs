@@ -46,14 +46,16 @@ pub async fn start_fast_upstream(model: &str) -> std::io::Result<SocketAddr> {
         "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
     })
     .to_string();
-    let app = Router::new().route(
-        "/v1/chat/completions",
-        // Reads the request body before answering, as vLLM does.
-        post(move |_request: axum::body::Bytes| {
-            let body = body.clone();
-            async move { ([("content-type", "application/json")], body) }
-        }),
-    );
+    let app = Router::new()
+        .route("/health", axum::routing::get(|| async { "ok" }))
+        .route(
+            "/v1/chat/completions",
+            // Reads the request body before answering, as vLLM does.
+            post(move |_request: axum::body::Bytes| {
+                let body = body.clone();
+                async move { ([("content-type", "application/json")], body) }
+            }),
+        );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {

@@ -4,13 +4,15 @@
 //! upstream that answers at once, against calling that upstream directly, in one run.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use serde_json::json;
-use switchyard_loadtest::compare::{self, Arrival, RouterKind, RouterResult, RunConfig};
+use switchyard_loadtest::compare::{
+    self, Arrival, Killed, RouterKind, RouterResult, RunConfig, free_port, wait_ready,
+};
 use switchyard_loadtest::overhead::{self, LoadResult};
 use switchyard_loadtest::workload::{self, WorkloadKind, WorkloadSize};
 
@@ -98,15 +100,6 @@ struct CompareArgs {
     quick: bool,
 }
 
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn sibling(name: &str) -> PathBuf {
     std::env::current_exe()
         .ok()
@@ -114,24 +107,17 @@ fn sibling(name: &str) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(name))
 }
 
-async fn wait_ready(url: &str, timeout: Duration) -> anyhow::Result<()> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Ok(response) = reqwest::get(url).await
-            && response.status().is_success()
-        {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("{url} not ready after {timeout:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+/// The checkout this binary was built in (`<root>/target/<profile>/switchyard-bench`).
+fn project_root() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.ancestors().nth(3).map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("."))
 }
 
 fn row(name: &str, result: &LoadResult) {
     println!(
-        "{name:<10} {:>9.0} {:>9.3} {:>9.3} {:>9.3} {:>8}",
+        "{name:<12} {:>9.0} {:>9.3} {:>9.3} {:>9.3} {:>8}",
         result.requests_per_second(),
         result.p50_ms,
         result.p90_ms,
@@ -159,9 +145,7 @@ async fn overhead_bench(
              apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: alias}}\nspec: {{modelName: alias, targets: [{{pool: fast}}]}}\n"
         ),
     )?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
+    let port = free_port()?;
     let proxy_bin = proxy_bin.unwrap_or_else(|| sibling("switchyard-proxy"));
     let _proxy = Killed(
         Command::new(&proxy_bin)
@@ -180,59 +164,103 @@ async fn overhead_bench(
     )
     .await?;
 
+    // vllm-router in front of the same upstream, when installed (round_robin: its cheapest policy).
+    let root = project_root();
+    let mut peer = None;
+    if let Some(executable) = compare::find_vllm_router(&root) {
+        let peer_port = free_port()?;
+        let metrics_port = free_port()?;
+        let child = Killed(
+            Command::new(executable)
+                .args([
+                    "--worker-urls",
+                    &format!("http://{upstream}"),
+                    "--policy",
+                    "round_robin",
+                ])
+                .args(["--host", "127.0.0.1", "--port", &peer_port.to_string()])
+                .args([
+                    "--prometheus-host",
+                    "127.0.0.1",
+                    "--prometheus-port",
+                    &metrics_port.to_string(),
+                ])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()?,
+        );
+        wait_ready(
+            &format!("http://127.0.0.1:{peer_port}/health"),
+            Duration::from_secs(60),
+        )
+        .await?;
+        peer = Some((
+            child,
+            format!("http://127.0.0.1:{peer_port}/v1/chat/completions"),
+        ));
+    } else {
+        println!(
+            "vllm-router: skipped (not installed; `pip install vllm-router` into .venv or PATH to include it)"
+        );
+    }
+
     let direct_url = format!("http://{upstream}/v1/chat/completions");
     let proxy_url = format!("http://127.0.0.1:{port}/v1/chat/completions");
     let request = |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1});
     let duration = Duration::from_secs_f64(seconds);
-    // Warm both paths (connection pools, allocator) before measuring.
-    overhead::closed_loop(
-        &direct_url,
-        &request(model),
-        concurrency,
-        Duration::from_millis(500),
-    )
-    .await;
-    overhead::closed_loop(
-        &proxy_url,
-        &request("alias"),
-        concurrency,
-        Duration::from_millis(500),
-    )
-    .await;
-    let (mut direct, mut proxied) = (Vec::new(), Vec::new());
+    let mut targets: Vec<(&str, String, serde_json::Value)> = vec![
+        ("direct", direct_url, request(model)),
+        ("switchyard", proxy_url, request("alias")),
+    ];
+    if let Some((_, url)) = &peer {
+        targets.push(("vllm-router", url.clone(), request(model)));
+    }
+    // Warm every path (connection pools, allocator) before measuring.
+    for (_, url, body) in &targets {
+        overhead::closed_loop(url, body, concurrency, Duration::from_millis(500)).await;
+    }
+    let mut rounds_by_target: Vec<Vec<LoadResult>> = vec![Vec::new(); targets.len()];
     for round in 0..rounds {
         eprintln!("round {}/{rounds}", round + 1);
-        direct
-            .push(overhead::closed_loop(&direct_url, &request(model), concurrency, duration).await);
-        proxied.push(
-            overhead::closed_loop(&proxy_url, &request("alias"), concurrency, duration).await,
-        );
+        for ((_, url, body), results) in targets.iter().zip(rounds_by_target.iter_mut()) {
+            results.push(overhead::closed_loop(url, body, concurrency, duration).await);
+        }
     }
-    let direct = overhead::merge(&direct);
-    let proxied = overhead::merge(&proxied);
+    let merged: Vec<LoadResult> = rounds_by_target
+        .iter()
+        .map(|r| overhead::merge(r))
+        .collect();
     println!(
-        "proxy overhead, {concurrency} concurrent clients, {rounds} x {seconds}s per target, loopback"
+        "router overhead, {concurrency} concurrent clients, {rounds} x {seconds}s per target, loopback"
     );
     println!(
-        "{:<10} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "{:<12} {:>9} {:>9} {:>9} {:>9} {:>8}",
         "target", "req/s", "p50 ms", "p90 ms", "p99 ms", "errors"
     );
-    row("direct", &direct);
-    row("proxied", &proxied);
-    println!(
-        "added latency: p50 +{:.3} ms, p99 +{:.3} ms; throughput ratio proxied/direct {:.2}",
-        proxied.p50_ms - direct.p50_ms,
-        proxied.p99_ms - direct.p99_ms,
-        proxied.requests_per_second() / direct.requests_per_second().max(f64::MIN_POSITIVE)
-    );
+    for ((name, _, _), result) in targets.iter().zip(&merged) {
+        row(name, result);
+    }
+    let direct = merged.first().cloned().unwrap_or_default();
+    for ((name, _, _), result) in targets.iter().zip(&merged).skip(1) {
+        println!(
+            "{name}: added latency p50 +{:.3} ms, p99 +{:.3} ms; throughput {:.2}x direct",
+            result.p50_ms - direct.p50_ms,
+            result.p99_ms - direct.p99_ms,
+            result.requests_per_second() / direct.requests_per_second().max(f64::MIN_POSITIVE)
+        );
+    }
     if let Some(path) = json_out {
+        let report: serde_json::Map<String, serde_json::Value> = targets
+            .iter()
+            .zip(&merged)
+            .map(|((name, _, _), result)| ((*name).to_owned(), json!(result)))
+            .collect();
         std::fs::write(
             &path,
-            serde_json::to_vec_pretty(
-                &json!({"concurrency": concurrency, "direct": direct, "proxied": proxied}),
-            )?,
+            serde_json::to_vec_pretty(&json!({"concurrency": concurrency, "targets": report}))?,
         )?;
     }
+    drop(peer);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
@@ -294,11 +322,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
         .parent()
         .map(PathBuf::from)
         .context("binary directory")?;
-    let root = bin_dir
-        .ancestors()
-        .nth(2)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
+    let root = project_root();
     let vllm_router = compare::find_vllm_router(&root);
     if args.routers.contains(&RouterKind::VllmRouter) && vllm_router.is_none() {
         println!(
