@@ -81,7 +81,9 @@ struct CompareArgs {
     /// The TTFT target of the capacity sweep: p90 at or below this many model seconds.
     #[arg(long, default_value_t = 2.0)]
     slo_p90_s: f64,
-    #[arg(long, default_value_t = 0.05)]
+    /// Wall seconds per model second. Wall-clock overheads (client, proxy, tokenizers) are divided
+    /// by it too: on a small machine keep it at 0.2 or above or they distort the model's times.
+    #[arg(long, default_value_t = 0.2)]
     time_scale: f64,
     #[arg(long, default_value_t = 1)]
     seed: u64,
