@@ -54,7 +54,7 @@ struct CompareArgs {
     #[arg(long, value_enum, num_args = 1.., default_values_t = [RouterKind::Random, RouterKind::RoundRobin, RouterKind::LeastOutstanding, RouterKind::Switchyard, RouterKind::VllmRouter])]
     routers: Vec<RouterKind>,
     /// Requests per workload.
-    #[arg(long, default_value_t = 192)]
+    #[arg(long, default_value_t = 128)]
     requests: usize,
     /// shared-prefix: distinct system prompts.
     #[arg(long, default_value_t = 16)]
