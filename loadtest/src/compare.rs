@@ -245,31 +245,12 @@ async fn start_router(
                 .vllm_router
                 .clone()
                 .context("vllm-router is not installed")?;
-            let metrics_port = free_port()?;
-            let mut command = Command::new(executable);
-            command.arg("--worker-urls");
-            for (http, _, _) in &sim.workers {
-                command.arg(format!("http://{http}"));
-            }
-            command
-                .args([
-                    "--policy",
-                    "cache_aware",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    &port.to_string(),
-                ])
-                .args([
-                    "--prometheus-host",
-                    "127.0.0.1",
-                    "--prometheus-port",
-                    &metrics_port.to_string(),
-                ])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .context("starting vllm-router")?
+            let urls: Vec<String> = sim
+                .workers
+                .iter()
+                .map(|(http, _, _)| format!("http://{http}"))
+                .collect();
+            spawn_vllm_router(&executable, &urls, "cache_aware", port)?
         }
     };
     let child = Killed(child);
@@ -568,6 +549,38 @@ pub fn print_table(title: &str, results: &[RouterResult]) {
         );
     }
     println!("(times in model seconds; \"x\" = random's TTFT / this router's: higher is better)");
+}
+
+/// Start vllm-router on 127.0.0.1:`port` in front of `worker_urls` with `policy` (it waits for
+/// the workers' `/health` before it serves; poll its own `/health`).
+pub fn spawn_vllm_router(
+    executable: &Path,
+    worker_urls: &[String],
+    policy: &str,
+    port: u16,
+) -> anyhow::Result<Child> {
+    let metrics_port = free_port()?;
+    Command::new(executable)
+        .arg("--worker-urls")
+        .args(worker_urls)
+        .args([
+            "--policy",
+            policy,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+        ])
+        .args([
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            &metrics_port.to_string(),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting vllm-router")
 }
 
 /// Look for `vllm-router` on PATH and in the project's .venv.

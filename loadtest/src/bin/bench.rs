@@ -171,26 +171,12 @@ async fn overhead_bench(
     let mut peer = None;
     if let Some(executable) = compare::find_vllm_router(&root) {
         let peer_port = free_port()?;
-        let metrics_port = free_port()?;
-        let child = Killed(
-            Command::new(executable)
-                .args([
-                    "--worker-urls",
-                    &format!("http://{upstream}"),
-                    "--policy",
-                    "round_robin",
-                ])
-                .args(["--host", "127.0.0.1", "--port", &peer_port.to_string()])
-                .args([
-                    "--prometheus-host",
-                    "127.0.0.1",
-                    "--prometheus-port",
-                    &metrics_port.to_string(),
-                ])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()?,
-        );
+        let child = Killed(compare::spawn_vllm_router(
+            &executable,
+            &[format!("http://{upstream}")],
+            "round_robin",
+            peer_port,
+        )?);
         wait_ready(
             &format!("http://127.0.0.1:{peer_port}/health"),
             Duration::from_secs(60),
