@@ -70,6 +70,17 @@ async fn wait_for(
     }
 }
 
+/// Send straight to a worker, bypassing the proxy.
+async fn send_direct(worker: &str, body: &Value) {
+    let response = reqwest::Client::new()
+        .post(format!("http://{worker}/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+}
+
 /// Send through the proxy; returns the worker that served it.
 async fn send(proxy: &Proxy, body: &Value) -> String {
     let response = reqwest::Client::new()
@@ -144,16 +155,9 @@ async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after
     }
 
     // The worker evicts the prefix (other prompts sent straight to it fill its 96 blocks)...
-    let client = reqwest::Client::new();
     for i in 0..8 {
         let filler: String = (0..60).map(|j| format!("filler {i} item {j}; ")).collect();
-        let response = client
-            .post(format!("http://{warm}/v1/chat/completions"))
-            .json(&chat(&sim.model, &filler, "x"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 200);
+        send_direct(&warm, &chat(&sim.model, &filler, "x")).await;
     }
     wait_for(&proxy, &probe, "BlockRemoved to reach the index", |e| {
         matched(e, &warm) == 0
@@ -167,13 +171,7 @@ async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after
         .map(|w| w.http.clone())
         .find(|w| *w != warm)
         .unwrap();
-    let response = client
-        .post(format!("http://{other}/v1/chat/completions"))
-        .json(&chat(&sim.model, &system, "warm elsewhere"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
+    send_direct(&other, &chat(&sim.model, &system, "warm elsewhere")).await;
     wait_for(&proxy, &probe, "the index to learn the new holder", |e| {
         matched(e, &other) >= 10
     })
