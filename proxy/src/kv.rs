@@ -586,18 +586,14 @@ impl BackgroundService for KvService {
                     }
                 }
             }
-            // Stop what is no longer wanted (or changed), forgetting the worker's index entries.
+            // Stop what is no longer wanted (or changed); workers that left the pool lose their
+            // slot and every index entry in `release` below.
             subscribers.retain(|id, running| {
                 let keep = wanted_subscribers
                     .get(id)
                     .is_some_and(|(key, _)| *key == running.key);
                 if !keep {
                     running.task.abort();
-                    if let Some(pool) = table.pool(&id.0)
-                        && !pool.workers.iter().any(|w| w.address == id.1)
-                    {
-                        pool.kv.index.clear_worker(pool.kv.slot(&id.1));
-                    }
                 }
                 keep
             });
