@@ -100,6 +100,13 @@ pub enum ErrorKind {
     Unavailable,
     GatewayTimeout,
     Internal,
+    /// No or an unknown API key.
+    Unauthorized,
+    /// The tenant may not do this.
+    Forbidden,
+    NotImplemented,
+    /// A policy's `reject` action: the status the policy names.
+    Policy(u16),
 }
 
 impl ErrorKind {
@@ -114,6 +121,10 @@ impl ErrorKind {
             ErrorKind::BadGateway => 502,
             ErrorKind::Unavailable => 503,
             ErrorKind::GatewayTimeout => 504,
+            ErrorKind::Unauthorized => 401,
+            ErrorKind::Forbidden => 403,
+            ErrorKind::NotImplemented => 501,
+            ErrorKind::Policy(status) => status,
         }
     }
 
@@ -127,7 +138,15 @@ impl ErrorKind {
             ErrorKind::BadGateway
             | ErrorKind::Unavailable
             | ErrorKind::GatewayTimeout
-            | ErrorKind::Internal => "server_error",
+            | ErrorKind::Internal
+            | ErrorKind::NotImplemented => "server_error",
+            ErrorKind::Unauthorized => "authentication_error",
+            ErrorKind::Forbidden => "permission_error",
+            ErrorKind::Policy(429) => "rate_limit_error",
+            ErrorKind::Policy(401) => "authentication_error",
+            ErrorKind::Policy(403) => "permission_error",
+            ErrorKind::Policy(status) if status < 500 => "invalid_request_error",
+            ErrorKind::Policy(_) => "server_error",
         }
     }
 
@@ -139,7 +158,22 @@ impl ErrorKind {
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::PayloadTooLarge => "request_too_large",
             ErrorKind::Unavailable => "overloaded_error",
-            ErrorKind::BadGateway | ErrorKind::GatewayTimeout | ErrorKind::Internal => "api_error",
+            ErrorKind::BadGateway
+            | ErrorKind::GatewayTimeout
+            | ErrorKind::Internal
+            | ErrorKind::NotImplemented => "api_error",
+            ErrorKind::Unauthorized => "authentication_error",
+            ErrorKind::Forbidden => "permission_error",
+            ErrorKind::Policy(status) => match status {
+                401 => "authentication_error",
+                403 => "permission_error",
+                404 => "not_found_error",
+                413 => "request_too_large",
+                429 => "rate_limit_error",
+                503 | 529 => "overloaded_error",
+                400..=499 => "invalid_request_error",
+                _ => "api_error",
+            },
         }
     }
 }

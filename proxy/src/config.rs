@@ -13,8 +13,7 @@ use sha2::{Digest, Sha256};
 use switchyard_snapshot::{ConfigErrors, Snapshot};
 
 use crate::kv::KvRegistry;
-use crate::routing::{EndpointRegistry, RoutingTable};
-use switchyard_kv::tokenize::TokenizeError;
+use crate::routing::{BuildError, EndpointRegistry, RoutingTable};
 
 /// The embedded default configuration: three local workers, as `switchyard-sim --workers 3` starts them.
 pub const EMBEDDED_DEFAULT: &str = include_str!("../../conf/default.yaml");
@@ -48,8 +47,8 @@ impl ConfigStore {
 
     /// Make `snapshot` live unless it routes exactly like the current one.
     /// A snapshot with version 0 gets the next version after the current one. Refused (the
-    /// current one stays) when a pool's tokenizer cannot be loaded.
-    pub fn apply(&self, snapshot: Snapshot) -> Result<Applied, TokenizeError> {
+    /// current one stays) when a pool's tokenizer or a provider's credentials cannot be loaded.
+    pub fn apply(&self, snapshot: Snapshot) -> Result<Applied, BuildError> {
         let current = self.table.load_full();
         let current_version = current.as_ref().map_or(0, |t| t.snapshot.version);
         if let Some(current) = &current

@@ -4,7 +4,33 @@
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
 
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
 use crate::config::ConfigStore;
+
+/// Most distinct policy-rule label values kept; later ones count under `rule="other"`.
+const MAX_RULE_LABELS: usize = 1_000;
+
+/// Policy decisions by (rule, outcome). Rules come from configuration, so the label set is
+/// bounded by what operators write (and capped in case of many renames over a long run).
+static POLICY_DECISIONS: Mutex<BTreeMap<(String, &'static str), u64>> =
+    Mutex::new(BTreeMap::new());
+
+/// Count one policy decision. `rule` is `namespace/policy/rule`, or empty when no rule decided.
+pub fn policy_decision(rule: &str, outcome: &'static str) {
+    let mut counts = match POLICY_DECISIONS.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    let rule = if rule.is_empty() { "none" } else { rule };
+    let key = (rule.to_owned(), outcome);
+    if !counts.contains_key(&key) && counts.len() >= MAX_RULE_LABELS {
+        *counts.entry(("other".to_owned(), outcome)).or_default() += 1;
+        return;
+    }
+    *counts.entry(key).or_default() += 1;
+}
 
 fn escape(value: &str) -> String {
     value
@@ -128,6 +154,28 @@ pub fn render(store: &ConfigStore) -> String {
         "counter",
         "Cache-aware routing decisions by outcome.",
         decisions,
+    );
+
+    let policy: Vec<(String, f64)> = {
+        let counts = match POLICY_DECISIONS.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        counts
+            .iter()
+            .map(|((rule, outcome), count)| {
+                (
+                    format!("rule=\"{}\",outcome=\"{outcome}\"", escape(rule)),
+                    *count as f64,
+                )
+            })
+            .collect()
+    };
+    family(
+        "switchyard_policy_decisions_total",
+        "counter",
+        "Inference-policy decisions by rule (none: no rule decided) and outcome.",
+        policy,
     );
 
     if let Some(table) = store.current() {

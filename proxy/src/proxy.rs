@@ -27,12 +27,17 @@ use crate::kv::Prediction;
 use crate::metrics;
 use crate::prompt::{self, PromptInfo};
 use crate::request;
-use crate::routing::{InFlight, PendingPrefill, PoolRuntime, RoutingTable};
+use crate::routing::{
+    AuthFailure, Caller, Destination, InFlight, PendingPrefill, PoolRuntime, ProviderRuntime,
+    RoutingTable,
+};
 use crate::scorer::{self, Decision, Outcome};
 use crate::translate::{self, StreamTranslator};
 use switchyard_kv::index::Overlap;
 use switchyard_kv::tokenize::PromptTokenizer;
-use switchyard_snapshot::snapshot::LoadBalancing;
+use switchyard_policy::{Context, Outcome as PolicyOutcome, PoolState, PromptText, RequestFacts, RequestPrompt};
+use switchyard_snapshot::snapshot::{LoadBalancing, ProviderFormat, RouteTarget, TargetStrategy};
+use switchyard_snapshot::{ModelTarget, PoolId};
 
 /// Bytes Pingora's retry buffer holds (pingora-core `BODY_BUF_LIMIT`).
 const RETRY_BUFFER_BYTES: usize = 64 * 1024;
@@ -72,11 +77,21 @@ impl Gateway {
 pub struct Route {
     /// Kept so the snapshot the decision was made on outlives a reload mid-request.
     pub table: Arc<RoutingTable>,
-    pub pool: Arc<PoolRuntime>,
+    /// The pool serving the request, or `None` when it goes to a provider.
+    pub pool: Option<Arc<PoolRuntime>>,
+    pub provider: Option<Arc<ProviderRuntime>>,
+    /// The authenticated tenant (`None`: authentication is off).
+    pub tenant: Option<String>,
+    /// `namespace/policy/rule` of the policy rule that decided, if any.
+    pub rule: Option<String>,
+    /// The policy trace, when the client asked for the explanation.
+    pub policy_explain: Option<String>,
+    /// Path sent upstream when it differs from the client's (translation, providers).
+    pub upstream_path: Option<String>,
     pub requested_model: String,
     pub upstream_model: String,
     pub stream: bool,
-    /// Anthropic request to an OpenAI-only pool.
+    /// Anthropic request to an OpenAI-only pool or provider.
     pub translate: bool,
     /// Indexes of workers already tried.
     pub tried: Vec<usize>,
@@ -117,6 +132,8 @@ const DEBUG_ROUTE_PREFIX: &str = "/debug/route";
 const EXPLAIN_HEADER: &str = "x-switchyard-explain";
 /// Response header carrying it.
 const EXPLAIN_RESPONSE_HEADER: &str = "x-switchyard-route";
+/// Response header carrying the policy trace (rules looked at, prompt classes, target).
+const POLICY_RESPONSE_HEADER: &str = "x-switchyard-policy";
 /// Bodies larger than this are tokenized on the blocking pool, off the proxy's async threads.
 const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
 
@@ -156,10 +173,11 @@ async fn analyse_prompt(
 
 /// Pick the worker of an attempt: the scorer for cache-aware pools, the pool's policy otherwise.
 fn choose_worker(route: &mut Route, first_attempt: bool) -> Option<usize> {
-    if route.pool.config.load_balancing != LoadBalancing::CacheAware {
-        return route.pool.pick(&route.tried);
+    let pool = route.pool.clone()?;
+    if pool.config.load_balancing != LoadBalancing::CacheAware {
+        return pool.pick(&route.tried);
     }
-    let kv = &route.pool.kv;
+    let kv = &pool.kv;
     let mut overlap = Overlap::default();
     let prompt_tokens = match &route.prompt {
         Some(prompt) => {
@@ -170,7 +188,7 @@ fn choose_worker(route: &mut Route, first_attempt: bool) -> Option<usize> {
         }
         None => 0,
     };
-    let decision = scorer::decide(&route.pool, prompt_tokens, &overlap, &route.tried)?;
+    let decision = scorer::decide(&pool, prompt_tokens, &overlap, &route.tried)?;
     if first_attempt {
         let prefill = decision
             .scores
@@ -188,6 +206,87 @@ fn choose_worker(route: &mut Route, first_attempt: bool) -> Option<usize> {
     let chosen = decision.chosen;
     route.decision = Some(decision);
     Some(chosen)
+}
+
+/// What policies may ask about a request: its text (parsed only when a rule needs classes), its
+/// headers, and the live state of pools.
+struct PolicyContext<'a> {
+    table: &'a RoutingTable,
+    body: &'a [u8],
+    headers: &'a http::HeaderMap,
+    prompt: Option<Option<RequestPrompt>>,
+    /// Prompts tokenized for the pools whose predicted TTFT rules read.
+    predictions: &'a [(PoolId, Option<Arc<PromptInfo>>)],
+}
+
+impl Context for PolicyContext<'_> {
+    fn prompt(&mut self) -> Option<&dyn PromptText> {
+        let body = self.body;
+        self.prompt
+            .get_or_insert_with(|| RequestPrompt::parse(body))
+            .as_ref()
+            .map(|p| p as &dyn PromptText)
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    fn pool_state(&mut self, pool_id: &PoolId, with_prediction: bool) -> Option<PoolState> {
+        let pool = self.table.pool(pool_id)?;
+        let mut state = PoolState::default();
+        let mut kv_usage = 0.0;
+        for worker in &pool.workers {
+            state.queue_depth += worker.load.waiting();
+            state.running += worker.load.running();
+            kv_usage += worker.load.kv_usage();
+        }
+        if !pool.workers.is_empty() {
+            state.kv_usage_percent = (kv_usage * 100.0 / pool.workers.len() as f64).round() as u64;
+        }
+        if with_prediction {
+            let prompt = self
+                .predictions
+                .iter()
+                .find(|(id, _)| id == pool_id)
+                .and_then(|(_, p)| p.as_ref());
+            let mut overlap = Overlap::default();
+            let tokens = match prompt {
+                Some(prompt) => {
+                    pool.kv
+                        .index
+                        .overlap_into(&prompt.hashes, pool.kv.slot_count(), &mut overlap);
+                    pool.kv.predictions.raise(&prompt.hashes, &mut overlap);
+                    prompt.tokens
+                }
+                None => 0,
+            };
+            state.predicted_ttft_ms = scorer::decide(pool, tokens, &overlap, &[]).and_then(|d| {
+                d.scores
+                    .iter()
+                    .find(|s| s.position == d.chosen)
+                    .map(|s| (s.predicted_ttft_s * 1000.0).round() as u64)
+            });
+        }
+        Some(state)
+    }
+}
+
+/// The peer of a provider attempt (one per request; a stale pooled connection may be retried).
+fn provider_peer(route: &mut Route, provider: &ProviderRuntime) -> HttpPeer {
+    if route.reconnect_to.take().is_none() {
+        route.tried.push(0);
+    }
+    let sni = if provider.tls {
+        provider.host.clone()
+    } else {
+        String::new()
+    };
+    let mut peer = HttpPeer::new(provider.socket, provider.tls, sni);
+    peer.options.connection_timeout =
+        Some(Duration::from_millis(provider.config.connect_timeout_ms));
+    peer.options.read_timeout = Some(Duration::from_millis(provider.config.read_timeout_ms));
+    peer
 }
 
 /// Per-request state.
@@ -348,6 +447,37 @@ impl Gateway {
         Ok(body.freeze())
     }
 
+    /// Who is calling: the tenant of the request's API key (`Authorization: Bearer` or
+    /// `x-api-key`). Unknown or missing keys are 401 unless a default tenant is configured.
+    fn authenticate<'t>(
+        &self,
+        table: &'t RoutingTable,
+        session: &Session,
+    ) -> std::result::Result<Caller<'t>, ApiError> {
+        let headers = &session.req_header().headers;
+        let bearer = headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
+            .map(str::trim);
+        let api_key = headers
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim);
+        table.authenticate(bearer.or(api_key)).map_err(|failure| {
+            let message = match failure {
+                AuthFailure::MissingKey => {
+                    "missing API key: send it as 'Authorization: Bearer <key>' (OpenAI) or 'x-api-key: <key>' (Anthropic)"
+                }
+                AuthFailure::UnknownKey => "invalid API key",
+            };
+            ApiError::new(ErrorKind::Unauthorized, "invalid_api_key", message)
+        })
+    }
+
     /// Decide where an inference request goes and prepare the body sent there.
     async fn route(
         &self,
@@ -361,6 +491,8 @@ impl Gateway {
                 "the gateway has no configuration loaded yet; retry shortly",
             )
         })?;
+        let caller = self.authenticate(&table, session)?;
+        let tenant = caller.tenant().map(|t| t.name.clone());
         let body = self.read_body(session).await?;
         let parsed = request::parse(endpoint, &body)?;
         let model = table.model(&parsed.model).ok_or_else(|| ApiError {
@@ -372,21 +504,135 @@ impl Gateway {
                 parsed.model
             ),
         })?;
-        let target = table.pick_target(model).ok_or_else(|| {
+        if let Some(tenant) = caller.tenant()
+            && !tenant.allows_model(&model.name)
+        {
+            return Err(ApiError {
+                kind: ErrorKind::Forbidden,
+                code: "model_not_allowed",
+                param: Some("model"),
+                message: format!(
+                    "your API key may not use the model '{}'; GET /v1/models lists the models you can use",
+                    parsed.model
+                ),
+            });
+        }
+        let explain = session.req_header().headers.contains_key(EXPLAIN_HEADER)
+            || session.req_header().uri.path().starts_with(DEBUG_ROUTE_PREFIX);
+
+        // Policies. Predicted TTFT needs the prompt tokenized for the pool in question first.
+        let mut predictions = Vec::new();
+        for pool_id in table.evaluator.prediction_pools(&parsed.model) {
+            if let Some(pool) = table.pool(&pool_id)
+                && let Some(tokenizer) = &pool.tokenizer
+            {
+                let prompt =
+                    analyse_prompt(tokenizer.clone(), pool.clone(), endpoint, body.clone()).await;
+                predictions.push((pool_id, prompt));
+            }
+        }
+        let facts = RequestFacts {
+            tenant: caller.tenant().map(|t| t.name.as_str()),
+            model: &parsed.model,
+            stream: parsed.stream,
+            max_tokens: parsed.max_tokens,
+        };
+        let mut trace = explain.then(Vec::new);
+        let mut context = PolicyContext {
+            table: &table,
+            body: &body,
+            headers: &session.req_header().headers,
+            prompt: None,
+            predictions: &predictions,
+        };
+        let decision = table
+            .evaluator
+            .evaluate(&facts, &mut context, trace.as_mut());
+        let rule = decision.rule.map(|r| format!("{}/{}", r.policy, r.name));
+        let (strategy, candidates): (TargetStrategy, Vec<&ModelTarget>) = match decision.outcome {
+            PolicyOutcome::Reject { status, message } => {
+                metrics::policy_decision(rule.as_deref().unwrap_or(""), "reject");
+                return Err(ApiError::new(
+                    ErrorKind::Policy(status),
+                    "rejected_by_policy",
+                    message,
+                ));
+            }
+            PolicyOutcome::Default => (model.strategy, model.targets.iter().collect()),
+            PolicyOutcome::Route(RouteTarget::Model(name)) => match table.model(name) {
+                Some(other) => (other.strategy, other.targets.iter().collect()),
+                None => (model.strategy, model.targets.iter().collect()),
+            },
+            PolicyOutcome::Route(RouteTarget::Target(target)) => {
+                (TargetStrategy::Ordered, vec![target])
+            }
+        };
+        let local_rule = decision
+            .require_local
+            .map(|r| format!("{}/{}", r.policy, r.name));
+        let candidates: Vec<&ModelTarget> = match &local_rule {
+            Some(_) => candidates
+                .into_iter()
+                .filter(|t| t.backend.is_local())
+                .collect(),
+            None => candidates,
+        };
+        if let Some(local_rule) = &local_rule
+            && candidates.is_empty()
+        {
+            metrics::policy_decision(local_rule, "no_local_target");
+            return Err(ApiError::new(
+                ErrorKind::Unavailable,
+                "no_local_target",
+                format!(
+                    "this request must stay on local hardware (policy rule {local_rule}) and model '{}' has no local pool to serve it",
+                    parsed.model
+                ),
+            ));
+        }
+        metrics::policy_decision(
+            rule.as_deref().unwrap_or(""),
+            match decision.outcome {
+                PolicyOutcome::Route(_) => "route",
+                _ => "default",
+            },
+        );
+        let classes = decision
+            .classes
+            .map(|set| table.evaluator.classifier().names(set).join(","));
+        let target = table.choose(strategy, &candidates).ok_or_else(|| {
             ApiError::new(
                 ErrorKind::Unavailable,
                 "no_target",
                 format!("model '{}' has no usable target", model.name),
             )
         })?;
-        let pool = table.pool(&target.pool).cloned().ok_or_else(|| {
+        let policy_explain = trace.map(|steps| {
+            let mut text = steps
+                .iter()
+                .map(|step| format!("{}/{}: {}", step.policy, step.rule, step.result))
+                .collect::<Vec<_>>()
+                .join("; ");
+            if let Some(classes) = &classes {
+                text.push_str(&format!("; classes={classes}"));
+            }
+            text.push_str(&format!("; target={} model={}", target.backend, target.upstream_model));
+            text
+        });
+        let destination = table.destination(target).ok_or_else(|| {
             ApiError::new(
                 ErrorKind::Internal,
-                "pool_missing",
-                format!("pool {} is not loaded", target.pool),
+                "target_missing",
+                format!("{} is not loaded", target.backend),
             )
         })?;
-        if pool.workers.is_empty() {
+        let (pool, provider) = match destination {
+            Destination::Pool(pool) => (Some(pool), None),
+            Destination::Provider(provider) => (None, Some(provider)),
+        };
+        if let Some(pool) = &pool
+            && pool.workers.is_empty()
+        {
             return Err(ApiError::new(
                 ErrorKind::Unavailable,
                 "no_workers",
@@ -396,15 +642,63 @@ impl Gateway {
                 ),
             ));
         }
-        let prompt = match &pool.tokenizer {
-            Some(tokenizer) => {
-                analyse_prompt(tokenizer.clone(), pool.clone(), endpoint, body.clone()).await
-            }
+        let prompt = match &pool {
+            Some(pool) => match &pool.tokenizer {
+                Some(tokenizer) => {
+                    let known = predictions
+                        .iter()
+                        .find(|(id, _)| *id == pool.config.id)
+                        .and_then(|(_, prompt)| prompt.clone());
+                    match known {
+                        Some(prompt) => Some(prompt),
+                        None => {
+                            analyse_prompt(tokenizer.clone(), pool.clone(), endpoint, body.clone())
+                                .await
+                        }
+                    }
+                }
+                None => None,
+            },
             None => None,
         };
-        let explain = session.req_header().headers.contains_key(EXPLAIN_HEADER);
-        let translate = endpoint == Endpoint::Messages
-            && pool.config.anthropic_messages == AnthropicMessages::Translate;
+        let (translate, upstream_path) = match (&pool, &provider) {
+            (Some(pool), _) => {
+                let translate = endpoint == Endpoint::Messages
+                    && pool.config.anthropic_messages == AnthropicMessages::Translate;
+                (
+                    translate,
+                    translate.then(|| "/v1/chat/completions".to_owned()),
+                )
+            }
+            (None, Some(provider)) => {
+                let base = &provider.base_path;
+                match (endpoint, provider.config.format) {
+                    (Endpoint::Messages, ProviderFormat::Anthropic) => {
+                        (false, Some(format!("{base}/messages")))
+                    }
+                    (Endpoint::Messages, ProviderFormat::Openai) => {
+                        (true, Some(format!("{base}/chat/completions")))
+                    }
+                    (Endpoint::ChatCompletions, ProviderFormat::Openai) => {
+                        (false, Some(format!("{base}/chat/completions")))
+                    }
+                    (Endpoint::Completions, ProviderFormat::Openai) => {
+                        (false, Some(format!("{base}/completions")))
+                    }
+                    _ => {
+                        return Err(ApiError::new(
+                            ErrorKind::NotImplemented,
+                            "translation_unsupported",
+                            format!(
+                                "model '{}' is served by provider {}, which speaks the Anthropic API; send this request to /v1/messages",
+                                parsed.model, provider.config.id
+                            ),
+                        ));
+                    }
+                }
+            }
+            (None, None) => (false, None),
+        };
         let upstream_body = if translate {
             translate::messages_request_to_chat(&body, &target.upstream_model)?
         } else {
@@ -415,7 +709,12 @@ impl Gateway {
             requested_model: parsed.model,
             stream: parsed.stream,
             translate,
+            upstream_path,
             pool,
+            provider,
+            tenant,
+            rule,
+            policy_explain,
             table,
             tried: Vec::new(),
             reconnect_to: None,
@@ -461,7 +760,12 @@ impl Gateway {
             Err(error) => return self.respond_error(session, ctx, error).await,
         };
         let chosen = choose_worker(&mut route, false);
-        let address = |position: usize| route.pool.workers.get(position).map(|w| w.address.clone());
+        let pool = route.pool.clone();
+        let address = |position: usize| {
+            pool.as_ref()
+                .and_then(|p| p.workers.get(position))
+                .map(|w| w.address.clone())
+        };
         let scores: Vec<serde_json::Value> = route
             .decision
             .iter()
@@ -483,8 +787,12 @@ impl Gateway {
         let body = json!({
             "model": route.requested_model,
             "upstream_model": route.upstream_model,
-            "pool": route.pool.config.id.0,
-            "policy": route.pool.config.load_balancing,
+            "tenant": route.tenant,
+            "policy_rule": route.rule,
+            "policy_trace": route.policy_explain,
+            "pool": route.pool.as_ref().map(|p| p.config.id.0.clone()),
+            "provider": route.provider.as_ref().map(|p| p.config.id.0.clone()),
+            "load_balancing": route.pool.as_ref().map(|p| p.config.load_balancing),
             "prompt_tokens": route.prompt.as_ref().map(|p| p.tokens),
             "prompt_blocks": route.prompt.as_ref().map(|p| p.hashes.len()),
             "chosen": chosen.and_then(address),
@@ -505,11 +813,15 @@ impl Gateway {
             );
             return self.respond_error(session, ctx, error).await;
         };
+        let caller = match self.authenticate(&table, session) {
+            Ok(caller) => caller,
+            Err(error) => return self.respond_error(session, ctx, error).await,
+        };
         let anthropic = session
             .req_header()
             .headers
             .contains_key("anthropic-version");
-        let names: Vec<&String> = table.snapshot.models.keys().collect();
+        let names: Vec<&String> = table.models_for(caller).collect();
         let body = if anthropic {
             let data: Vec<_> = names
                 .iter()
@@ -650,12 +962,21 @@ impl ProxyHttp for Gateway {
         route.current = None;
         route.pending = None;
         route.prediction = None;
+        if let Some(provider) = route.provider.clone() {
+            return Ok(Box::new(provider_peer(route, &provider)));
+        }
+        let Some(pool) = route.pool.clone() else {
+            return Err(Error::explain(
+                ErrorType::InternalError,
+                "route without a pool or provider",
+            ));
+        };
         let reconnect = route.reconnect_to.take();
         let first_attempt = route.tried.is_empty() && reconnect.is_none();
         let picked = reconnect
             .or_else(|| choose_worker(route, first_attempt))
             .and_then(|index| {
-                let worker = route.pool.workers.get(index)?;
+                let worker = pool.workers.get(index)?;
                 Some((index, worker.clone(), worker.socket?))
             });
         let Some((index, worker, socket)) = picked else {
@@ -700,15 +1021,15 @@ impl ProxyHttp for Gateway {
             (None, None) => 0,
         };
         route.pending = Some(PendingPrefill::start(&worker, uncached));
-        route.prediction = match (&route.prompt, route.pool.slots.get(index)) {
+        route.prediction = match (&route.prompt, pool.slots.get(index)) {
             (Some(prompt), Some(slot)) => {
-                Some(route.pool.kv.predictions.add(*slot, prompt.clone()))
+                Some(pool.kv.predictions.add(*slot, prompt.clone()))
             }
             _ => None,
         };
         let mut peer = HttpPeer::new(socket, false, String::new());
         peer.options.connection_timeout =
-            Some(Duration::from_millis(route.pool.config.connect_timeout_ms));
+            Some(Duration::from_millis(pool.config.connect_timeout_ms));
         peer.options.read_timeout = Some(self.settings.upstream_read_timeout);
         Ok(Box::new(peer))
     }
@@ -740,8 +1061,13 @@ impl ProxyHttp for Gateway {
         let Some(route) = &ctx.route else {
             return Ok(());
         };
+        if let Some(path) = &route.upstream_path {
+            let uri = http::Uri::try_from(path.as_str()).map_err(|_| {
+                Error::explain(ErrorType::InternalError, "invalid upstream path")
+            })?;
+            upstream_request.set_uri(uri);
+        }
         if route.translate {
-            upstream_request.set_uri(http::Uri::from_static("/v1/chat/completions"));
             upstream_request.remove_header("anthropic-version");
             upstream_request.remove_header("anthropic-beta");
         }
@@ -754,6 +1080,25 @@ impl ProxyHttp for Gateway {
         // Responses are inspected (translation, accounting): keep them uncompressed.
         upstream_request.remove_header(&http::header::ACCEPT_ENCODING);
         upstream_request.insert_header("x-request-id", ctx.request_id.as_str())?;
+        if let Some(provider) = &route.provider {
+            upstream_request.insert_header(http::header::HOST, provider.authority.as_str())?;
+            match provider.config.format {
+                ProviderFormat::Openai => {
+                    if let Some(key) = &provider.key {
+                        upstream_request
+                            .insert_header(http::header::AUTHORIZATION, format!("Bearer {key}"))?;
+                    }
+                }
+                ProviderFormat::Anthropic => {
+                    if let Some(key) = &provider.key {
+                        upstream_request.insert_header("x-api-key", key.as_str())?;
+                    }
+                    if upstream_request.headers.get("anthropic-version").is_none() {
+                        upstream_request.insert_header("anthropic-version", "2023-06-01")?;
+                    }
+                }
+            }
+        }
         Ok(())
     }
 
@@ -770,9 +1115,12 @@ impl ProxyHttp for Gateway {
         };
         if route.explain
             && let Some(decision) = &route.decision
+            && let Some(pool) = &route.pool
         {
-            upstream_response
-                .insert_header(EXPLAIN_RESPONSE_HEADER, decision.explain(&route.pool))?;
+            upstream_response.insert_header(EXPLAIN_RESPONSE_HEADER, decision.explain(pool))?;
+        }
+        if let Some(trace) = &route.policy_explain {
+            upstream_response.insert_header(POLICY_RESPONSE_HEADER, trace.as_str())?;
         }
         if !route.stream {
             // A non-streamed answer arrives whole: its prefill is long over.
@@ -855,8 +1203,9 @@ impl ProxyHttp for Gateway {
                 "could not connect to worker"
             );
             route.last_connect_error = Some(e.etype().as_str().to_owned());
-            let may_retry = attempts < route.pool.config.max_attempts as usize
-                && route.pool.pick(&route.tried).is_some();
+            let may_retry = route.pool.as_ref().is_some_and(|pool| {
+                attempts < pool.config.max_attempts as usize && pool.pick(&route.tried).is_some()
+            });
             e.set_retry(may_retry);
         }
         e
@@ -878,7 +1227,8 @@ impl ProxyHttp for Gateway {
         if let Some(route) = ctx.route.as_mut()
             && client_reused
             && ctx.status == 0
-            && route.reconnects < route.pool.config.max_attempts
+            && route.reconnects
+                < route.pool.as_ref().map_or(1, |pool| pool.config.max_attempts)
         {
             route.reconnects += 1;
             route.reconnect_to = route.tried.last().copied();
@@ -972,7 +1322,14 @@ impl ProxyHttp for Gateway {
             endpoint = ctx.endpoint.map_or("unknown", Endpoint::label),
             model = route.map_or("", |r| r.requested_model.as_str()),
             upstream_model = route.map_or("", |r| r.upstream_model.as_str()),
-            pool = %route.map_or(String::new(), |r| r.pool.config.id.to_string()),
+            tenant = route.and_then(|r| r.tenant.as_deref()).unwrap_or(""),
+            policy_rule = route.and_then(|r| r.rule.as_deref()).unwrap_or(""),
+            pool = %route
+                .and_then(|r| r.pool.as_ref())
+                .map_or(String::new(), |p| p.config.id.to_string()),
+            provider = %route
+                .and_then(|r| r.provider.as_ref())
+                .map_or(String::new(), |p| p.config.id.to_string()),
             worker,
             attempts = route.map_or(0, |r| r.tried.len()),
             status = ctx.status,
@@ -981,8 +1338,10 @@ impl ProxyHttp for Gateway {
             duration_ms = ctx.started.elapsed().as_millis() as u64,
             "request"
         );
-        if let Some(decision) = route.and_then(|r| r.decision.as_ref().map(|d| (d, &r.pool))) {
-            tracing::debug!(request_id = %ctx.request_id, route = %decision.0.explain(decision.1), "routing decision");
+        if let Some(route) = route
+            && let (Some(decision), Some(pool)) = (&route.decision, &route.pool)
+        {
+            tracing::debug!(request_id = %ctx.request_id, route = %decision.explain(pool), "routing decision");
         }
         // Release the in-flight slot now rather than when Pingora drops the context.
         if let Some(route) = ctx.route.as_mut() {

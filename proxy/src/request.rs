@@ -19,6 +19,8 @@ pub struct ParsedRequest {
     /// The model the client asked for.
     pub model: String,
     pub stream: bool,
+    /// `max_tokens`, or OpenAI's newer `max_completion_tokens`.
+    pub max_tokens: Option<u64>,
     /// Byte range of the `"model"` value (quotes included) in the body.
     model_span: Range<usize>,
 }
@@ -42,6 +44,8 @@ struct RequestHead<'a> {
     prompt: Option<&'a RawValue>,
     #[serde(default)]
     max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
 }
 
 /// Parse and validate a request body for `endpoint`.
@@ -112,6 +116,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
     Ok(ParsedRequest {
         model,
         stream: head.stream.unwrap_or(false),
+        max_tokens: head.max_tokens.or(head.max_completion_tokens),
         model_span,
     })
 }

@@ -10,10 +10,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rand::Rng;
+use sha2::{Digest, Sha256};
 use switchyard_kv::index::WorkerId;
 use switchyard_kv::tokenize::{PromptTokenizer, TokenizeError};
-use switchyard_snapshot::snapshot::LoadBalancing;
-use switchyard_snapshot::{Model, ModelTarget, Pool, PoolId, Snapshot};
+use switchyard_policy::Evaluator;
+use switchyard_policy::classify::ClassifierError;
+use switchyard_snapshot::snapshot::{
+    Backend, Credentials, LoadBalancing, Provider, ProviderId, TargetStrategy, Tenant,
+};
+use switchyard_snapshot::{ModelTarget, Pool, PoolId, Snapshot};
 
 use crate::kv::{KvRegistry, PoolKv, WorkerLoad};
 
@@ -201,6 +206,156 @@ impl PoolRuntime {
     }
 }
 
+/// An external provider ready for requests: its address resolved and its key read.
+pub struct ProviderRuntime {
+    pub config: Provider,
+    pub socket: SocketAddr,
+    pub tls: bool,
+    /// Host name for SNI and the `Host` header.
+    pub host: String,
+    /// `host[:port]` as written in the base URL (the `Host` header).
+    pub authority: String,
+    /// Path of the base URL (`/v1`), without a trailing `/`.
+    pub base_path: String,
+    /// The credential; never logged (Debug prints it redacted).
+    pub key: Option<String>,
+}
+
+impl std::fmt::Debug for ProviderRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProviderRuntime")
+            .field("id", &self.config.id)
+            .field("socket", &self.socket)
+            .field("tls", &self.tls)
+            .field("key", &self.key.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+/// Why a snapshot could not become a routing table (the current one stays).
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizeError),
+    #[error("policies: {0}")]
+    Policies(#[from] ClassifierError),
+    #[error("ExternalProvider {provider}: {message}")]
+    Provider { provider: ProviderId, message: String },
+}
+
+impl ProviderRuntime {
+    fn build(config: &Provider) -> Result<ProviderRuntime, BuildError> {
+        let fail = |message: String| BuildError::Provider {
+            provider: config.id.clone(),
+            message,
+        };
+        let (scheme, rest) = config
+            .base_url
+            .split_once("://")
+            .ok_or_else(|| fail(format!("base URL '{}' has no scheme", config.base_url)))?;
+        let tls = scheme == "https";
+        let (authority, path) = match rest.find('/') {
+            Some(at) => rest.split_at(at),
+            None => (rest, ""),
+        };
+        let (host, port) = match authority.rsplit_once(':') {
+            Some((host, port)) if !host.ends_with(']') || authority.starts_with('[') => (
+                host,
+                port.parse::<u16>()
+                    .map_err(|_| fail(format!("invalid port in '{}'", config.base_url)))?,
+            ),
+            _ => (authority, if tls { 443 } else { 80 }),
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+        let socket = (host.as_str(), port)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| fail(format!("cannot resolve '{host}'")))?;
+        let key = match &config.credentials {
+            None => None,
+            Some(Credentials::File(path)) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|e| fail(format!("cannot read the credentials file {path}: {e}")))?
+                    .trim()
+                    .to_owned(),
+            ),
+            Some(Credentials::Env(name)) => Some(
+                std::env::var(name)
+                    .map_err(|_| fail(format!("environment variable {name} is not set")))?
+                    .trim()
+                    .to_owned(),
+            ),
+            Some(Credentials::Secret(secret)) => {
+                return Err(fail(format!(
+                    "the key lives in Secret {}/{}, which only the control process can read; \
+                     outside Kubernetes use credentials.file or credentials.env",
+                    secret.name, secret.key
+                )));
+            }
+        };
+        Ok(ProviderRuntime {
+            config: config.clone(),
+            socket,
+            tls,
+            host,
+            authority: authority.to_owned(),
+            base_path: path.trim_end_matches('/').to_owned(),
+            key: key.filter(|k| !k.is_empty()),
+        })
+    }
+}
+
+/// Compare two digests without an early exit, so timing does not reveal how much matched.
+fn digests_equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let difference = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(difference) == 0
+}
+
+fn parse_digest(hex: &str) -> Option<[u8; 32]> {
+    let mut out = [0u8; 32];
+    let bytes = hex.as_bytes();
+    if bytes.len() != 64 {
+        return None;
+    }
+    for (slot, pair) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+        let text = std::str::from_utf8(pair).ok()?;
+        *slot = u8::from_str_radix(text, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Who a request authenticated as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caller<'t> {
+    /// Authentication is off (no Tenant documents).
+    Open,
+    Tenant(&'t Tenant),
+}
+
+impl<'t> Caller<'t> {
+    pub fn tenant(self) -> Option<&'t Tenant> {
+        match self {
+            Caller::Open => None,
+            Caller::Tenant(tenant) => Some(tenant),
+        }
+    }
+}
+
+/// Why a request was not authenticated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthFailure {
+    MissingKey,
+    UnknownKey,
+}
+
+/// Where one request goes.
+#[derive(Debug, Clone)]
+pub enum Destination {
+    Pool(Arc<PoolRuntime>),
+    Provider(Arc<ProviderRuntime>),
+}
+
 /// Everything the request path reads, built from one snapshot.
 #[derive(Debug)]
 pub struct RoutingTable {
@@ -208,6 +363,10 @@ pub struct RoutingTable {
     /// Unix time the table was built (what `/v1/models` reports as `created`).
     pub created_at: u64,
     pools: HashMap<PoolId, Arc<PoolRuntime>>,
+    providers: HashMap<ProviderId, Arc<ProviderRuntime>>,
+    pub evaluator: Evaluator,
+    /// SHA-256 of every API key, with its tenant's name.
+    keys: Vec<([u8; 32], String)>,
 }
 
 impl RoutingTable {
@@ -216,7 +375,20 @@ impl RoutingTable {
         snapshot: Arc<Snapshot>,
         registry: &EndpointRegistry,
         kv: &KvRegistry,
-    ) -> Result<RoutingTable, TokenizeError> {
+    ) -> Result<RoutingTable, BuildError> {
+        let evaluator = Evaluator::new(&snapshot)?;
+        let mut providers = HashMap::with_capacity(snapshot.providers.len());
+        for (id, provider) in &snapshot.providers {
+            providers.insert(id.clone(), Arc::new(ProviderRuntime::build(provider)?));
+        }
+        let mut keys = Vec::new();
+        for tenant in snapshot.tenants.values() {
+            for hex in &tenant.key_sha256 {
+                if let Some(digest) = parse_digest(hex) {
+                    keys.push((digest, tenant.name.clone()));
+                }
+            }
+        }
         let mut pools = HashMap::with_capacity(snapshot.pools.len());
         let mut live = Vec::new();
         for (id, pool) in &snapshot.pools {
@@ -253,14 +425,95 @@ impl RoutingTable {
             snapshot,
             created_at,
             pools,
+            providers,
+            evaluator,
+            keys,
         })
+    }
+
+    /// Map an API key (or its absence) to a tenant. With no Tenant documents every request is
+    /// let through as [`Caller::Open`].
+    pub fn authenticate(&self, key: Option<&str>) -> Result<Caller<'_>, AuthFailure> {
+        if self.snapshot.tenants.is_empty() {
+            return Ok(Caller::Open);
+        }
+        let Some(key) = key.filter(|k| !k.is_empty()) else {
+            return self
+                .snapshot
+                .tenants
+                .values()
+                .find(|t| t.default)
+                .map(Caller::Tenant)
+                .ok_or(AuthFailure::MissingKey);
+        };
+        let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
+        // Every stored digest is compared, match or not.
+        let mut found: Option<&str> = None;
+        for (stored, tenant) in &self.keys {
+            if digests_equal(stored, &digest) {
+                found = Some(tenant);
+            }
+        }
+        found
+            .and_then(|name| self.snapshot.tenants.get(name))
+            .map(Caller::Tenant)
+            .ok_or(AuthFailure::UnknownKey)
+    }
+
+    /// Client-facing models the caller may use, sorted.
+    pub fn models_for<'a>(&'a self, caller: Caller<'_>) -> impl Iterator<Item = &'a String> {
+        self.snapshot
+            .models
+            .keys()
+            .filter(move |name| caller.tenant().is_none_or(|t| t.allows_model(name)))
+    }
+
+    pub fn provider(&self, id: &ProviderId) -> Option<&Arc<ProviderRuntime>> {
+        self.providers.get(id)
+    }
+
+    /// Whether a target can take a request now (its pool has workers; its provider is loaded).
+    pub fn usable(&self, target: &ModelTarget) -> bool {
+        match &target.backend {
+            Backend::Pool(id) => self.pools.get(id).is_some_and(|p| !p.workers.is_empty()),
+            Backend::Provider(id) => self.providers.contains_key(id),
+        }
+    }
+
+    /// Where a target's requests go.
+    pub fn destination(&self, target: &ModelTarget) -> Option<Destination> {
+        match &target.backend {
+            Backend::Pool(id) => self.pools.get(id).cloned().map(Destination::Pool),
+            Backend::Provider(id) => self.providers.get(id).cloned().map(Destination::Provider),
+        }
+    }
+
+    /// Choose among `targets` by `strategy`: by weight, or the first usable one in order.
+    pub fn choose<'m>(
+        &self,
+        strategy: TargetStrategy,
+        targets: &[&'m ModelTarget],
+    ) -> Option<&'m ModelTarget> {
+        match strategy {
+            TargetStrategy::Ordered => targets
+                .iter()
+                .find(|t| self.usable(t))
+                .or(targets.first())
+                .copied(),
+            TargetStrategy::Weighted => {
+                let usable: Vec<&'m ModelTarget> =
+                    targets.iter().copied().filter(|t| self.usable(t)).collect();
+                let candidates = if usable.is_empty() { targets } else { &usable[..] };
+                pick_weighted(candidates)
+            }
+        }
     }
 
     pub fn pools(&self) -> impl Iterator<Item = &Arc<PoolRuntime>> {
         self.pools.values()
     }
 
-    pub fn model(&self, name: &str) -> Option<&Model> {
+    pub fn model(&self, name: &str) -> Option<&switchyard_snapshot::Model> {
         self.snapshot.models.get(name)
     }
 
@@ -268,22 +521,23 @@ impl RoutingTable {
         self.pools.get(id)
     }
 
-    /// Choose one of a model's targets by weight.
-    pub fn pick_target<'m>(&self, model: &'m Model) -> Option<&'m ModelTarget> {
-        let total: u64 = model.targets.iter().map(|t| u64::from(t.weight)).sum();
-        if total == 0 {
-            return None;
-        }
-        let mut ticket = rand::rng().random_range(0..total);
-        for target in &model.targets {
-            let weight = u64::from(target.weight);
-            if ticket < weight {
-                return Some(target);
-            }
-            ticket -= weight;
-        }
-        model.targets.last()
+}
+
+/// One of `targets`, with probability proportional to its weight.
+fn pick_weighted<'m>(targets: &[&'m ModelTarget]) -> Option<&'m ModelTarget> {
+    let total: u64 = targets.iter().map(|t| u64::from(t.weight)).sum();
+    if total == 0 {
+        return None;
     }
+    let mut ticket = rand::rng().random_range(0..total);
+    for target in targets {
+        let weight = u64::from(target.weight);
+        if ticket < weight {
+            return Some(target);
+        }
+        ticket -= weight;
+    }
+    targets.last().copied()
 }
 
 #[cfg(test)]

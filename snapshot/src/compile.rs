@@ -10,8 +10,10 @@ use crate::documents::{
 use crate::error::{ConfigError, ConfigErrors};
 use crate::parse::Parsed;
 use crate::snapshot::{
-    DEFAULT_BLOCK_SIZE, DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_MAX_ATTEMPTS, DEFAULT_METRICS_PATH,
-    DEFAULT_SCRAPE_INTERVAL_MS, Endpoint, Model, ModelTarget, Pool, PoolId, Snapshot,
+    Backend, Credentials, DEFAULT_BLOCK_SIZE, DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_METRICS_PATH, DEFAULT_PROVIDER_CONNECT_TIMEOUT_MS, DEFAULT_PROVIDER_READ_TIMEOUT_MS,
+    DEFAULT_SCRAPE_INTERVAL_MS, Endpoint, Model, ModelTarget, Pool, PoolId, Provider, ProviderId,
+    Snapshot,
 };
 
 /// Compile what was read, adding compile errors to the reading errors; a snapshot only when both are empty.
@@ -70,13 +72,19 @@ fn compile_with(
         }
     }
 
+    let (providers, provider_sources) = compile_providers(documents, &mut errors);
+    let refs = References {
+        pool_sources: &pool_sources,
+        pools: &pools,
+        provider_sources: &provider_sources,
+        providers: &providers,
+        broken,
+    };
     let mut models: BTreeMap<String, Model> = BTreeMap::new();
     let mut model_sources: BTreeMap<String, &Document> = BTreeMap::new();
     for document in documents {
         if let Spec::InferenceModel(spec) = &document.spec {
-            let Some(model) =
-                compile_model(document, spec, &pool_sources, &pools, broken, &mut errors)
-            else {
+            let Some(model) = compile_model(document, spec, &refs, &mut errors) else {
                 continue;
             };
             if let Some(first) = model_sources.get(&model.name) {
@@ -101,16 +109,26 @@ fn compile_with(
         }
     }
 
+    let tenants = crate::compile_policy::compile_tenants(documents, &models, &mut errors);
+    let (rules, classes, complexity) =
+        crate::compile_policy::compile_policies(documents, &refs, &models, &tenants, &mut errors);
+
     if !errors.is_empty() {
         return Err(ConfigErrors(errors));
     }
-    let fingerprint = fingerprint(&pools, &models);
-    Ok(Snapshot {
+    let mut snapshot = Snapshot {
         version: 0,
-        fingerprint,
+        fingerprint: String::new(),
         pools,
         models,
-    })
+        providers,
+        tenants,
+        rules,
+        classes,
+        complexity,
+    };
+    snapshot.fingerprint = fingerprint(&snapshot);
+    Ok(snapshot)
 }
 
 fn compile_pool(
@@ -235,9 +253,7 @@ fn compile_pool(
 fn compile_model(
     document: &Document,
     spec: &InferenceModelSpec,
-    pool_sources: &BTreeMap<PoolId, &Document>,
-    pools: &BTreeMap<PoolId, Pool>,
-    broken: &[(Kind, String)],
+    refs: &References<'_>,
     errors: &mut Vec<ConfigError>,
 ) -> Option<Model> {
     let before = errors.len();
@@ -264,56 +280,25 @@ fn compile_model(
     let namespace = document.metadata.namespace_or_default();
     let mut targets = Vec::with_capacity(spec.targets.len());
     for (index, target) in spec.targets.iter().enumerate() {
-        let pool_id = PoolId::new(namespace, &target.pool);
-        let pool_is_broken = broken
-            .iter()
-            .any(|(kind, id)| *kind == Kind::InferencePool && *id == pool_id.0);
-        if pool_is_broken {
-            continue;
-        }
-        if !pool_sources.contains_key(&pool_id) {
-            let known: Vec<&str> = pool_sources.keys().map(|id| id.0.as_str()).collect();
-            errors.push(error_at(
-                document,
-                &format!("spec.targets[{index}].pool"),
-                format!(
-                    "no InferencePool {pool_id}; pools defined: {}",
-                    if known.is_empty() {
-                        "none".to_owned()
-                    } else {
-                        known.join(", ")
-                    }
-                ),
-            ));
-            continue;
-        }
-        if target.model.as_deref().is_some_and(|m| m.trim().is_empty()) {
-            errors.push(error_at(
-                document,
-                &format!("spec.targets[{index}].model"),
-                "must not be empty (leave it out to use the pool's model)".into(),
-            ));
-            continue;
-        }
+        let field = format!("spec.targets[{index}]");
+        let resolved = resolve_target(
+            document,
+            &field,
+            target.pool.as_deref(),
+            target.provider.as_deref(),
+            target.model.as_deref(),
+            refs,
+            errors,
+        );
         let weight = target.weight.unwrap_or(1);
-        if weight == 0 {
-            continue;
+        if let Some(backend_target) = resolved
+            && weight > 0
+        {
+            targets.push(ModelTarget {
+                weight,
+                ..backend_target
+            });
         }
-        // The pool may have failed to compile; its own errors are reported already.
-        let Some(pool) = pools.get(&pool_id) else {
-            continue;
-        };
-        let upstream_model = target
-            .model
-            .as_deref()
-            .map(str::trim)
-            .unwrap_or(&pool.served_model)
-            .to_owned();
-        targets.push(ModelTarget {
-            pool: pool_id,
-            upstream_model,
-            weight,
-        });
     }
     if errors.len() == before && targets.is_empty() && !spec.targets.is_empty() {
         let all_zero = spec.targets.iter().all(|t| t.weight == Some(0));
@@ -331,6 +316,7 @@ fn compile_model(
     Some(Model {
         name,
         defined_by: format!("{namespace}/{}", document.metadata.name),
+        strategy: spec.strategy,
         targets,
     })
 }
@@ -417,7 +403,229 @@ fn check_endpoint(endpoint: &str) -> Result<(), String> {
     }
 }
 
-fn first_label(document: &Document) -> String {
+/// What targets may name, for resolving references.
+pub(crate) struct References<'a> {
+    pub pool_sources: &'a BTreeMap<PoolId, &'a Document>,
+    pub pools: &'a BTreeMap<PoolId, Pool>,
+    pub provider_sources: &'a BTreeMap<ProviderId, &'a Document>,
+    pub providers: &'a BTreeMap<ProviderId, Provider>,
+    pub broken: &'a [(Kind, String)],
+}
+
+impl References<'_> {
+    fn is_broken(&self, kind: Kind, id: &str) -> bool {
+        self.broken.iter().any(|(k, b)| *k == kind && b == id)
+    }
+}
+
+/// Resolve a `{pool|provider, model}` reference. `None` after an error was pushed, or when the
+/// referenced document is broken (its own errors are reported).
+pub(crate) fn resolve_target(
+    document: &Document,
+    field: &str,
+    pool: Option<&str>,
+    provider: Option<&str>,
+    model: Option<&str>,
+    refs: &References<'_>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<ModelTarget> {
+    let namespace = document.metadata.namespace_or_default();
+    if model.is_some_and(|m| m.trim().is_empty()) {
+        errors.push(error_at(
+            document,
+            &format!("{field}.model"),
+            "must not be empty (leave it out to use the pool's model)".into(),
+        ));
+        return None;
+    }
+    let model = model.map(str::trim);
+    match (pool, provider) {
+        (Some(pool), None) => {
+            let pool_id = PoolId::new(namespace, pool);
+            if refs.is_broken(Kind::InferencePool, &pool_id.0) {
+                return None;
+            }
+            if !refs.pool_sources.contains_key(&pool_id) {
+                let known: Vec<&str> = refs.pool_sources.keys().map(|id| id.0.as_str()).collect();
+                errors.push(error_at(
+                    document,
+                    &format!("{field}.pool"),
+                    format!("no InferencePool {pool_id}; pools defined: {}", list(&known)),
+                ));
+                return None;
+            }
+            // The pool may have failed to compile; its own errors are reported already.
+            let pool = refs.pools.get(&pool_id)?;
+            Some(ModelTarget {
+                upstream_model: model.unwrap_or(&pool.served_model).to_owned(),
+                backend: Backend::Pool(pool_id),
+                weight: 1,
+            })
+        }
+        (None, Some(provider)) => {
+            let provider_id = ProviderId::new(namespace, provider);
+            if refs.is_broken(Kind::ExternalProvider, &provider_id.0) {
+                return None;
+            }
+            if !refs.provider_sources.contains_key(&provider_id) {
+                let known: Vec<&str> =
+                    refs.provider_sources.keys().map(|id| id.0.as_str()).collect();
+                errors.push(error_at(
+                    document,
+                    &format!("{field}.provider"),
+                    format!(
+                        "no ExternalProvider {provider_id}; providers defined: {}",
+                        list(&known)
+                    ),
+                ));
+                return None;
+            }
+            let Some(model) = model else {
+                errors.push(error_at(
+                    document,
+                    &format!("{field}.model"),
+                    format!("required with a provider: the model name {provider_id} serves"),
+                ));
+                return None;
+            };
+            let provider_config = refs.providers.get(&provider_id)?;
+            if !provider_config.models.is_empty()
+                && !provider_config.models.iter().any(|m| m == model)
+            {
+                errors.push(error_at(
+                    document,
+                    &format!("{field}.model"),
+                    format!(
+                        "ExternalProvider {provider_id} does not list model '{model}'; it serves: {}",
+                        provider_config.models.join(", ")
+                    ),
+                ));
+                return None;
+            }
+            Some(ModelTarget {
+                upstream_model: model.to_owned(),
+                backend: Backend::Provider(provider_id),
+                weight: 1,
+            })
+        }
+        (Some(_), Some(_)) => {
+            errors.push(error_at(
+                document,
+                field,
+                "names both a pool and a provider; a target is one or the other".into(),
+            ));
+            None
+        }
+        (None, None) => {
+            errors.push(error_at(
+                document,
+                field,
+                "names neither a pool nor a provider".into(),
+            ));
+            None
+        }
+    }
+}
+
+fn list(names: &[&str]) -> String {
+    if names.is_empty() {
+        "none".to_owned()
+    } else {
+        names.join(", ")
+    }
+}
+
+type Providers<'a> = (
+    BTreeMap<ProviderId, Provider>,
+    BTreeMap<ProviderId, &'a Document>,
+);
+
+fn compile_providers<'a>(documents: &'a [Document], errors: &mut Vec<ConfigError>) -> Providers<'a> {
+    let mut providers = BTreeMap::new();
+    let mut sources: BTreeMap<ProviderId, &Document> = BTreeMap::new();
+    for document in documents {
+        let Spec::ExternalProvider(spec) = &document.spec else {
+            continue;
+        };
+        let id = ProviderId::new(
+            document.metadata.namespace_or_default(),
+            &document.metadata.name,
+        );
+        if let Some(first) = sources.get(&id) {
+            errors.push(error_at(
+                document,
+                "metadata.name",
+                format!("duplicate ExternalProvider {id} (first defined in {})", first.origin),
+            ));
+            continue;
+        }
+        sources.insert(id.clone(), document);
+        let before = errors.len();
+        let base_url = spec.base_url.trim().trim_end_matches('/').to_owned();
+        match base_url.split_once("://") {
+            Some(("http" | "https", rest))
+                if !rest.is_empty() && !rest.starts_with('/') && !rest.contains(['?', '#']) => {}
+            _ => errors.push(error_at(
+                document,
+                "spec.baseUrl",
+                format!(
+                    "'{}' must be an http:// or https:// URL such as https://api.openai.com/v1",
+                    spec.base_url
+                ),
+            )),
+        }
+        let credentials = match &spec.credentials {
+            None => None,
+            Some(c) => match (&c.secret_ref, &c.file, &c.env) {
+                (Some(secret), None, None) => Some(Credentials::Secret(secret.clone())),
+                (None, Some(file), None) if !file.trim().is_empty() => {
+                    Some(Credentials::File(file.trim().to_owned()))
+                }
+                (None, None, Some(env)) if !env.trim().is_empty() => {
+                    Some(Credentials::Env(env.trim().to_owned()))
+                }
+                _ => {
+                    errors.push(error_at(
+                        document,
+                        "spec.credentials",
+                        "give exactly one of secretRef, file or env".into(),
+                    ));
+                    None
+                }
+            },
+        };
+        for (field, value) in [
+            ("spec.connectTimeoutMs", spec.connect_timeout_ms),
+            ("spec.readTimeoutMs", spec.read_timeout_ms),
+        ] {
+            if value == Some(0) {
+                errors.push(error_at(document, field, "must be greater than 0".into()));
+            }
+        }
+        if errors.len() > before {
+            continue;
+        }
+        providers.insert(
+            id.clone(),
+            Provider {
+                id,
+                base_url,
+                format: spec.format,
+                credentials,
+                models: spec.models.iter().map(|m| m.trim().to_owned()).collect(),
+                connect_timeout_ms: spec
+                    .connect_timeout_ms
+                    .unwrap_or(DEFAULT_PROVIDER_CONNECT_TIMEOUT_MS),
+                read_timeout_ms: spec
+                    .read_timeout_ms
+                    .unwrap_or(DEFAULT_PROVIDER_READ_TIMEOUT_MS),
+            },
+        );
+    }
+    (providers, sources)
+}
+
+pub(crate) fn first_label(document: &Document) -> String {
     format!(
         "{} {}/{}",
         document.spec.kind(),
@@ -426,7 +634,7 @@ fn first_label(document: &Document) -> String {
     )
 }
 
-fn error_at(document: &Document, field: &str, message: String) -> ConfigError {
+pub(crate) fn error_at(document: &Document, field: &str, message: String) -> ConfigError {
     ConfigError {
         source_name: document.origin.to_string(),
         document: first_label(document),
@@ -435,10 +643,20 @@ fn error_at(document: &Document, field: &str, message: String) -> ConfigError {
     }
 }
 
-fn fingerprint(pools: &BTreeMap<PoolId, Pool>, models: &BTreeMap<String, Model>) -> String {
+/// sha256 of everything but the version and the fingerprint itself.
+pub fn fingerprint(snapshot: &Snapshot) -> String {
     let mut hasher = Sha256::new();
+    let content = (
+        &snapshot.pools,
+        &snapshot.models,
+        &snapshot.providers,
+        &snapshot.tenants,
+        &snapshot.rules,
+        &snapshot.classes,
+        &snapshot.complexity,
+    );
     // serde_json of BTreeMaps is deterministic; serializing plain data cannot fail.
-    if let Ok(bytes) = serde_json::to_vec(&(pools, models)) {
+    if let Ok(bytes) = serde_json::to_vec(&content) {
         hasher.update(&bytes);
     }
     let digest = hasher.finalize();

@@ -198,18 +198,37 @@ pub struct InferencePoolSpec {
     pub scoring: Option<ScoringSpec>,
 }
 
-/// One target of an `InferenceModel`.
+/// One target of an `InferenceModel`: a pool's model or an external provider's model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.pool) != has(self.provider)", "message": "a target names exactly one of pool or provider"},
+    {"rule": "!has(self.provider) || has(self.model)", "message": "a provider target must name the provider's model"}
+]))]
 pub struct ModelTargetSpec {
     /// Name of an `InferencePool` in the same namespace.
-    pub pool: String,
-    /// Model name to send upstream; defaults to the pool's served model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+    /// Name of an `ExternalProvider` in the same namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    /// Model name to send upstream; defaults to the pool's served model (required for providers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     /// Relative share of requests (default 1); 0 keeps the target listed but unused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight: Option<u32>,
+}
+
+/// How an `InferenceModel` chooses among its targets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum TargetStrategy {
+    /// Spread requests by `weight`.
+    #[default]
+    Weighted,
+    /// The first usable target in the order written; later ones are the fallback chain.
+    Ordered,
 }
 
 /// `InferenceModel`: a client-facing model name and where its requests go.
@@ -219,7 +238,316 @@ pub struct InferenceModelSpec {
     /// The name clients put in `"model"`; defaults to `metadata.name`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_name: Option<String>,
+    #[serde(default)]
+    pub strategy: TargetStrategy,
+    #[schemars(length(min = 1))]
     pub targets: Vec<ModelTargetSpec>,
+}
+
+/// A reference to one key of a Kubernetes Secret.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SecretKeyRef {
+    pub name: String,
+    pub key: String,
+}
+
+/// One API key of a tenant. Keys are never written in clear: give the SHA-256 of the key, or a
+/// Secret the control process reads and hashes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.sha256) != has(self.secretRef)", "message": "give exactly one of sha256 or secretRef"}
+]))]
+pub struct ApiKeySpec {
+    /// Lowercase hex SHA-256 of the key (`printf %s "$KEY" | sha256sum`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9a-f]{64}$"))]
+    pub sha256: Option<String>,
+    /// A Secret holding the key in clear (Kubernetes only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretKeyRef>,
+}
+
+/// Per-tenant limits; absent fields mean unlimited.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RateLimitsSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub requests_per_minute: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub tokens_per_minute: Option<u64>,
+    /// Requests of this tenant in flight at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub concurrency: Option<u32>,
+}
+
+/// `Tenant`: who is calling. Policies match on its name and `metadata.labels`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TenantSpec {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub api_keys: Vec<ApiKeySpec>,
+    /// Client-facing model names the tenant may use (`*` wildcards allowed); empty: every model.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limits: Option<RateLimitsSpec>,
+    /// Requests without an API key are served as this tenant (at most one tenant; off by default).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub default: bool,
+}
+
+/// The API an external provider speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ProviderFormat {
+    /// OpenAI Chat Completions (`/chat/completions` under the base URL).
+    Openai,
+    /// Anthropic Messages (`/messages` under the base URL).
+    Anthropic,
+}
+
+/// Where a provider's credential comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "[has(self.secretRef), has(self.file), has(self.env)].filter(x, x).size() == 1", "message": "give exactly one of secretRef, file or env"}
+]))]
+pub struct CredentialsSpec {
+    /// A Secret key (Kubernetes; the control process resolves it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretKeyRef>,
+    /// A file holding the key (a mounted Secret, outside Kubernetes a local file).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<String>,
+    /// An environment variable of the proxy holding the key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<String>,
+}
+
+/// `ExternalProvider`: an OpenAI- or Anthropic-compatible API outside the cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ExternalProviderSpec {
+    /// e.g. `https://api.openai.com/v1`; the API path is appended.
+    #[schemars(regex(pattern = r"^https?://"))]
+    pub base_url: String,
+    pub format: ProviderFormat,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials: Option<CredentialsSpec>,
+    /// Models the provider serves; targets naming another model are errors. Empty: any.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub connect_timeout_ms: Option<u64>,
+    /// Longest wait for the provider's first byte, and between bytes of a stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub read_timeout_ms: Option<u64>,
+}
+
+/// A numeric comparison; every bound given must hold.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RangeSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gt: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gte: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lt: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lte: Option<u64>,
+}
+
+/// Which tenants a rule applies to: any of `names`, and (when given) all of `labels`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TenantMatchSpec {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub names: Vec<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Match requests that carry no tenant (no Tenant documents, or no key with no default tenant).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub anonymous: bool,
+}
+
+/// Prompt classes a rule looks for.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClassMatchSpec {
+    /// The prompt has at least one of these classes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub any_of: Vec<String>,
+    /// The prompt has none of these classes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub none_of: Vec<String>,
+}
+
+/// Live state of a pool, as this proxy sees it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolStateMatchSpec {
+    /// The pool to look at; default: the first pool target of the requested model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+    /// Requests waiting across the pool's workers (vLLM `num_requests_waiting`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_depth: Option<RangeSpec>,
+    /// Requests running across the pool's workers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running: Option<RangeSpec>,
+    /// Mean KV-cache usage of the workers, in percent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_usage_percent: Option<RangeSpec>,
+    /// Predicted time to first token on the best worker for this prompt, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_ttft_ms: Option<RangeSpec>,
+}
+
+/// What a rule looks at; every field given must hold (an empty match matches everything).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RuleMatchSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenants: Option<TenantMatchSpec>,
+    /// Requested (client-facing) model names; `*` wildcards allowed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_classes: Option<ClassMatchSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_state: Option<PoolStateMatchSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
+    /// `max_tokens` (or `max_completion_tokens`) of the request; a request without one never matches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<RangeSpec>,
+    /// Request headers: exact value, or `*` for "present".
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+}
+
+/// Where a `route` action sends the request: another client-facing model, a pool or a provider.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "[has(self.inferenceModel), has(self.pool), has(self.provider)].filter(x, x).size() == 1", "message": "route names exactly one of inferenceModel, pool or provider"}
+]))]
+pub struct RouteSpec {
+    /// A client-facing model name (an `InferenceModel`): its targets are used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference_model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    /// Upstream model name with `pool` (default: the pool's model) or `provider` (required).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
+/// A rejection: HTTP status and a message the client sees.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RejectSpec {
+    #[schemars(range(min = 400, max = 599))]
+    pub status: u16,
+    #[schemars(length(min = 1))]
+    pub message: String,
+}
+
+/// What a matching rule does: exactly one of these.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "[has(self.route), has(self.reject), has(self.requireLocal), has(self.fallThrough)].filter(x, x).size() == 1", "message": "an action is exactly one of route, reject, requireLocal or fallThrough"}
+]))]
+pub struct ActionSpec {
+    /// Send the request there and stop evaluating.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route: Option<RouteSpec>,
+    /// Answer with this error and stop evaluating.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reject: Option<RejectSpec>,
+    /// Keep the request on local pools whatever later rules say (evaluation continues; a
+    /// request with no local target is answered 503).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub require_local: Option<bool>,
+    /// Stop evaluating and use the requested model's own targets (exempts from later rules).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fall_through: Option<bool>,
+}
+
+/// One rule of a policy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RuleSpec {
+    /// Shown by `explain`, in metrics and traces.
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    #[serde(default, rename = "match")]
+    pub matches: RuleMatchSpec,
+    pub action: ActionSpec,
+}
+
+/// A user-defined prompt class.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "size(self.keywords) + size(self.patterns) > 0", "message": "a class needs keywords or patterns"}
+]))]
+pub struct ClassSpec {
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    /// Case-insensitive words or phrases (matched at word boundaries).
+    #[serde(default)]
+    pub keywords: Vec<String>,
+    /// Regular expressions (Rust `regex` syntax).
+    #[serde(default)]
+    pub patterns: Vec<String>,
+    /// A prompt of this class also counts as personal data (`pii`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub personal_data: bool,
+}
+
+/// Thresholds of the built-in simple/complex classifier.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ComplexitySpec {
+    /// Prompts longer than this many characters are complex (default 2000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_simple_chars: Option<u32>,
+    /// Conversations with more user turns than this are complex (default 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_simple_turns: Option<u32>,
+    /// Words or phrases that make a prompt complex (default: a built-in list such as "prove",
+    /// "step by step", "refactor"); replaces the built-in list when given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub complex_keywords: Option<Vec<String>>,
+}
+
+/// `InferencePolicy`: ordered rules, and the prompt classes they use.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InferencePolicySpec {
+    /// Policies run in ascending priority (then by namespace/name); default 100.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    #[serde(default)]
+    pub rules: Vec<RuleSpec>,
+    /// Prompt classes these (and other) policies may name, besides the built-in ones.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub classes: Vec<ClassSpec>,
+    /// Tuning of the built-in simple/complex classifier (at most one policy sets it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub complexity: Option<ComplexitySpec>,
 }
 
 /// The kinds of document the compiler understands.
@@ -227,15 +555,27 @@ pub struct InferenceModelSpec {
 pub enum Kind {
     InferencePool,
     InferenceModel,
+    InferencePolicy,
+    Tenant,
+    ExternalProvider,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 2] = [Kind::InferencePool, Kind::InferenceModel];
+    pub const ALL: [Kind; 5] = [
+        Kind::InferencePool,
+        Kind::InferenceModel,
+        Kind::InferencePolicy,
+        Kind::Tenant,
+        Kind::ExternalProvider,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::InferencePool => "InferencePool",
             Kind::InferenceModel => "InferenceModel",
+            Kind::InferencePolicy => "InferencePolicy",
+            Kind::Tenant => "Tenant",
+            Kind::ExternalProvider => "ExternalProvider",
         }
     }
 
@@ -255,6 +595,9 @@ impl std::fmt::Display for Kind {
 pub enum Spec {
     InferencePool(InferencePoolSpec),
     InferenceModel(InferenceModelSpec),
+    InferencePolicy(InferencePolicySpec),
+    Tenant(TenantSpec),
+    ExternalProvider(ExternalProviderSpec),
 }
 
 impl Spec {
@@ -262,6 +605,9 @@ impl Spec {
         match self {
             Spec::InferencePool(_) => Kind::InferencePool,
             Spec::InferenceModel(_) => Kind::InferenceModel,
+            Spec::InferencePolicy(_) => Kind::InferencePolicy,
+            Spec::Tenant(_) => Kind::Tenant,
+            Spec::ExternalProvider(_) => Kind::ExternalProvider,
         }
     }
 }

@@ -6,6 +6,7 @@
 //! is plain serde data: it crosses the control→proxy socket as JSON and never links Kubernetes.
 
 pub mod compile;
+pub mod compile_policy;
 pub mod documents;
 pub mod error;
 pub mod parse;

@@ -244,6 +244,9 @@ fn parse_spec(kind: Kind, value: serde_json::Value) -> Result<Spec, (String, Str
     Ok(match kind {
         Kind::InferencePool => Spec::InferencePool(typed(value)?),
         Kind::InferenceModel => Spec::InferenceModel(typed(value)?),
+        Kind::InferencePolicy => Spec::InferencePolicy(typed(value)?),
+        Kind::Tenant => Spec::Tenant(typed(value)?),
+        Kind::ExternalProvider => Spec::ExternalProvider(typed(value)?),
     })
 }
 

@@ -1,0 +1,571 @@
+//! Prompt classification: personal-data detectors, the simple/complex classifier and
+//! user-defined keyword/regex classes. It reads message text and returns a [`ClassSet`];
+//! nothing here logs or keeps the text.
+
+use regex::{Regex, RegexBuilder};
+use switchyard_snapshot::compile_policy::MAX_PATTERN_BYTES;
+use switchyard_snapshot::snapshot::{BUILTIN_CLASSES, ClassDef, Complexity};
+
+/// A set of prompt classes, one bit per class of a [`Classifier`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct ClassSet(pub u64);
+
+impl ClassSet {
+    pub fn contains(self, class: ClassId) -> bool {
+        self.0 & (1u64 << class.0) != 0
+    }
+    pub fn insert(&mut self, class: ClassId) {
+        self.0 |= 1u64 << class.0;
+    }
+    pub fn intersects(self, other: ClassSet) -> bool {
+        self.0 & other.0 != 0
+    }
+}
+
+/// Index of a class in its classifier (< 64).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClassId(pub u8);
+
+/// At most this many classes (built-in and user-defined together).
+pub const MAX_CLASSES: usize = 64;
+
+pub const PII: ClassId = ClassId(0);
+pub const PII_EMAIL: ClassId = ClassId(1);
+pub const PII_PHONE: ClassId = ClassId(2);
+pub const PII_PAYMENT_CARD: ClassId = ClassId(3);
+pub const PII_IBAN: ClassId = ClassId(4);
+pub const PII_NATIONAL_ID: ClassId = ClassId(5);
+pub const SIMPLE: ClassId = ClassId(6);
+pub const COMPLEX: ClassId = ClassId(7);
+pub const CODE: ClassId = ClassId(8);
+
+/// The text of a request, as the classifier sees it.
+pub trait PromptText {
+    /// Call `visit` with every piece of message text (system, user, assistant, tool results).
+    fn for_each_text(&self, visit: &mut dyn FnMut(&str));
+    /// Messages written by the user (the turns of the conversation).
+    fn user_turns(&self) -> usize;
+}
+
+/// A prompt given as plain text segments (tests, the CLI).
+#[derive(Debug, Clone, Default)]
+pub struct Segments<'a> {
+    pub texts: Vec<&'a str>,
+    pub user_turns: usize,
+}
+
+impl PromptText for Segments<'_> {
+    fn for_each_text(&self, visit: &mut dyn FnMut(&str)) {
+        for text in &self.texts {
+            visit(text);
+        }
+    }
+    fn user_turns(&self) -> usize {
+        self.user_turns
+    }
+}
+
+struct UserClass {
+    id: ClassId,
+    personal_data: bool,
+    /// Keywords and patterns of the class as one alternation.
+    matcher: Regex,
+}
+
+/// Built from a snapshot's classes; cheap to share, safe to use from many threads.
+pub struct Classifier {
+    names: Vec<String>,
+    user: Vec<UserClass>,
+    complexity: Complexity,
+    complex_keywords: Option<Regex>,
+    detectors: Detectors,
+}
+
+impl std::fmt::Debug for Classifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Classifier")
+            .field("classes", &self.names)
+            .finish()
+    }
+}
+
+/// Why a classifier could not be built (the snapshot compiler checks the same things first).
+#[derive(Debug, thiserror::Error)]
+pub enum ClassifierError {
+    #[error("more than {MAX_CLASSES} prompt classes")]
+    TooManyClasses,
+    #[error("class '{class}': {message}")]
+    Pattern { class: String, message: String },
+}
+
+fn keyword_alternation(keywords: &[String]) -> Option<String> {
+    if keywords.is_empty() {
+        return None;
+    }
+    let alternatives: Vec<String> = keywords.iter().map(|k| regex::escape(k)).collect();
+    Some(format!(r"(?i:\b(?:{})\b)", alternatives.join("|")))
+}
+
+fn build(pattern: &str) -> Result<Regex, regex::Error> {
+    RegexBuilder::new(pattern)
+        .size_limit(MAX_PATTERN_BYTES)
+        .build()
+}
+
+impl Classifier {
+    pub fn new(classes: &[ClassDef], complexity: &Complexity) -> Result<Classifier, ClassifierError> {
+        if BUILTIN_CLASSES.len() + classes.len() > MAX_CLASSES {
+            return Err(ClassifierError::TooManyClasses);
+        }
+        let mut names: Vec<String> = BUILTIN_CLASSES.iter().map(|c| (*c).to_owned()).collect();
+        let mut user = Vec::with_capacity(classes.len());
+        for class in classes {
+            let id = ClassId(names.len() as u8);
+            names.push(class.name.clone());
+            let mut alternatives: Vec<String> =
+                class.patterns.iter().map(|p| format!("(?:{p})")).collect();
+            alternatives.extend(keyword_alternation(&class.keywords));
+            let matcher = build(&alternatives.join("|")).map_err(|e| ClassifierError::Pattern {
+                class: class.name.clone(),
+                message: e.to_string(),
+            })?;
+            user.push(UserClass {
+                id,
+                personal_data: class.personal_data,
+                matcher,
+            });
+        }
+        let complex_keywords = match keyword_alternation(&complexity.complex_keywords) {
+            Some(pattern) => Some(build(&pattern).map_err(|e| ClassifierError::Pattern {
+                class: "complex".to_owned(),
+                message: e.to_string(),
+            })?),
+            None => None,
+        };
+        Ok(Classifier {
+            names,
+            user,
+            complexity: complexity.clone(),
+            complex_keywords,
+            detectors: Detectors::new().map_err(|e| ClassifierError::Pattern {
+                class: "pii".to_owned(),
+                message: e.to_string(),
+            })?,
+        })
+    }
+
+    /// The id of a class name, built-in or user-defined.
+    pub fn id(&self, name: &str) -> Option<ClassId> {
+        self.names
+            .iter()
+            .position(|n| n == name)
+            .map(|index| ClassId(index as u8))
+    }
+
+    pub fn name(&self, id: ClassId) -> &str {
+        self.names.get(usize::from(id.0)).map_or("?", String::as_str)
+    }
+
+    /// The names of the classes in a set, in class order.
+    pub fn names(&self, set: ClassSet) -> Vec<&str> {
+        (0..self.names.len())
+            .filter(|i| set.contains(ClassId(*i as u8)))
+            .filter_map(|i| self.names.get(i).map(String::as_str))
+            .collect()
+    }
+
+    /// Every class of the prompt.
+    pub fn classify(&self, prompt: &dyn PromptText) -> ClassSet {
+        let mut set = ClassSet::default();
+        let mut chars = 0usize;
+        let mut code = false;
+        let mut keyword = false;
+        prompt.for_each_text(&mut |text| {
+            chars += text.chars().count();
+            self.detectors.scan(text, &mut set);
+            code = code || looks_like_code(text);
+            keyword = keyword || self.complex_keywords.as_ref().is_some_and(|k| k.is_match(text));
+            for class in &self.user {
+                if !set.contains(class.id) && class.matcher.is_match(text) {
+                    set.insert(class.id);
+                    if class.personal_data {
+                        set.insert(PII);
+                    }
+                }
+            }
+        });
+        if code {
+            set.insert(CODE);
+        }
+        let complex = code
+            || keyword
+            || chars > self.complexity.max_simple_chars as usize
+            || prompt.user_turns() > self.complexity.max_simple_turns as usize;
+        set.insert(if complex { COMPLEX } else { SIMPLE });
+        set
+    }
+}
+
+/// Code: a fenced block, or several lines that read like source code.
+fn looks_like_code(text: &str) -> bool {
+    if text.contains("```") {
+        return true;
+    }
+    let mut code_lines = 0;
+    for line in text.lines() {
+        let line = line.trim();
+        let starts = [
+            "def ", "fn ", "pub fn ", "class ", "import ", "#include", "function ", "const ",
+            "let ", "return ", "for (", "if (", "public ", "package ", "SELECT ", "func ",
+        ]
+        .iter()
+        .any(|p| line.starts_with(p));
+        let ends = line.ends_with(';') || line.ends_with('{') || line == "}";
+        if starts || ends {
+            code_lines += 1;
+            if code_lines >= 3 {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+/// The built-in personal-data detectors: a regular expression finds candidates, a checksum or
+/// range check (Luhn, ISO 13616 mod 97, SSN rules, DNI letter) keeps the real ones.
+struct Detectors {
+    email: Regex,
+    phone: Regex,
+    card: Regex,
+    iban: Regex,
+    ssn: Regex,
+    nino: Regex,
+    dni: Regex,
+}
+
+impl Detectors {
+    fn new() -> Result<Detectors, regex::Error> {
+        let fixed = build;
+        Ok(Detectors {
+            email: fixed(r"(?i)\b[a-z0-9._%+-]+@[a-z0-9-]+(?:\.[a-z0-9-]+)*\.[a-z]{2,}\b")?,
+            phone: fixed(
+                r"(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\b\d{2,4}[ .-])\d{2,4}[ .-]\d{2,4}(?:[ .-]\d{2,4}){0,3}\b|\+\d{8,15}\b",
+            )?,
+            card: fixed(r"\b\d(?:[ -]?\d){12,18}\b")?,
+            iban: fixed(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b")?,
+            ssn: fixed(r"\b(\d{3})-(\d{2})-(\d{4})\b")?,
+            nino: fixed(r"\b[A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z] ?\d{2} ?\d{2} ?\d{2} ?[A-D]\b")?,
+            dni: fixed(r"\b(\d{8})-?([A-Z])\b")?,
+        })
+    }
+
+    fn scan(&self, text: &str, set: &mut ClassSet) {
+        fn found(set: &mut ClassSet, class: ClassId) {
+            set.insert(class);
+            set.insert(PII);
+        }
+        if !set.contains(PII_EMAIL) && text.contains('@') && self.email.is_match(text) {
+            found(set, PII_EMAIL);
+        }
+        if !text.bytes().any(|b| b.is_ascii_digit()) {
+            return;
+        }
+        if !set.contains(PII_PAYMENT_CARD)
+            && self.card.find_iter(text).any(|m| valid_card(m.as_str()))
+        {
+            found(set, PII_PAYMENT_CARD);
+        }
+        if !set.contains(PII_IBAN) && self.iban.find_iter(text).any(|m| valid_iban(m.as_str())) {
+            found(set, PII_IBAN);
+        }
+        if !set.contains(PII_NATIONAL_ID)
+            && (self.ssn.captures_iter(text).any(|c| {
+                valid_ssn(
+                    c.get(1).map_or("", |m| m.as_str()),
+                    c.get(2).map_or("", |m| m.as_str()),
+                    c.get(3).map_or("", |m| m.as_str()),
+                )
+            }) || self.nino.is_match(text)
+                || self.dni.captures_iter(text).any(|c| {
+                    valid_dni(
+                        c.get(1).map_or("", |m| m.as_str()),
+                        c.get(2).map_or("", |m| m.as_str()),
+                    )
+                }))
+        {
+            found(set, PII_NATIONAL_ID);
+        }
+        if !set.contains(PII_PHONE)
+            && self.phone.find_iter(text).any(|m| plausible_phone(text, m.start(), m.as_str()))
+        {
+            found(set, PII_PHONE);
+        }
+    }
+}
+
+fn digits(text: &str) -> impl Iterator<Item = u32> + '_ {
+    text.chars().filter_map(|c| c.to_digit(10))
+}
+
+/// Payment card: 13-19 digits, a known issuer prefix, and a valid Luhn check digit.
+pub fn valid_card(candidate: &str) -> bool {
+    let number: Vec<u32> = digits(candidate).collect();
+    if !(13..=19).contains(&number.len()) {
+        return false;
+    }
+    let prefix = |n: usize| number.iter().take(n).fold(0u32, |acc, d| acc * 10 + d);
+    let issuer = prefix(1) == 4
+        || (51..=55).contains(&prefix(2))
+        || (2221..=2720).contains(&prefix(4))
+        || matches!(prefix(2), 34 | 37 | 35 | 36 | 65)
+        || prefix(4) == 6011
+        || prefix(2) == 62;
+    if !issuer {
+        return false;
+    }
+    let sum: u32 = number
+        .iter()
+        .rev()
+        .enumerate()
+        .map(|(i, &d)| {
+            if i % 2 == 1 {
+                let doubled = d * 2;
+                if doubled > 9 { doubled - 9 } else { doubled }
+            } else {
+                d
+            }
+        })
+        .sum();
+    sum % 10 == 0
+}
+
+/// IBAN: ISO 13616 length 15-34 and the mod-97 check.
+pub fn valid_iban(candidate: &str) -> bool {
+    let compact: Vec<char> = candidate.chars().filter(|c| !c.is_whitespace()).collect();
+    if !(15..=34).contains(&compact.len()) {
+        return false;
+    }
+    let (head, tail) = compact.split_at(4);
+    let mut remainder: u64 = 0;
+    for c in tail.iter().chain(head.iter()) {
+        let value = match c.to_digit(36) {
+            Some(v) => v as u64,
+            None => return false,
+        };
+        remainder = if value >= 10 {
+            (remainder * 100 + value) % 97
+        } else {
+            (remainder * 10 + value) % 97
+        };
+    }
+    remainder == 1
+}
+
+/// US Social Security Number: area not 000, 666 or 9xx; group not 00; serial not 0000.
+pub fn valid_ssn(area: &str, group: &str, serial: &str) -> bool {
+    area != "000" && area != "666" && !area.starts_with('9') && group != "00" && serial != "0000"
+}
+
+/// Spanish DNI: eight digits and the check letter.
+pub fn valid_dni(number: &str, letter: &str) -> bool {
+    const LETTERS: &[u8] = b"TRWAGMYFPDXBNJZSQVHLCKE";
+    let Ok(value) = number.parse::<u32>() else {
+        return false;
+    };
+    LETTERS
+        .get((value % 23) as usize)
+        .is_some_and(|expected| letter.as_bytes() == [*expected])
+}
+
+/// A phone candidate: 9-15 digits, not a date, time or version number, and not glued to more
+/// digits or letters.
+fn plausible_phone(text: &str, start: usize, candidate: &str) -> bool {
+    let count = digits(candidate).count();
+    if !(9..=15).contains(&count) {
+        return false;
+    }
+    if candidate.contains('.') && !candidate.contains(' ') && !candidate.starts_with('+') {
+        // 10.0.0.12 or 1.2.3456: addresses and versions, not phones.
+        return false;
+    }
+    let groups: Vec<usize> = candidate
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|g| !g.is_empty())
+        .map(str::len)
+        .collect();
+    if groups.starts_with(&[4, 2, 2]) || groups.ends_with(&[2, 2, 4]) || groups == [3, 2, 4] {
+        // 2024-01-15 12 or 15.01.2024: dates; 123-45-6789: the SSN shape, a national ID.
+        return false;
+    }
+    let before = text.get(..start).and_then(|s| s.chars().next_back());
+    !before.is_some_and(|c| c.is_alphanumeric() || c == '.' || c == '/' || c == ':')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn classify(classifier: &Classifier, text: &str) -> Vec<String> {
+        let set = classifier.classify(&Segments {
+            texts: vec![text],
+            user_turns: 1,
+        });
+        classifier.names(set).into_iter().map(str::to_owned).collect()
+    }
+
+    fn default_classifier() -> Classifier {
+        Classifier::new(&[], &Complexity::default()).unwrap()
+    }
+
+    #[test]
+    fn checksums() {
+        assert!(valid_card("4111 1111 1111 1111"));
+        assert!(!valid_card("4111 1111 1111 1112"));
+        assert!(valid_card("5500-0000-0000-0004"));
+        assert!(!valid_card("1234567812345670"), "no issuer starts with 1");
+        assert!(valid_iban("DE89 3704 0044 0532 0130 00"));
+        assert!(valid_iban("GB82WEST12345698765432"));
+        assert!(!valid_iban("GB82WEST12345698765433"));
+        assert!(valid_ssn("123", "45", "6789"));
+        assert!(!valid_ssn("666", "45", "6789"));
+        assert!(!valid_ssn("123", "00", "6789"));
+        assert!(valid_dni("12345678", "Z"));
+        assert!(!valid_dni("12345678", "A"));
+    }
+
+    #[test]
+    fn detectors_name_what_they_found() {
+        let c = default_classifier();
+        assert_eq!(
+            classify(&c, "mail me at jane.doe@example.com"),
+            ["pii", "pii.email", "simple"]
+        );
+        assert_eq!(
+            classify(&c, "card 4111 1111 1111 1111 exp 12/29"),
+            ["pii", "pii.payment-card", "simple"]
+        );
+        assert_eq!(
+            classify(&c, "call +44 20 7946 0958 tomorrow"),
+            ["pii", "pii.phone", "simple"]
+        );
+        assert_eq!(
+            classify(&c, "my SSN is 123-45-6789"),
+            ["pii", "pii.national-id", "simple"]
+        );
+        assert_eq!(
+            classify(&c, "IBAN DE89 3704 0044 0532 0130 00 please"),
+            ["pii", "pii.iban", "simple"]
+        );
+        assert_eq!(classify(&c, "What is the capital of France?"), ["simple"]);
+        assert_eq!(
+            classify(&c, "server 10.0.0.12 runs v1.2.3456 since 2024-01-15 12:30"),
+            ["simple"]
+        );
+    }
+
+    #[test]
+    fn complexity_follows_length_turns_code_and_keywords() {
+        let c = default_classifier();
+        assert_eq!(
+            classify(&c, "Prove that there are infinitely many primes."),
+            ["complex"]
+        );
+        assert_eq!(
+            classify(&c, "Fix this:\n```rust\nfn main() {}\n```"),
+            ["complex", "code"]
+        );
+        assert_eq!(classify(&c, &"word ".repeat(500)), ["complex"]);
+        let turns = c.classify(&Segments {
+            texts: vec!["hi"],
+            user_turns: 5,
+        });
+        assert_eq!(c.names(turns), ["complex"]);
+    }
+
+    #[test]
+    fn user_classes_with_keywords_and_patterns() {
+        let classes = [
+            ClassDef {
+                name: "legal".into(),
+                keywords: vec!["contract".into(), "nda".into()],
+                patterns: vec![],
+                personal_data: false,
+            },
+            ClassDef {
+                name: "employee-id".into(),
+                keywords: vec![],
+                patterns: vec![r"\bEMP-\d{6}\b".into()],
+                personal_data: true,
+            },
+        ];
+        let c = Classifier::new(&classes, &Complexity::default()).unwrap();
+        assert_eq!(classify(&c, "Review this NDA"), ["simple", "legal"]);
+        assert_eq!(
+            classify(&c, "Badge EMP-123456 lost"),
+            ["pii", "simple", "employee-id"]
+        );
+        assert_eq!(classify(&c, "contracts"), ["simple"], "word boundary");
+        assert_eq!(c.id("legal"), Some(ClassId(9)));
+    }
+}
+
+#[cfg(test)]
+mod labelled {
+    //! Precision and recall on the labelled set kept in `testdata/classification.jsonl`.
+    use super::*;
+
+    #[test]
+    fn precision_and_recall_on_the_labelled_set() {
+        let text = include_str!("../testdata/classification.jsonl");
+        let classifier = Classifier::new(&[], &Complexity::default()).unwrap();
+        let classes = ["pii", "pii.email", "pii.phone", "pii.payment-card", "pii.iban", "pii.national-id", "code"];
+        // (true positives, false positives, false negatives) per class.
+        let mut counts = vec![(0u32, 0u32, 0u32); classes.len()];
+        let mut mistakes = Vec::new();
+        let mut complexity_checked = 0;
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let row: serde_json::Value = serde_json::from_str(line).unwrap();
+            let prompt = row["text"].as_str().unwrap();
+            let labels: Vec<&str> = row["labels"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| l.as_str().unwrap())
+                .collect();
+            let found = classifier.classify(&Segments {
+                texts: vec![prompt],
+                user_turns: 1,
+            });
+            let found = classifier.names(found);
+            for (index, class) in classes.iter().enumerate() {
+                let expected = labels.contains(class);
+                let got = found.contains(class);
+                let entry = &mut counts[index];
+                match (expected, got) {
+                    (true, true) => entry.0 += 1,
+                    (false, true) => entry.1 += 1,
+                    (true, false) => entry.2 += 1,
+                    (false, false) => {}
+                }
+                if expected != got {
+                    mistakes.push(format!("{class}: expected {expected}, got {got}: {prompt}"));
+                }
+            }
+            for class in ["simple", "complex"] {
+                if labels.contains(&class) {
+                    complexity_checked += 1;
+                    assert!(found.contains(&class), "{class} expected for {prompt}: {found:?}");
+                }
+            }
+        }
+        assert!(complexity_checked >= 10);
+        for (class, (tp, fp, fn_)) in classes.iter().zip(&counts) {
+            let precision = f64::from(*tp) / f64::from((tp + fp).max(1));
+            let recall = f64::from(*tp) / f64::from((tp + fn_).max(1));
+            println!("{class:18} precision {precision:.2} recall {recall:.2} (tp {tp}, fp {fp}, fn {fn_})");
+            assert!(tp + fn_ > 0, "{class} has no labelled example");
+            assert!(precision >= 0.95, "{class} precision {precision:.2}: {mistakes:#?}");
+            assert!(recall >= 0.9, "{class} recall {recall:.2}: {mistakes:#?}");
+        }
+    }
+}
