@@ -3,7 +3,11 @@
 //!
 //! `switchyard-control check conf/` exits 0 when the documents compile and 1 with every error
 //! (file, document, field) otherwise: usable as a pre-commit hook or CI step.
+//! `switchyard-control explain --request req.json --tenant T conf/` shows which policy rule a
+//! request meets, the prompt's classes and the target, with the proxy's own evaluator.
 //! `switchyard-control snapshot conf/` prints the compiled snapshot as JSON.
+
+mod explain;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -33,29 +37,35 @@ enum Command {
         #[arg(required = true, value_name = "PATH")]
         paths: Vec<PathBuf>,
     },
+    /// Show how a request would be treated by the policies: rules, prompt classes, target.
+    Explain(explain::ExplainArgs),
 }
 
 fn main() -> anyhow::Result<ExitCode> {
     let args = Args::parse();
-    let (Command::Check { paths } | Command::Snapshot { paths }) = &args.command;
-    match switchyard_snapshot::load_paths(paths) {
-        Ok(snapshot) => {
-            match args.command {
-                Command::Check { .. } => println!(
-                    "ok: {} pool(s), {} model(s), fingerprint {}",
-                    snapshot.pools.len(),
-                    snapshot.models.len(),
-                    snapshot.fingerprint
-                ),
-                Command::Snapshot { .. } => {
-                    println!("{}", serde_json::to_string_pretty(&snapshot)?)
-                }
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+    let paths = match &args.command {
+        Command::Check { paths } | Command::Snapshot { paths } => paths,
+        Command::Explain(explain) => &explain.paths,
+    };
+    let snapshot = match switchyard_snapshot::load_paths(paths) {
+        Ok(snapshot) => snapshot,
         Err(errors) => {
             eprintln!("{errors}");
-            Ok(ExitCode::FAILURE)
+            return Ok(ExitCode::FAILURE);
         }
+    };
+    match args.command {
+        Command::Check { .. } => println!(
+            "ok: {} pool(s), {} model(s), {} provider(s), {} tenant(s), {} policy rule(s), fingerprint {}",
+            snapshot.pools.len(),
+            snapshot.models.len(),
+            snapshot.providers.len(),
+            snapshot.tenants.len(),
+            snapshot.rules.len(),
+            snapshot.fingerprint
+        ),
+        Command::Snapshot { .. } => println!("{}", serde_json::to_string_pretty(&snapshot)?),
+        Command::Explain(explain) => return explain::run(&explain, &snapshot),
     }
+    Ok(ExitCode::SUCCESS)
 }

@@ -113,7 +113,10 @@ fn build(pattern: &str) -> Result<Regex, regex::Error> {
 }
 
 impl Classifier {
-    pub fn new(classes: &[ClassDef], complexity: &Complexity) -> Result<Classifier, ClassifierError> {
+    pub fn new(
+        classes: &[ClassDef],
+        complexity: &Complexity,
+    ) -> Result<Classifier, ClassifierError> {
         if BUILTIN_CLASSES.len() + classes.len() > MAX_CLASSES {
             return Err(ClassifierError::TooManyClasses);
         }
@@ -163,7 +166,9 @@ impl Classifier {
     }
 
     pub fn name(&self, id: ClassId) -> &str {
-        self.names.get(usize::from(id.0)).map_or("?", String::as_str)
+        self.names
+            .get(usize::from(id.0))
+            .map_or("?", String::as_str)
     }
 
     /// The names of the classes in a set, in class order.
@@ -184,7 +189,11 @@ impl Classifier {
             chars += text.chars().count();
             self.detectors.scan(text, &mut set);
             code = code || looks_like_code(text);
-            keyword = keyword || self.complex_keywords.as_ref().is_some_and(|k| k.is_match(text));
+            keyword = keyword
+                || self
+                    .complex_keywords
+                    .as_ref()
+                    .is_some_and(|k| k.is_match(text));
             for class in &self.user {
                 if !set.contains(class.id) && class.matcher.is_match(text) {
                     set.insert(class.id);
@@ -215,8 +224,22 @@ fn looks_like_code(text: &str) -> bool {
     for line in text.lines() {
         let line = line.trim();
         let starts = [
-            "def ", "fn ", "pub fn ", "class ", "import ", "#include", "function ", "const ",
-            "let ", "return ", "for (", "if (", "public ", "package ", "SELECT ", "func ",
+            "def ",
+            "fn ",
+            "pub fn ",
+            "class ",
+            "import ",
+            "#include",
+            "function ",
+            "const ",
+            "let ",
+            "return ",
+            "for (",
+            "if (",
+            "public ",
+            "package ",
+            "SELECT ",
+            "func ",
         ]
         .iter()
         .any(|p| line.starts_with(p));
@@ -296,7 +319,10 @@ impl Detectors {
             found(set, PII_NATIONAL_ID);
         }
         if !set.contains(PII_PHONE)
-            && self.phone.find_iter(text).any(|m| plausible_phone(text, m.start(), m.as_str()))
+            && self
+                .phone
+                .find_iter(text)
+                .any(|m| plausible_phone(text, m.start(), m.as_str()))
         {
             found(set, PII_PHONE);
         }
@@ -410,7 +436,11 @@ mod tests {
             texts: vec![text],
             user_turns: 1,
         });
-        classifier.names(set).into_iter().map(str::to_owned).collect()
+        classifier
+            .names(set)
+            .into_iter()
+            .map(str::to_owned)
+            .collect()
     }
 
     fn default_classifier() -> Classifier {
@@ -518,7 +548,15 @@ mod labelled {
     fn precision_and_recall_on_the_labelled_set() {
         let text = include_str!("../testdata/classification.jsonl");
         let classifier = Classifier::new(&[], &Complexity::default()).unwrap();
-        let classes = ["pii", "pii.email", "pii.phone", "pii.payment-card", "pii.iban", "pii.national-id", "code"];
+        let classes = [
+            "pii",
+            "pii.email",
+            "pii.phone",
+            "pii.payment-card",
+            "pii.iban",
+            "pii.national-id",
+            "code",
+        ];
         // (true positives, false positives, false negatives) per class.
         let mut counts = vec![(0u32, 0u32, 0u32); classes.len()];
         let mut mistakes = Vec::new();
@@ -554,7 +592,10 @@ mod labelled {
             for class in ["simple", "complex"] {
                 if labels.contains(&class) {
                     complexity_checked += 1;
-                    assert!(found.contains(&class), "{class} expected for {prompt}: {found:?}");
+                    assert!(
+                        found.contains(&class),
+                        "{class} expected for {prompt}: {found:?}"
+                    );
                 }
             }
         }
@@ -562,9 +603,14 @@ mod labelled {
         for (class, (tp, fp, fn_)) in classes.iter().zip(&counts) {
             let precision = f64::from(*tp) / f64::from((tp + fp).max(1));
             let recall = f64::from(*tp) / f64::from((tp + fn_).max(1));
-            println!("{class:18} precision {precision:.2} recall {recall:.2} (tp {tp}, fp {fp}, fn {fn_})");
+            println!(
+                "{class:18} precision {precision:.2} recall {recall:.2} (tp {tp}, fp {fp}, fn {fn_})"
+            );
             assert!(tp + fn_ > 0, "{class} has no labelled example");
-            assert!(precision >= 0.95, "{class} precision {precision:.2}: {mistakes:#?}");
+            assert!(
+                precision >= 0.95,
+                "{class} precision {precision:.2}: {mistakes:#?}"
+            );
             assert!(recall >= 0.9, "{class} recall {recall:.2}: {mistakes:#?}");
         }
     }

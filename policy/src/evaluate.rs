@@ -6,11 +6,12 @@
 
 use std::collections::HashMap;
 
+use switchyard_snapshot::PoolId;
 use switchyard_snapshot::compile_policy::range_holds;
 use switchyard_snapshot::snapshot::{
-    Action, Backend, PoolStateMatch, Range, RouteTarget, Rule, Snapshot, glob_match,
+    Action, Backend, Model, ModelTarget, PoolStateMatch, Range, RouteTarget, Rule, Snapshot,
+    TargetStrategy, glob_match,
 };
-use switchyard_snapshot::PoolId;
 
 use crate::classify::{ClassSet, Classifier, ClassifierError, PromptText};
 
@@ -63,7 +64,10 @@ pub enum Outcome<'e> {
     /// The requested model's own targets.
     Default,
     Route(&'e RouteTarget),
-    Reject { status: u16, message: &'e str },
+    Reject {
+        status: u16,
+        message: &'e str,
+    },
 }
 
 /// One line of an explanation: a rule and what happened to it.
@@ -237,19 +241,14 @@ impl Evaluator {
         context: &mut dyn Context,
         mut trace: Option<&mut Vec<TraceStep>>,
     ) -> Decision<'e> {
-        let tenant = facts.tenant.and_then(|name| self.tenant_index.get(name).copied());
+        let tenant = facts
+            .tenant
+            .and_then(|name| self.tenant_index.get(name).copied());
         let model = self.model_index.get(facts.model).copied();
         let mut classes: Option<ClassSet> = None;
         let mut require_local: Option<&Rule> = None;
         for (rule, compiled) in self.rules.iter().zip(&self.compiled) {
-            let verdict = self.check(
-                compiled,
-                facts,
-                tenant,
-                model,
-                context,
-                &mut classes,
-            );
+            let verdict = self.check(compiled, facts, tenant, model, context, &mut classes);
             let mut note = |result: String| {
                 if let Some(trace) = trace.as_deref_mut() {
                     trace.push(TraceStep {
@@ -338,7 +337,9 @@ impl Evaluator {
             return Err("stream");
         }
         if let Some(range) = &rule.max_tokens
-            && !facts.max_tokens.is_some_and(|value| range_holds(range, value))
+            && !facts
+                .max_tokens
+                .is_some_and(|value| range_holds(range, value))
         {
             return Err("max_tokens");
         }
@@ -420,4 +421,68 @@ impl Evaluator {
         }
         pools
     }
+}
+
+/// The targets a decision leaves for a request, and how to choose among them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Targets<'a> {
+    pub strategy: TargetStrategy,
+    pub targets: Vec<&'a ModelTarget>,
+}
+
+/// Why a decision leaves no target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NoTarget {
+    /// A `reject` rule matched.
+    Rejected { status: u16, message: String },
+    /// Local hardware is required and none of the targets is local.
+    NoLocalTarget { rule: String },
+}
+
+impl Decision<'_> {
+    /// `namespace/policy/rule` of the deciding rule.
+    pub fn rule_name(&self) -> Option<String> {
+        self.rule.map(|r| format!("{}/{}", r.policy, r.name))
+    }
+}
+
+/// Apply a decision to the requested model: the targets it leaves (local ones only when a
+/// `requireLocal` rule matched). The proxy and `explain` both resolve targets here.
+pub fn targets<'a>(
+    snapshot: &'a Snapshot,
+    model: &'a Model,
+    decision: &Decision<'a>,
+) -> Result<Targets<'a>, NoTarget> {
+    let mut chosen = match decision.outcome {
+        Outcome::Reject { status, message } => {
+            return Err(NoTarget::Rejected {
+                status,
+                message: message.to_owned(),
+            });
+        }
+        Outcome::Default => Targets {
+            strategy: model.strategy,
+            targets: model.targets.iter().collect(),
+        },
+        Outcome::Route(RouteTarget::Model(name)) => {
+            let routed = snapshot.models.get(name).unwrap_or(model);
+            Targets {
+                strategy: routed.strategy,
+                targets: routed.targets.iter().collect(),
+            }
+        }
+        Outcome::Route(RouteTarget::Target(target)) => Targets {
+            strategy: TargetStrategy::Ordered,
+            targets: vec![target],
+        },
+    };
+    if let Some(rule) = decision.require_local {
+        chosen.targets.retain(|t| t.backend.is_local());
+        if chosen.targets.is_empty() {
+            return Err(NoTarget::NoLocalTarget {
+                rule: format!("{}/{}", rule.policy, rule.name),
+            });
+        }
+    }
+    Ok(chosen)
 }

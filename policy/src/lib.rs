@@ -10,5 +10,8 @@ pub mod evaluate;
 pub mod request;
 
 pub use classify::{ClassId, ClassSet, Classifier, PromptText, Segments};
+pub use evaluate::{
+    Context, Decision, Evaluator, NoTarget, Outcome, PoolState, RequestFacts, Targets, TraceStep,
+    targets,
+};
 pub use request::RequestPrompt;
-pub use evaluate::{Context, Decision, Evaluator, Outcome, PoolState, RequestFacts, TraceStep};

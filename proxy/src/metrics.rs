@@ -14,8 +14,7 @@ const MAX_RULE_LABELS: usize = 1_000;
 
 /// Policy decisions by (rule, outcome). Rules come from configuration, so the label set is
 /// bounded by what operators write (and capped in case of many renames over a long run).
-static POLICY_DECISIONS: Mutex<BTreeMap<(String, &'static str), u64>> =
-    Mutex::new(BTreeMap::new());
+static POLICY_DECISIONS: Mutex<BTreeMap<(String, &'static str), u64>> = Mutex::new(BTreeMap::new());
 
 /// Count one policy decision. `rule` is `namespace/policy/rule`, or empty when no rule decided.
 pub fn policy_decision(rule: &str, outcome: &'static str) {

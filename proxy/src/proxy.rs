@@ -35,9 +35,11 @@ use crate::scorer::{self, Decision, Outcome};
 use crate::translate::{self, StreamTranslator};
 use switchyard_kv::index::Overlap;
 use switchyard_kv::tokenize::PromptTokenizer;
-use switchyard_policy::{Context, Outcome as PolicyOutcome, PoolState, PromptText, RequestFacts, RequestPrompt};
-use switchyard_snapshot::snapshot::{LoadBalancing, ProviderFormat, RouteTarget, TargetStrategy};
-use switchyard_snapshot::{ModelTarget, PoolId};
+use switchyard_policy::{
+    Context, NoTarget, Outcome as PolicyOutcome, PoolState, PromptText, RequestFacts, RequestPrompt,
+};
+use switchyard_snapshot::PoolId;
+use switchyard_snapshot::snapshot::{LoadBalancing, ProviderFormat};
 
 /// Bytes Pingora's retry buffer holds (pingora-core `BODY_BUF_LIMIT`).
 const RETRY_BUFFER_BYTES: usize = 64 * 1024;
@@ -273,7 +275,8 @@ impl Context for PolicyContext<'_> {
 }
 
 /// The peer of a provider attempt (one per request; a stale pooled connection may be retried).
-fn provider_peer(route: &mut Route, provider: &ProviderRuntime) -> HttpPeer {
+fn provider_peer(route: &mut Route, provider: &ProviderRuntime) -> Option<HttpPeer> {
+    let socket = provider.socket?;
     if route.reconnect_to.take().is_none() {
         route.tried.push(0);
     }
@@ -282,11 +285,11 @@ fn provider_peer(route: &mut Route, provider: &ProviderRuntime) -> HttpPeer {
     } else {
         String::new()
     };
-    let mut peer = HttpPeer::new(provider.socket, provider.tls, sni);
+    let mut peer = HttpPeer::new(socket, provider.tls, sni);
     peer.options.connection_timeout =
         Some(Duration::from_millis(provider.config.connect_timeout_ms));
     peer.options.read_timeout = Some(Duration::from_millis(provider.config.read_timeout_ms));
-    peer
+    Some(peer)
 }
 
 /// Per-request state.
@@ -518,7 +521,11 @@ impl Gateway {
             });
         }
         let explain = session.req_header().headers.contains_key(EXPLAIN_HEADER)
-            || session.req_header().uri.path().starts_with(DEBUG_ROUTE_PREFIX);
+            || session
+                .req_header()
+                .uri
+                .path()
+                .starts_with(DEBUG_ROUTE_PREFIX);
 
         // Policies. Predicted TTFT needs the prompt tokenized for the pool in question first.
         let mut predictions = Vec::new();
@@ -548,9 +555,10 @@ impl Gateway {
         let decision = table
             .evaluator
             .evaluate(&facts, &mut context, trace.as_mut());
-        let rule = decision.rule.map(|r| format!("{}/{}", r.policy, r.name));
-        let (strategy, candidates): (TargetStrategy, Vec<&ModelTarget>) = match decision.outcome {
-            PolicyOutcome::Reject { status, message } => {
+        let rule = decision.rule_name();
+        let chosen = match switchyard_policy::targets(&table.snapshot, model, &decision) {
+            Ok(chosen) => chosen,
+            Err(NoTarget::Rejected { status, message }) => {
                 metrics::policy_decision(rule.as_deref().unwrap_or(""), "reject");
                 return Err(ApiError::new(
                     ErrorKind::Policy(status),
@@ -558,38 +566,18 @@ impl Gateway {
                     message,
                 ));
             }
-            PolicyOutcome::Default => (model.strategy, model.targets.iter().collect()),
-            PolicyOutcome::Route(RouteTarget::Model(name)) => match table.model(name) {
-                Some(other) => (other.strategy, other.targets.iter().collect()),
-                None => (model.strategy, model.targets.iter().collect()),
-            },
-            PolicyOutcome::Route(RouteTarget::Target(target)) => {
-                (TargetStrategy::Ordered, vec![target])
+            Err(NoTarget::NoLocalTarget { rule: local_rule }) => {
+                metrics::policy_decision(&local_rule, "no_local_target");
+                return Err(ApiError::new(
+                    ErrorKind::Unavailable,
+                    "no_local_target",
+                    format!(
+                        "this request must stay on local hardware (policy rule {local_rule}) and model '{}' has no local pool to serve it",
+                        parsed.model
+                    ),
+                ));
             }
         };
-        let local_rule = decision
-            .require_local
-            .map(|r| format!("{}/{}", r.policy, r.name));
-        let candidates: Vec<&ModelTarget> = match &local_rule {
-            Some(_) => candidates
-                .into_iter()
-                .filter(|t| t.backend.is_local())
-                .collect(),
-            None => candidates,
-        };
-        if let Some(local_rule) = &local_rule
-            && candidates.is_empty()
-        {
-            metrics::policy_decision(local_rule, "no_local_target");
-            return Err(ApiError::new(
-                ErrorKind::Unavailable,
-                "no_local_target",
-                format!(
-                    "this request must stay on local hardware (policy rule {local_rule}) and model '{}' has no local pool to serve it",
-                    parsed.model
-                ),
-            ));
-        }
         metrics::policy_decision(
             rule.as_deref().unwrap_or(""),
             match decision.outcome {
@@ -600,13 +588,15 @@ impl Gateway {
         let classes = decision
             .classes
             .map(|set| table.evaluator.classifier().names(set).join(","));
-        let target = table.choose(strategy, &candidates).ok_or_else(|| {
-            ApiError::new(
-                ErrorKind::Unavailable,
-                "no_target",
-                format!("model '{}' has no usable target", model.name),
-            )
-        })?;
+        let target = table
+            .choose(chosen.strategy, &chosen.targets)
+            .ok_or_else(|| {
+                ApiError::new(
+                    ErrorKind::Unavailable,
+                    "no_target",
+                    format!("model '{}' has no usable target", model.name),
+                )
+            })?;
         let policy_explain = trace.map(|steps| {
             let mut text = steps
                 .iter()
@@ -616,7 +606,10 @@ impl Gateway {
             if let Some(classes) = &classes {
                 text.push_str(&format!("; classes={classes}"));
             }
-            text.push_str(&format!("; target={} model={}", target.backend, target.upstream_model));
+            text.push_str(&format!(
+                "; target={} model={}",
+                target.backend, target.upstream_model
+            ));
             text
         });
         let destination = table.destination(target).ok_or_else(|| {
@@ -630,6 +623,18 @@ impl Gateway {
             Destination::Pool(pool) => (Some(pool), None),
             Destination::Provider(provider) => (None, Some(provider)),
         };
+        if let Some(provider) = &provider
+            && let Some(reason) = &provider.unavailable
+        {
+            return Err(ApiError::new(
+                ErrorKind::Unavailable,
+                "provider_unavailable",
+                format!(
+                    "model '{}' routes to provider {}, which cannot be used: {reason}",
+                    parsed.model, provider.config.id
+                ),
+            ));
+        }
         if let Some(pool) = &pool
             && pool.workers.is_empty()
         {
@@ -963,7 +968,11 @@ impl ProxyHttp for Gateway {
         route.pending = None;
         route.prediction = None;
         if let Some(provider) = route.provider.clone() {
-            return Ok(Box::new(provider_peer(route, &provider)));
+            return provider_peer(route, &provider)
+                .map(Box::new)
+                .ok_or_else(|| {
+                    Error::explain(ErrorType::ConnectNoRoute, "provider address unresolved")
+                });
         }
         let Some(pool) = route.pool.clone() else {
             return Err(Error::explain(
@@ -1022,9 +1031,7 @@ impl ProxyHttp for Gateway {
         };
         route.pending = Some(PendingPrefill::start(&worker, uncached));
         route.prediction = match (&route.prompt, pool.slots.get(index)) {
-            (Some(prompt), Some(slot)) => {
-                Some(pool.kv.predictions.add(*slot, prompt.clone()))
-            }
+            (Some(prompt), Some(slot)) => Some(pool.kv.predictions.add(*slot, prompt.clone())),
             _ => None,
         };
         let mut peer = HttpPeer::new(socket, false, String::new());
@@ -1062,9 +1069,8 @@ impl ProxyHttp for Gateway {
             return Ok(());
         };
         if let Some(path) = &route.upstream_path {
-            let uri = http::Uri::try_from(path.as_str()).map_err(|_| {
-                Error::explain(ErrorType::InternalError, "invalid upstream path")
-            })?;
+            let uri = http::Uri::try_from(path.as_str())
+                .map_err(|_| Error::explain(ErrorType::InternalError, "invalid upstream path"))?;
             upstream_request.set_uri(uri);
         }
         if route.translate {
@@ -1228,7 +1234,10 @@ impl ProxyHttp for Gateway {
             && client_reused
             && ctx.status == 0
             && route.reconnects
-                < route.pool.as_ref().map_or(1, |pool| pool.config.max_attempts)
+                < route
+                    .pool
+                    .as_ref()
+                    .map_or(1, |pool| pool.config.max_attempts)
         {
             route.reconnects += 1;
             route.reconnect_to = route.tried.last().copied();

@@ -209,7 +209,10 @@ impl PoolRuntime {
 /// An external provider ready for requests: its address resolved and its key read.
 pub struct ProviderRuntime {
     pub config: Provider,
-    pub socket: SocketAddr,
+    /// `None` while the provider cannot be used (see `unavailable`).
+    pub socket: Option<SocketAddr>,
+    /// Why requests cannot go there (a host that does not resolve, a missing credential).
+    pub unavailable: Option<String>,
     pub tls: bool,
     /// Host name for SNI and the `Host` header.
     pub host: String,
@@ -226,6 +229,7 @@ impl std::fmt::Debug for ProviderRuntime {
         f.debug_struct("ProviderRuntime")
             .field("id", &self.config.id)
             .field("socket", &self.socket)
+            .field("unavailable", &self.unavailable)
             .field("tls", &self.tls)
             .field("key", &self.key.as_ref().map(|_| "<redacted>"))
             .finish()
@@ -240,7 +244,10 @@ pub enum BuildError {
     #[error("policies: {0}")]
     Policies(#[from] ClassifierError),
     #[error("ExternalProvider {provider}: {message}")]
-    Provider { provider: ProviderId, message: String },
+    Provider {
+        provider: ProviderId,
+        message: String,
+    },
 }
 
 impl ProviderRuntime {
@@ -266,42 +273,53 @@ impl ProviderRuntime {
             ),
             _ => (authority, if tls { 443 } else { 80 }),
         };
-        let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+        let host = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let mut unavailable = None;
         let socket = (host.as_str(), port)
             .to_socket_addrs()
             .ok()
-            .and_then(|mut a| a.next())
-            .ok_or_else(|| fail(format!("cannot resolve '{host}'")))?;
-        let key = match &config.credentials {
-            None => None,
-            Some(Credentials::File(path)) => Some(
-                std::fs::read_to_string(path)
-                    .map_err(|e| fail(format!("cannot read the credentials file {path}: {e}")))?
-                    .trim()
-                    .to_owned(),
-            ),
-            Some(Credentials::Env(name)) => Some(
-                std::env::var(name)
-                    .map_err(|_| fail(format!("environment variable {name} is not set")))?
-                    .trim()
-                    .to_owned(),
-            ),
-            Some(Credentials::Secret(secret)) => {
-                return Err(fail(format!(
-                    "the key lives in Secret {}/{}, which only the control process can read; \
-                     outside Kubernetes use credentials.file or credentials.env",
-                    secret.name, secret.key
-                )));
+            .and_then(|mut a| a.next());
+        if socket.is_none() {
+            unavailable = Some(format!("its host '{host}' does not resolve"));
+        }
+        let mut read_key = |result: Result<String, String>| match result {
+            Ok(key) if !key.trim().is_empty() => Some(key.trim().to_owned()),
+            Ok(_) => None,
+            Err(reason) => {
+                unavailable.get_or_insert(reason);
+                None
             }
         };
+        let key = match &config.credentials {
+            None => None,
+            Some(Credentials::File(path)) => read_key(
+                std::fs::read_to_string(path)
+                    .map_err(|e| format!("its credentials file {path} cannot be read: {e}")),
+            ),
+            Some(Credentials::Env(name)) => read_key(
+                std::env::var(name).map_err(|_| format!("environment variable {name} is not set")),
+            ),
+            Some(Credentials::Secret(secret)) => read_key(Err(format!(
+                "its key lives in Secret {}/{}, which only the control process can read; \
+                 outside Kubernetes use credentials.file or credentials.env",
+                secret.name, secret.key
+            ))),
+        };
+        if let Some(reason) = &unavailable {
+            tracing::error!(provider = %config.id, %reason, "external provider unavailable");
+        }
         Ok(ProviderRuntime {
             config: config.clone(),
             socket,
+            unavailable,
             tls,
             host,
             authority: authority.to_owned(),
             base_path: path.trim_end_matches('/').to_owned(),
-            key: key.filter(|k| !k.is_empty()),
+            key,
         })
     }
 }
@@ -476,7 +494,10 @@ impl RoutingTable {
     pub fn usable(&self, target: &ModelTarget) -> bool {
         match &target.backend {
             Backend::Pool(id) => self.pools.get(id).is_some_and(|p| !p.workers.is_empty()),
-            Backend::Provider(id) => self.providers.contains_key(id),
+            Backend::Provider(id) => self
+                .providers
+                .get(id)
+                .is_some_and(|p| p.unavailable.is_none()),
         }
     }
 
@@ -503,7 +524,11 @@ impl RoutingTable {
             TargetStrategy::Weighted => {
                 let usable: Vec<&'m ModelTarget> =
                     targets.iter().copied().filter(|t| self.usable(t)).collect();
-                let candidates = if usable.is_empty() { targets } else { &usable[..] };
+                let candidates = if usable.is_empty() {
+                    targets
+                } else {
+                    &usable[..]
+                };
                 pick_weighted(candidates)
             }
         }
@@ -520,7 +545,6 @@ impl RoutingTable {
     pub fn pool(&self, id: &PoolId) -> Option<&Arc<PoolRuntime>> {
         self.pools.get(id)
     }
-
 }
 
 /// One of `targets`, with probability proportional to its weight.

@@ -450,7 +450,10 @@ pub(crate) fn resolve_target(
                 errors.push(error_at(
                     document,
                     &format!("{field}.pool"),
-                    format!("no InferencePool {pool_id}; pools defined: {}", list(&known)),
+                    format!(
+                        "no InferencePool {pool_id}; pools defined: {}",
+                        list(&known)
+                    ),
                 ));
                 return None;
             }
@@ -468,8 +471,11 @@ pub(crate) fn resolve_target(
                 return None;
             }
             if !refs.provider_sources.contains_key(&provider_id) {
-                let known: Vec<&str> =
-                    refs.provider_sources.keys().map(|id| id.0.as_str()).collect();
+                let known: Vec<&str> = refs
+                    .provider_sources
+                    .keys()
+                    .map(|id| id.0.as_str())
+                    .collect();
                 errors.push(error_at(
                     document,
                     &format!("{field}.provider"),
@@ -540,7 +546,10 @@ type Providers<'a> = (
     BTreeMap<ProviderId, &'a Document>,
 );
 
-fn compile_providers<'a>(documents: &'a [Document], errors: &mut Vec<ConfigError>) -> Providers<'a> {
+fn compile_providers<'a>(
+    documents: &'a [Document],
+    errors: &mut Vec<ConfigError>,
+) -> Providers<'a> {
     let mut providers = BTreeMap::new();
     let mut sources: BTreeMap<ProviderId, &Document> = BTreeMap::new();
     for document in documents {
@@ -555,7 +564,10 @@ fn compile_providers<'a>(documents: &'a [Document], errors: &mut Vec<ConfigError
             errors.push(error_at(
                 document,
                 "metadata.name",
-                format!("duplicate ExternalProvider {id} (first defined in {})", first.origin),
+                format!(
+                    "duplicate ExternalProvider {id} (first defined in {})",
+                    first.origin
+                ),
             ));
             continue;
         }

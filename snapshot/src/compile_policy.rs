@@ -8,8 +8,8 @@ use crate::documents::{
 };
 use crate::error::ConfigError;
 use crate::snapshot::{
-    Action, BUILTIN_CLASSES, ClassDef, Complexity, Model, PoolStateMatch, Range, RouteTarget,
-    Rule, RuleMatch, Tenant, TenantMatch, glob_match,
+    Action, BUILTIN_CLASSES, ClassDef, Complexity, Model, PoolStateMatch, Range, RouteTarget, Rule,
+    RuleMatch, Tenant, TenantMatch, glob_match,
 };
 
 /// Largest compiled size of one user pattern: keeps a hostile or careless regex from costing
@@ -77,7 +77,8 @@ fn compile_tenant(
         match (&key.sha256, &key.secret_ref) {
             (Some(hash), None) => {
                 let hash = hash.trim();
-                if hash.len() != 64 || !hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+                if hash.len() != 64 || !hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+                {
                     errors.push(error_at(
                         document,
                         &format!("{field}.sha256"),
@@ -123,8 +124,14 @@ fn compile_tenant(
     }
     let limits = spec.rate_limits.unwrap_or_default();
     for (field, zero) in [
-        ("spec.rateLimits.requestsPerMinute", limits.requests_per_minute == Some(0)),
-        ("spec.rateLimits.tokensPerMinute", limits.tokens_per_minute == Some(0)),
+        (
+            "spec.rateLimits.requestsPerMinute",
+            limits.requests_per_minute == Some(0),
+        ),
+        (
+            "spec.rateLimits.tokensPerMinute",
+            limits.tokens_per_minute == Some(0),
+        ),
         ("spec.rateLimits.concurrency", limits.concurrency == Some(0)),
     ] {
         if zero {
@@ -193,7 +200,10 @@ pub(crate) fn compile_policies(
             errors.push(error_at(
                 document,
                 "metadata.name",
-                format!("duplicate InferencePolicy {id} (first defined in {})", first.origin),
+                format!(
+                    "duplicate InferencePolicy {id} (first defined in {})",
+                    first.origin
+                ),
             ));
             return false;
         }
@@ -302,9 +312,9 @@ fn names<'a>(names: impl Iterator<Item = &'a String>) -> String {
 fn valid_class_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 63
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'.' | b'_'))
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'.' | b'_')
+        })
 }
 
 fn compile_class(
@@ -360,7 +370,10 @@ fn compile_class(
             errors.push(error_at(
                 document,
                 &format!("{field}.patterns[{p}]"),
-                format!("invalid regular expression: {}", one_line(&error.to_string())),
+                format!(
+                    "invalid regular expression: {}",
+                    one_line(&error.to_string())
+                ),
             ));
         }
     }
@@ -369,7 +382,11 @@ fn compile_class(
     }
     Some(ClassDef {
         name: name.to_owned(),
-        keywords: class.keywords.iter().map(|k| k.trim().to_lowercase()).collect(),
+        keywords: class
+            .keywords
+            .iter()
+            .map(|k| k.trim().to_lowercase())
+            .collect(),
         patterns: class.patterns.clone(),
         personal_data: class.personal_data,
     })
@@ -390,7 +407,11 @@ struct RuleContext<'a> {
 
 impl RuleContext<'_> {
     fn error(&self, suffix: &str, message: String, errors: &mut Vec<ConfigError>) {
-        errors.push(error_at(self.document, &format!("{}{suffix}", self.field), message));
+        errors.push(error_at(
+            self.document,
+            &format!("{}{suffix}", self.field),
+            message,
+        ));
     }
 
     fn compile(&self, rule: &RuleSpec, errors: &mut Vec<ConfigError>) -> Option<Rule> {
@@ -472,7 +493,10 @@ impl RuleContext<'_> {
                         let known: Vec<&str> = self.known_classes.iter().copied().collect();
                         self.error(
                             &format!(".match.promptClasses.{field}[{index}]"),
-                            format!("unknown prompt class '{class}'; classes: {}", known.join(", ")),
+                            format!(
+                                "unknown prompt class '{class}'; classes: {}",
+                                known.join(", ")
+                            ),
                             errors,
                         );
                     }
@@ -490,7 +514,8 @@ impl RuleContext<'_> {
         if let Some(state) = &spec.pool_state {
             let pool = match &state.pool {
                 Some(name) => {
-                    let id = crate::PoolId::new(self.document.metadata.namespace_or_default(), name);
+                    let id =
+                        crate::PoolId::new(self.document.metadata.namespace_or_default(), name);
                     if !self.refs.pool_sources.contains_key(&id) {
                         self.error(
                             ".match.poolState.pool",
@@ -559,7 +584,11 @@ impl RuleContext<'_> {
         errors: &mut Vec<ConfigError>,
     ) {
         if range.gt.is_none() && range.gte.is_none() && range.lt.is_none() && range.lte.is_none() {
-            self.error(field, "give at least one of gt, gte, lt, lte".into(), errors);
+            self.error(
+                field,
+                "give at least one of gt, gte, lt, lte".into(),
+                errors,
+            );
             return;
         }
         let low = range.gt.map(|v| v.saturating_add(1)).max(range.gte);
@@ -574,7 +603,11 @@ impl RuleContext<'_> {
         if let (Some(low), Some(high)) = (low, high)
             && low > high
         {
-            self.error(field, "the bounds exclude every value: this rule can never match".into(), errors);
+            self.error(
+                field,
+                "the bounds exclude every value: this rule can never match".into(),
+                errors,
+            );
         }
         if let (Some(max), Some(low)) = (max, low)
             && low > max
@@ -697,8 +730,20 @@ fn http_header_name_invalid(name: &str) -> bool {
         b.is_ascii_alphanumeric()
             || matches!(
                 b,
-                b'!' | b'#' | b'$' | b'%' | b'&' | b'\'' | b'*' | b'+' | b'-' | b'.' | b'^' | b'_'
-                    | b'`' | b'|' | b'~'
+                b'!' | b'#'
+                    | b'$'
+                    | b'%'
+                    | b'&'
+                    | b'\''
+                    | b'*'
+                    | b'+'
+                    | b'-'
+                    | b'.'
+                    | b'^'
+                    | b'_'
+                    | b'`'
+                    | b'|'
+                    | b'~'
             )
     })
 }

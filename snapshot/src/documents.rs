@@ -64,9 +64,19 @@ pub enum LoadBalancing {
 /// workers on one host, whose event ports differ).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(untagged)]
+#[schemars(schema_with = "endpoint_schema")]
 pub enum EndpointSpec {
     Address(String),
     Detailed(DetailedEndpoint),
+}
+
+/// A string or an object is not a structural schema (Kubernetes requires one type per node), so
+/// the CRD accepts any value here and the compiler checks it, naming the field.
+fn endpoint_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "description": "host:port of a worker, or {address, kvEvents, kvReplay}",
+        "x-kubernetes-preserve-unknown-fields": true
+    })
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -501,7 +511,7 @@ pub struct RuleSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "size(self.keywords) + size(self.patterns) > 0", "message": "a class needs keywords or patterns"}
+    {"rule": "(has(self.keywords) ? size(self.keywords) : 0) + (has(self.patterns) ? size(self.patterns) : 0) > 0", "message": "a class needs keywords or patterns"}
 ]))]
 pub struct ClassSpec {
     #[schemars(length(min = 1, max = 63))]
