@@ -44,6 +44,9 @@ struct Shared {
     received: Mutex<Vec<Received>>,
     gate: Semaphore,
     scrapes: std::sync::atomic::AtomicU64,
+    /// What `/metrics` reports as waiting and running requests.
+    waiting: std::sync::atomic::AtomicU64,
+    running: std::sync::atomic::AtomicU64,
 }
 
 /// A running test upstream; stops when dropped.
@@ -65,6 +68,8 @@ impl Upstream {
             received: Mutex::new(Vec::new()),
             gate: Semaphore::new(0),
             scrapes: std::sync::atomic::AtomicU64::new(0),
+            waiting: std::sync::atomic::AtomicU64::new(0),
+            running: std::sync::atomic::AtomicU64::new(0),
         });
         let app = Router::new()
             .fallback(handle)
@@ -102,6 +107,27 @@ impl Upstream {
             .lock()
             .map(|r| r.clone())
             .unwrap_or_default()
+    }
+
+    /// Set the queue `/metrics` reports (vLLM's `num_requests_waiting` / `_running`).
+    pub fn set_load(&self, waiting: u64, running: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.shared.waiting.store(waiting, Relaxed);
+        self.shared.running.store(running, Relaxed);
+    }
+
+    /// Wait until `/metrics` has been read `more` more times (the proxy saw the current load).
+    pub async fn wait_scrapes(&self, more: u64) {
+        let target = self.scrapes() + more;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while self.scrapes() < target {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} was not scraped",
+                self.name()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
     }
 
     /// Let `chunks` more streamed chunks out (gated upstreams only).
@@ -151,7 +177,13 @@ async fn handle(
         shared
             .scrapes
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        return "vllm:num_requests_waiting{model_name=\"m\",engine=\"0\"} 0.0\nvllm:num_requests_running{model_name=\"m\",engine=\"0\"} 0.0\n".into_response();
+        use std::sync::atomic::Ordering::Relaxed;
+        return format!(
+            "vllm:num_requests_waiting{{model_name=\"m\",engine=\"0\"}} {}.0\nvllm:num_requests_running{{model_name=\"m\",engine=\"0\"}} {}.0\n",
+            shared.waiting.load(Relaxed),
+            shared.running.load(Relaxed)
+        )
+        .into_response();
     }
     if let Ok(mut received) = shared.received.lock() {
         received.push(Received {
