@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use serde::Deserialize;
 use switchyard_policy::{
-    Context, Evaluator, NoTarget, PoolState, PromptText, RequestFacts, RequestPrompt,
+    ClassSet, Classifier, Context, Evaluator, NoTarget, PoolState, RequestFacts, RequestPrompt,
 };
 use switchyard_snapshot::PoolId;
 use switchyard_snapshot::documents::DEFAULT_NAMESPACE;
@@ -66,8 +66,11 @@ struct OfflineContext {
 }
 
 impl Context for OfflineContext {
-    fn prompt(&mut self) -> Option<&dyn PromptText> {
-        self.prompt.as_ref().map(|p| p as &dyn PromptText)
+    fn classes(&mut self, classifier: &Classifier) -> ClassSet {
+        self.prompt
+            .as_ref()
+            .map(|p| classifier.classify(p))
+            .unwrap_or_default()
     }
 
     fn header(&self, name: &str) -> Option<&str> {

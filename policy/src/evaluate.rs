@@ -13,7 +13,7 @@ use switchyard_snapshot::snapshot::{
     TargetStrategy, glob_match,
 };
 
-use crate::classify::{ClassSet, Classifier, ClassifierError, PromptText};
+use crate::classify::{ClassSet, Classifier, ClassifierError};
 
 /// What is known about a request before any rule runs.
 #[derive(Debug, Clone, Copy)]
@@ -39,8 +39,10 @@ pub struct PoolState {
 
 /// What the evaluator asks for only when a rule needs it.
 pub trait Context {
-    /// The prompt, for classification (asked at most once per evaluation).
-    fn prompt(&mut self) -> Option<&dyn PromptText>;
+    /// The prompt's classes (asked at most once per evaluation, only when a rule looks at
+    /// classes): classify the text with `classifier`, or hand back classes computed earlier
+    /// (the proxy classifies large prompts off its event loop).
+    fn classes(&mut self, classifier: &Classifier) -> ClassSet;
     /// A request header's value (`name` is lowercase).
     fn header(&self, name: &str) -> Option<&str>;
     /// A pool's live state; `with_prediction` asks for the predicted TTFT as well.
@@ -354,10 +356,7 @@ impl Evaluator {
             let set = match *classes {
                 Some(set) => set,
                 None => {
-                    let set = context
-                        .prompt()
-                        .map(|prompt| self.classifier.classify(prompt))
-                        .unwrap_or_default();
+                    let set = context.classes(&self.classifier);
                     *classes = Some(set);
                     set
                 }

@@ -3,7 +3,8 @@
 use std::collections::BTreeMap;
 
 use switchyard_policy::{
-    Context, Evaluator, NoTarget, Outcome, PoolState, PromptText, RequestFacts, Segments, targets,
+    ClassSet, Classifier, Context, Evaluator, NoTarget, Outcome, PoolState, RequestFacts, Segments,
+    targets,
 };
 use switchyard_snapshot::PoolId;
 use switchyard_snapshot::snapshot::Snapshot;
@@ -118,9 +119,9 @@ struct TestContext<'a> {
 }
 
 impl Context for TestContext<'_> {
-    fn prompt(&mut self) -> Option<&dyn PromptText> {
+    fn classes(&mut self, classifier: &Classifier) -> ClassSet {
         self.prompt_reads += 1;
-        Some(&self.text)
+        classifier.classify(&self.text)
     }
     fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).map(String::as_str)

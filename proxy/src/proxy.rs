@@ -36,7 +36,8 @@ use crate::translate::{self, StreamTranslator};
 use switchyard_kv::index::Overlap;
 use switchyard_kv::tokenize::PromptTokenizer;
 use switchyard_policy::{
-    Context, NoTarget, Outcome as PolicyOutcome, PoolState, PromptText, RequestFacts, RequestPrompt,
+    ClassSet, Classifier, Context, NoTarget, Outcome as PolicyOutcome, PoolState, RequestFacts,
+    RequestPrompt,
 };
 use switchyard_snapshot::PoolId;
 use switchyard_snapshot::snapshot::{LoadBalancing, ProviderFormat};
@@ -216,18 +217,22 @@ struct PolicyContext<'a> {
     table: &'a RoutingTable,
     body: &'a [u8],
     headers: &'a http::HeaderMap,
-    prompt: Option<Option<RequestPrompt>>,
+    /// Classes computed before evaluation (large prompts, on the blocking pool).
+    classes: Option<ClassSet>,
     /// Prompts tokenized for the pools whose predicted TTFT rules read.
     predictions: &'a [(PoolId, Option<Arc<PromptInfo>>)],
 }
 
 impl Context for PolicyContext<'_> {
-    fn prompt(&mut self) -> Option<&dyn PromptText> {
-        let body = self.body;
-        self.prompt
-            .get_or_insert_with(|| RequestPrompt::parse(body))
-            .as_ref()
-            .map(|p| p as &dyn PromptText)
+    fn classes(&mut self, classifier: &Classifier) -> ClassSet {
+        if let Some(classes) = self.classes {
+            return classes;
+        }
+        let classes = RequestPrompt::parse(self.body)
+            .map(|prompt| classifier.classify(&prompt))
+            .unwrap_or_default();
+        self.classes = Some(classes);
+        classes
     }
 
     fn header(&self, name: &str) -> Option<&str> {
@@ -545,11 +550,25 @@ impl Gateway {
             max_tokens: parsed.max_tokens,
         };
         let mut trace = explain.then(Vec::new);
+        // Large prompts are classified on the blocking pool, as they are tokenized.
+        let classes = if table.evaluator.uses_classes() && body.len() > INLINE_TOKENIZE_BYTES {
+            let table = table.clone();
+            let body = body.clone();
+            tokio::task::spawn_blocking(move || {
+                RequestPrompt::parse(&body)
+                    .map(|prompt| table.evaluator.classifier().classify(&prompt))
+                    .unwrap_or_default()
+            })
+            .await
+            .ok()
+        } else {
+            None
+        };
         let mut context = PolicyContext {
             table: &table,
             body: &body,
             headers: &session.req_header().headers,
-            prompt: None,
+            classes,
             predictions: &predictions,
         };
         let decision = table
