@@ -462,7 +462,7 @@ pub fn valid_card(candidate: &str) -> bool {
             }
         })
         .sum();
-    sum % 10 == 0
+    sum.is_multiple_of(10)
 }
 
 /// IBAN: ISO 13616 length 15-34 and the mod-97 check (country and check digits moved last).

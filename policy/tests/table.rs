@@ -1,4 +1,5 @@
 //! A table of policy cases: matching, not matching, rule order, requireLocal, fall-through.
+#![allow(clippy::indexing_slicing, clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
 
