@@ -188,6 +188,8 @@ pub struct ApiError {
     /// The request field at fault, for OpenAI's `error.param`.
     pub param: Option<&'static str>,
     pub message: String,
+    /// Seconds for a `Retry-After` header (rate limits).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -197,6 +199,7 @@ impl ApiError {
             code,
             param: None,
             message: message.into(),
+            retry_after: None,
         }
     }
 
@@ -206,6 +209,7 @@ impl ApiError {
             code: "invalid_request",
             param: Some(param),
             message: message.into(),
+            retry_after: None,
         }
     }
 

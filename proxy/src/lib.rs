@@ -5,9 +5,11 @@
 //! routing table, a source (files today) feeds it snapshots, and [`proxy::Gateway`] serves
 //! requests from whatever table is live when each request arrives.
 
+pub mod accounting;
 pub mod api;
 pub mod config;
 pub mod kv;
+pub mod limits;
 pub mod metrics;
 pub mod prompt;
 pub mod proxy;

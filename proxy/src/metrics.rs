@@ -218,5 +218,6 @@ pub fn render(store: &ConfigStore) -> String {
             vec![(String::new(), table.snapshot.version as f64)],
         );
     }
+    crate::accounting::render(&mut out);
     out
 }

@@ -21,9 +21,11 @@ use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use serde_json::json;
 use switchyard_snapshot::snapshot::AnthropicMessages;
 
+use crate::accounting::{self, Finished, UsageTap};
 use crate::api::{ApiError, ClientFormat, Endpoint, ErrorKind, client_format_for_path};
 use crate::config::ConfigStore;
 use crate::kv::Prediction;
+use crate::limits::{self, Admission, RateLimiter};
 use crate::metrics;
 use crate::prompt::{self, PromptInfo};
 use crate::request;
@@ -67,11 +69,17 @@ impl Default for Settings {
 pub struct Gateway {
     store: Arc<ConfigStore>,
     settings: Settings,
+    /// Per-tenant rate limits, kept across snapshots.
+    limiter: Arc<RateLimiter>,
 }
 
 impl Gateway {
     pub fn new(store: Arc<ConfigStore>, settings: Settings) -> Gateway {
-        Gateway { store, settings }
+        Gateway {
+            store,
+            settings,
+            limiter: Arc::default(),
+        }
     }
 }
 
@@ -115,6 +123,14 @@ pub struct Route {
     pub prediction: Option<Prediction>,
     /// The client asked for the routing explanation (`x-switchyard-explain`).
     pub explain: bool,
+    /// `pool ns/name` or `provider ns/name`: the accounting label.
+    pub target_label: String,
+    /// The tenant's rate-limit admission: holds its concurrency slot, settles its tokens.
+    pub admission: Option<Admission>,
+    /// Reads `usage` from the answer (and removes the usage chunk the proxy asked for).
+    pub usage: UsageTap,
+    /// When the first byte of the answer went to the client.
+    pub first_byte: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -373,13 +389,16 @@ impl Gateway {
             "request rejected"
         );
         let body = error.body(ctx.format);
-        let extra: Vec<(&'static str, String)> = match error.kind {
+        let mut extra: Vec<(&'static str, String)> = match error.kind {
             ErrorKind::MethodNotAllowed => ctx
                 .endpoint
                 .map(|e| vec![("allow", e.method().to_string())])
                 .unwrap_or_default(),
             _ => Vec::new(),
         };
+        if let Some(seconds) = error.retry_after {
+            extra.push(("retry-after", seconds.to_string()));
+        }
         self.respond_json(session, ctx, error.status(), body, &extra)
             .await?;
         ctx.failure = Some(error);
@@ -499,22 +518,34 @@ impl Gateway {
                 "the gateway has no configuration loaded yet; retry shortly",
             )
         })?;
-        let caller = self.authenticate(&table, session)?;
+        let caller = self.authenticate(&table, session).inspect_err(|_| {
+            accounting::rejected_early(None, "unauthenticated");
+        })?;
         let tenant = caller.tenant().map(|t| t.name.clone());
         let body = self.read_body(session).await?;
         let parsed = request::parse(endpoint, &body)?;
-        let model = table.model(&parsed.model).ok_or_else(|| ApiError {
-            kind: ErrorKind::NotFound,
-            code: "model_not_found",
-            param: Some("model"),
-            message: format!(
-                "the model '{}' does not exist; GET /v1/models lists the models you can use",
-                parsed.model
-            ),
+        let model = table.model(&parsed.model).ok_or_else(|| {
+            accounting::rejected(&table, tenant.as_deref(), &parsed.model, "model_not_found");
+            ApiError {
+                kind: ErrorKind::NotFound,
+                code: "model_not_found",
+                param: Some("model"),
+                message: format!(
+                    "the model '{}' does not exist; GET /v1/models lists the models you can use",
+                    parsed.model
+                ),
+                retry_after: None,
+            }
         })?;
         if let Some(tenant) = caller.tenant()
             && !tenant.allows_model(&model.name)
         {
+            accounting::rejected(
+                &table,
+                Some(&tenant.name),
+                &parsed.model,
+                "model_not_allowed",
+            );
             return Err(ApiError {
                 kind: ErrorKind::Forbidden,
                 code: "model_not_allowed",
@@ -523,7 +554,38 @@ impl Gateway {
                     "your API key may not use the model '{}'; GET /v1/models lists the models you can use",
                     parsed.model
                 ),
+                retry_after: None,
             });
+        }
+        // Rate limits: the prompt is counted up front (estimated from the body's size), the
+        // completion when the answer's usage arrives.
+        let mut admission = None;
+        if let Some(tenant) = caller.tenant() {
+            let limits = tenant.rate_limits;
+            if limits.requests_per_minute.is_some()
+                || limits.tokens_per_minute.is_some()
+                || limits.concurrency.is_some()
+            {
+                let estimate = limits::estimate_prompt_tokens(body.len());
+                match self.limiter.admit(&tenant.name, limits, estimate) {
+                    Ok(admitted) => admission = Some(admitted),
+                    Err(refusal) => {
+                        accounting::rejected(
+                            &table,
+                            Some(&tenant.name),
+                            &parsed.model,
+                            refusal.limit.label(),
+                        );
+                        return Err(ApiError {
+                            kind: ErrorKind::Policy(429),
+                            code: "rate_limit_exceeded",
+                            param: None,
+                            message: refusal.message(&tenant.name),
+                            retry_after: Some(refusal.retry_after_secs()),
+                        });
+                    }
+                }
+            }
         }
         let explain = session.req_header().headers.contains_key(EXPLAIN_HEADER)
             || session
@@ -579,6 +641,7 @@ impl Gateway {
             Ok(chosen) => chosen,
             Err(NoTarget::Rejected { status, message }) => {
                 metrics::policy_decision(rule.as_deref().unwrap_or(""), "reject");
+                accounting::rejected(&table, tenant.as_deref(), &parsed.model, "policy");
                 return Err(ApiError::new(
                     ErrorKind::Policy(status),
                     "rejected_by_policy",
@@ -587,6 +650,7 @@ impl Gateway {
             }
             Err(NoTarget::NoLocalTarget { rule: local_rule }) => {
                 metrics::policy_decision(&local_rule, "no_local_target");
+                accounting::rejected(&table, tenant.as_deref(), &parsed.model, "no_local_target");
                 return Err(ApiError::new(
                     ErrorKind::Unavailable,
                     "no_local_target",
@@ -723,11 +787,25 @@ impl Gateway {
             }
             (None, None) => (false, None),
         };
-        let upstream_body = if translate {
+        let mut upstream_body = if translate {
             translate::messages_request_to_chat(&body, &target.upstream_model)?
         } else {
             request::with_model(&body, &parsed, &target.upstream_model)
         };
+        // Streamed OpenAI answers carry usage only when asked: ask on the client's behalf, and
+        // remove that chunk again before it reaches a client that did not ask.
+        let openai_upstream = !translate
+            && matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions)
+            && provider
+                .as_ref()
+                .is_none_or(|p| p.config.format == ProviderFormat::Openai);
+        let mut strip_usage = false;
+        if parsed.stream && openai_upstream {
+            let (body, injected) = request::with_stream_usage(upstream_body)?;
+            upstream_body = body;
+            strip_usage = injected;
+        }
+        let target_label = target.backend.to_string();
         let route = Route {
             upstream_model: target.upstream_model.clone(),
             requested_model: parsed.model,
@@ -750,6 +828,10 @@ impl Gateway {
             pending: None,
             prediction: None,
             explain,
+            target_label,
+            admission,
+            usage: UsageTap::new(parsed.stream, strip_usage),
+            first_byte: None,
         };
         Ok((route, upstream_body))
     }
@@ -1208,6 +1290,22 @@ impl ProxyHttp for Gateway {
                 }
             }
         }
+        if let Some(route) = ctx.route.as_mut() {
+            if let Some(chunk) = body.take() {
+                if route.first_byte.is_none() && !chunk.is_empty() {
+                    route.first_byte = Some(Instant::now());
+                }
+                *body = Some(route.usage.feed(chunk));
+            }
+            if end_of_stream {
+                let rest = route.usage.finish();
+                if !rest.is_empty() {
+                    let mut out = BytesMut::from(body.take().unwrap_or_default().as_ref());
+                    out.extend_from_slice(&rest);
+                    *body = Some(out.freeze());
+                }
+            }
+        }
         Ok(None)
     }
 
@@ -1371,8 +1469,26 @@ impl ProxyHttp for Gateway {
         {
             tracing::debug!(request_id = %ctx.request_id, route = %decision.explain(pool), "routing decision");
         }
+        if let Some(route) = ctx.route.as_mut() {
+            let usage = route.usage.usage;
+            if let Some(admission) = route.admission.as_mut()
+                && usage.reported
+            {
+                admission.settle(usage.prompt_tokens, usage.completion_tokens);
+            }
+            accounting::finished(&Finished {
+                tenant: route.tenant.as_deref(),
+                model: &route.requested_model,
+                target: &route.target_label,
+                status: ctx.status,
+                usage,
+                ttft: route.first_byte.map(|t| t.duration_since(ctx.started)),
+                total: ctx.started.elapsed(),
+            });
+        }
         // Release the in-flight slot now rather than when Pingora drops the context.
         if let Some(route) = ctx.route.as_mut() {
+            route.admission = None;
             route.current = None;
             route.pending = None;
             route.prediction = None;

@@ -121,6 +121,51 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
     })
 }
 
+/// Ask for `usage` in a streamed OpenAI answer (`stream_options.include_usage`). Returns the
+/// body and whether the proxy added the request (so the usage chunk is the proxy's to remove);
+/// a body whose client already asked is returned unchanged.
+pub fn with_stream_usage(body: Bytes) -> Result<(Bytes, bool), ApiError> {
+    if !body.windows(16).any(|w| w == b"\"stream_options\"") {
+        // No stream_options at all: add ours right after the opening brace, bytes untouched.
+        let Some(open) = body.iter().position(|b| *b == b'{') else {
+            return Ok((body, false));
+        };
+        let rest = body.get(open + 1..).unwrap_or_default();
+        let empty = rest.iter().all(u8::is_ascii_whitespace)
+            || rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+        let mut out = Vec::with_capacity(body.len() + 48);
+        out.extend_from_slice(body.get(..=open).unwrap_or_default());
+        out.extend_from_slice(br#""stream_options":{"include_usage":true}"#);
+        if !empty {
+            out.push(b',');
+        }
+        out.extend_from_slice(rest);
+        return Ok((Bytes::from(out), true));
+    }
+    let mut request: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?;
+    let options = request
+        .entry("stream_options")
+        .or_insert_with(|| serde_json::Value::Object(serde_json::Map::new()));
+    let Some(options) = options.as_object_mut() else {
+        return Err(ApiError::invalid(
+            "stream_options",
+            "'stream_options' must be an object",
+        ));
+    };
+    if options
+        .get("include_usage")
+        .and_then(serde_json::Value::as_bool)
+        == Some(true)
+    {
+        return Ok((body, false));
+    }
+    options.insert("include_usage".into(), serde_json::Value::Bool(true));
+    let bytes = serde_json::to_vec(&request)
+        .map_err(|e| ApiError::invalid("body", format!("cannot rewrite the body: {e}")))?;
+    Ok((Bytes::from(bytes), true))
+}
+
 fn require_messages(messages: Option<&[MessageHead<'_>]>) -> Result<(), ApiError> {
     match messages {
         None => Err(ApiError::invalid(
@@ -193,6 +238,31 @@ mod tests {
 
     fn chat(body: &str) -> Result<ParsedRequest, ApiError> {
         parse(Endpoint::ChatCompletions, body.as_bytes())
+    }
+
+    #[test]
+    fn stream_usage_is_requested_once() {
+        let (body, injected) =
+            with_stream_usage(Bytes::from_static(br#"{"model":"m","stream":true}"#)).unwrap();
+        assert!(injected);
+        assert_eq!(
+            &body[..],
+            br#"{"stream_options":{"include_usage":true},"model":"m","stream":true}"#
+        );
+        let asked =
+            Bytes::from_static(br#"{"stream":true,"stream_options":{"include_usage":true}}"#);
+        assert_eq!(with_stream_usage(asked.clone()).unwrap(), (asked, false));
+        let (body, injected) = with_stream_usage(Bytes::from_static(
+            br#"{"stream":true,"stream_options":{"include_usage":false,"x":1}}"#,
+        ))
+        .unwrap();
+        assert!(injected);
+        let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            value["stream_options"],
+            serde_json::json!({"include_usage": true, "x": 1})
+        );
+        assert!(with_stream_usage(Bytes::from_static(br#"{"stream_options":3}"#)).is_err());
     }
 
     #[test]

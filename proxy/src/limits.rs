@@ -1,0 +1,369 @@
+//! Per-tenant rate limits: requests per minute, tokens per minute, requests in flight.
+//!
+//! Each limit is a token bucket that refills continuously (a full minute's allowance at most),
+//! so bursts up to the per-minute figure pass and sustained traffic is held to the rate.
+//! Prompt tokens are taken when a request is admitted (estimated from its size, or counted by
+//! the tokenizer when the pool has one); completion tokens are taken when the answer's usage is
+//! known, which may drive the bucket below zero: the next requests then wait until it refills.
+//! Limits are per proxy process (see the README on several replicas). Time is tokio's, so tests
+//! drive it with a paused clock.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use switchyard_snapshot::snapshot::RateLimits;
+use tokio::time::Instant;
+
+/// A continuously refilling allowance of `capacity` per minute.
+#[derive(Debug)]
+struct Bucket {
+    capacity: f64,
+    /// May go negative when completion tokens are settled after the fact.
+    available: f64,
+    updated: Instant,
+}
+
+impl Bucket {
+    fn new(capacity: u64, now: Instant) -> Bucket {
+        Bucket {
+            capacity: capacity as f64,
+            available: capacity as f64,
+            updated: now,
+        }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.updated).as_secs_f64();
+        self.available = (self.available + elapsed * self.capacity / 60.0).min(self.capacity);
+        self.updated = now;
+    }
+
+    /// Time until `amount` is available (zero when it is now).
+    fn wait_for(&self, amount: f64) -> Duration {
+        let missing = amount.min(self.capacity) - self.available;
+        if missing <= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(missing * 60.0 / self.capacity)
+        }
+    }
+
+    fn resize(&mut self, capacity: u64) {
+        let capacity = capacity as f64;
+        self.available = self.available.min(capacity);
+        self.capacity = capacity;
+    }
+}
+
+#[derive(Debug, Default)]
+struct TenantState {
+    requests: Option<Bucket>,
+    tokens: Option<Bucket>,
+    in_flight: u32,
+}
+
+/// Which limit refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    RequestsPerMinute,
+    TokensPerMinute,
+    Concurrency,
+}
+
+impl Limit {
+    pub fn label(self) -> &'static str {
+        match self {
+            Limit::RequestsPerMinute => "requests_per_minute",
+            Limit::TokensPerMinute => "tokens_per_minute",
+            Limit::Concurrency => "concurrency",
+        }
+    }
+}
+
+/// A refusal: which limit, its value, and when to retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    pub limit: Limit,
+    pub value: u64,
+    pub retry_after: Duration,
+}
+
+impl Refusal {
+    /// Whole seconds for `Retry-After` (at least 1).
+    pub fn retry_after_secs(&self) -> u64 {
+        self.retry_after.as_secs_f64().ceil().max(1.0) as u64
+    }
+
+    pub fn message(&self, tenant: &str) -> String {
+        match self.limit {
+            Limit::RequestsPerMinute => format!(
+                "rate limit reached for tenant '{tenant}': {} requests per minute; retry after {} s",
+                self.value,
+                self.retry_after_secs()
+            ),
+            Limit::TokensPerMinute => format!(
+                "rate limit reached for tenant '{tenant}': {} tokens per minute; retry after {} s",
+                self.value,
+                self.retry_after_secs()
+            ),
+            Limit::Concurrency => format!(
+                "too many concurrent requests for tenant '{tenant}': at most {} at a time; retry when one finishes",
+                self.value
+            ),
+        }
+    }
+}
+
+/// Limits of every tenant, kept across snapshots (a reload does not refill buckets).
+#[derive(Debug, Default)]
+pub struct RateLimiter {
+    tenants: Mutex<HashMap<String, TenantState>>,
+}
+
+/// An admitted request: holds its concurrency slot, and settles its tokens when done.
+#[derive(Debug)]
+pub struct Admission {
+    limiter: Arc<RateLimiter>,
+    tenant: String,
+    limits: RateLimits,
+    counted_prompt_tokens: u64,
+    holds_slot: bool,
+}
+
+impl RateLimiter {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, TenantState>> {
+        match self.tenants.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
+    /// Admit a request of `tenant` with about `prompt_tokens` of prompt, or say which limit
+    /// refuses it and for how long. Nothing is taken from any bucket on refusal.
+    pub fn admit(
+        self: &Arc<Self>,
+        tenant: &str,
+        limits: RateLimits,
+        prompt_tokens: u64,
+    ) -> Result<Admission, Refusal> {
+        let now = Instant::now();
+        let mut tenants = self.lock();
+        let state = tenants.entry(tenant.to_owned()).or_default();
+        sync_bucket(
+            &mut state.requests,
+            limits.requests_per_minute.map(u64::from),
+            now,
+        );
+        sync_bucket(&mut state.tokens, limits.tokens_per_minute, now);
+        if let Some(max) = limits.concurrency
+            && state.in_flight >= max
+        {
+            return Err(Refusal {
+                limit: Limit::Concurrency,
+                value: u64::from(max),
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        if let Some(bucket) = &state.requests {
+            let wait = bucket.wait_for(1.0);
+            if !wait.is_zero() {
+                return Err(Refusal {
+                    limit: Limit::RequestsPerMinute,
+                    value: bucket.capacity as u64,
+                    retry_after: wait,
+                });
+            }
+        }
+        if let Some(bucket) = &state.tokens {
+            // A prompt larger than the whole allowance waits for a full bucket, not forever.
+            let wait = bucket.wait_for(prompt_tokens.max(1) as f64);
+            if !wait.is_zero() {
+                return Err(Refusal {
+                    limit: Limit::TokensPerMinute,
+                    value: bucket.capacity as u64,
+                    retry_after: wait,
+                });
+            }
+        }
+        if let Some(bucket) = &mut state.requests {
+            bucket.available -= 1.0;
+        }
+        if let Some(bucket) = &mut state.tokens {
+            bucket.available -= prompt_tokens as f64;
+        }
+        let holds_slot = limits.concurrency.is_some();
+        if holds_slot {
+            state.in_flight += 1;
+        }
+        Ok(Admission {
+            limiter: self.clone(),
+            tenant: tenant.to_owned(),
+            limits,
+            counted_prompt_tokens: prompt_tokens,
+            holds_slot,
+        })
+    }
+
+    /// Forget tenants that no longer exist.
+    pub fn retain(&self, tenants: &[&str]) {
+        self.lock()
+            .retain(|name, state| state.in_flight > 0 || tenants.contains(&name.as_str()));
+    }
+}
+
+fn sync_bucket(bucket: &mut Option<Bucket>, limit: Option<u64>, now: Instant) {
+    match (bucket.as_mut(), limit) {
+        (_, None) => *bucket = None,
+        (None, Some(capacity)) => *bucket = Some(Bucket::new(capacity, now)),
+        (Some(existing), Some(capacity)) => {
+            existing.refill(now);
+            if existing.capacity as u64 != capacity {
+                existing.resize(capacity);
+            }
+        }
+    }
+}
+
+impl Admission {
+    /// Settle the tokens the answer really used: the prompt as the upstream counted it replaces
+    /// the estimate, and the completion is taken.
+    pub fn settle(&mut self, prompt_tokens: u64, completion_tokens: u64) {
+        if self.limits.tokens_per_minute.is_none() {
+            return;
+        }
+        let now = Instant::now();
+        let mut tenants = self.limiter.lock();
+        if let Some(bucket) = tenants
+            .get_mut(&self.tenant)
+            .and_then(|state| state.tokens.as_mut())
+        {
+            bucket.refill(now);
+            bucket.available += self.counted_prompt_tokens as f64;
+            bucket.available -= (prompt_tokens + completion_tokens) as f64;
+        }
+        self.counted_prompt_tokens = prompt_tokens + completion_tokens;
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        if !self.holds_slot {
+            return;
+        }
+        let mut tenants = self.limiter.lock();
+        if let Some(state) = tenants.get_mut(&self.tenant) {
+            state.in_flight = state.in_flight.saturating_sub(1);
+        }
+    }
+}
+
+/// Prompt tokens estimated from a request body before it is tokenized: about four bytes per
+/// token of JSON text, which errs on the high side for English (the JSON syntax counts too).
+pub fn estimate_prompt_tokens(body_len: usize) -> u64 {
+    (body_len as u64).div_ceil(4)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(rpm: Option<u32>, tpm: Option<u64>, concurrency: Option<u32>) -> RateLimits {
+        RateLimits {
+            requests_per_minute: rpm,
+            tokens_per_minute: tpm,
+            concurrency,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_per_minute_refill_continuously() {
+        let limiter = Arc::new(RateLimiter::default());
+        let l = limits(Some(60), None, None);
+        let admitted: Vec<_> = (0..60)
+            .map(|_| limiter.admit("t", l, 10).unwrap())
+            .collect();
+        let refusal = limiter.admit("t", l, 10).unwrap_err();
+        assert_eq!(refusal.limit, Limit::RequestsPerMinute);
+        assert_eq!(refusal.retry_after, Duration::from_secs(1));
+        assert_eq!(refusal.retry_after_secs(), 1);
+        tokio::time::advance(Duration::from_millis(999)).await;
+        assert!(limiter.admit("t", l, 10).is_err());
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(limiter.admit("t", l, 10).is_ok());
+        assert!(limiter.admit("t", l, 10).is_err());
+        // Other tenants have their own buckets.
+        assert!(limiter.admit("u", l, 10).is_ok());
+        drop(admitted);
+        // A minute refills the whole allowance, never more.
+        tokio::time::advance(Duration::from_secs(600)).await;
+        for _ in 0..60 {
+            limiter.admit("t", l, 10).unwrap();
+        }
+        assert!(limiter.admit("t", l, 10).is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn tokens_are_taken_up_front_and_settled_after() {
+        let limiter = Arc::new(RateLimiter::default());
+        let l = limits(None, Some(6_000), None);
+        let mut first = limiter.admit("t", l, 1_000).unwrap();
+        // The answer: the upstream counted 800 prompt tokens and produced 4_000.
+        first.settle(800, 4_000);
+        // 6000 - 4800 = 1200 left: a 1000-token prompt passes, a second one does not.
+        limiter.admit("t", l, 1_000).unwrap();
+        let refusal = limiter.admit("t", l, 1_000).unwrap_err();
+        assert_eq!(refusal.limit, Limit::TokensPerMinute);
+        // 200 available, 800 missing at 100 tokens/s: 8 s.
+        assert_eq!(refusal.retry_after, Duration::from_secs(8));
+        tokio::time::advance(Duration::from_secs(8)).await;
+        limiter.admit("t", l, 1_000).unwrap();
+        // A prompt over the whole allowance waits for a full bucket, then passes.
+        tokio::time::advance(Duration::from_secs(60)).await;
+        limiter.admit("t", l, 50_000).unwrap();
+        let refusal = limiter.admit("t", l, 1).unwrap_err();
+        assert!(refusal.retry_after > Duration::from_secs(60), "{refusal:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn concurrency_slots_are_released_when_requests_end() {
+        let limiter = Arc::new(RateLimiter::default());
+        let l = limits(None, None, Some(2));
+        let a = limiter.admit("t", l, 1).unwrap();
+        let _b = limiter.admit("t", l, 1).unwrap();
+        let refusal = limiter.admit("t", l, 1).unwrap_err();
+        assert_eq!(refusal.limit, Limit::Concurrency);
+        assert!(refusal.message("t").contains("at most 2 at a time"));
+        drop(a);
+        let _c = limiter.admit("t", l, 1).unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn refusals_take_nothing_and_limits_follow_reloads() {
+        let limiter = Arc::new(RateLimiter::default());
+        let both = limits(Some(2), Some(100), None);
+        limiter.admit("t", both, 60).unwrap();
+        // Tokens refuse: the request bucket must not be charged for it.
+        assert_eq!(
+            limiter.admit("t", both, 60).unwrap_err().limit,
+            Limit::TokensPerMinute
+        );
+        limiter.admit("t", both, 40).unwrap();
+        assert_eq!(
+            limiter.admit("t", both, 0).unwrap_err().limit,
+            Limit::RequestsPerMinute
+        );
+        // Raising the limit keeps what was used; removing it lifts it.
+        let raised = limits(Some(3), Some(100), None);
+        assert!(
+            limiter.admit("t", raised, 0).is_err(),
+            "a raised cap does not refill"
+        );
+        tokio::time::advance(Duration::from_secs(20)).await;
+        limiter.admit("t", raised, 0).unwrap();
+        let none = limits(None, None, None);
+        for _ in 0..100 {
+            limiter.admit("t", none, 1_000).unwrap();
+        }
+    }
+}
