@@ -14,6 +14,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use serde_json::Value;
 
+use crate::metrics::escape;
 use crate::routing::RoutingTable;
 
 /// Most label combinations kept per family; later ones count under `tenant="other"`.
@@ -349,13 +350,6 @@ pub fn finished(request: &Finished<'_>) {
         bounded(&mut ledger.ttft, key.clone(), fold).observe(ttft.as_secs_f64());
     }
     bounded(&mut ledger.e2e, key, fold).observe(request.total.as_secs_f64());
-}
-
-fn escape(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 /// Append the accounting families in Prometheus text format.

@@ -31,7 +31,8 @@ pub fn policy_decision(rule: &str, outcome: &'static str) {
     *counts.entry(key).or_default() += 1;
 }
 
-fn escape(value: &str) -> String {
+/// Escape a Prometheus label value.
+pub(crate) fn escape(value: &str) -> String {
     value
         .replace('\\', "\\\\")
         .replace('"', "\\\"")
