@@ -557,36 +557,6 @@ impl Gateway {
                 retry_after: None,
             });
         }
-        // Rate limits: the prompt is counted up front (estimated from the body's size), the
-        // completion when the answer's usage arrives.
-        let mut admission = None;
-        if let Some(tenant) = caller.tenant() {
-            let limits = tenant.rate_limits;
-            if limits.requests_per_minute.is_some()
-                || limits.tokens_per_minute.is_some()
-                || limits.concurrency.is_some()
-            {
-                let estimate = limits::estimate_prompt_tokens(body.len());
-                match self.limiter.admit(&tenant.name, limits, estimate) {
-                    Ok(admitted) => admission = Some(admitted),
-                    Err(refusal) => {
-                        accounting::rejected(
-                            &table,
-                            Some(&tenant.name),
-                            &parsed.model,
-                            refusal.limit.label(),
-                        );
-                        return Err(ApiError {
-                            kind: ErrorKind::Policy(429),
-                            code: "rate_limit_exceeded",
-                            param: None,
-                            message: refusal.message(&tenant.name),
-                            retry_after: Some(refusal.retry_after_secs()),
-                        });
-                    }
-                }
-            }
-        }
         let explain = session.req_header().headers.contains_key(EXPLAIN_HEADER)
             || session
                 .req_header()
@@ -695,6 +665,44 @@ impl Gateway {
             ));
             text
         });
+        // Rate limits, once the request is known to go somewhere: the prompt is counted up
+        // front (estimated from the body's size), the completion when the answer's usage
+        // arrives. `/debug/route` explains without spending the tenant's allowance.
+        let mut admission = None;
+        let debug = session
+            .req_header()
+            .uri
+            .path()
+            .starts_with(DEBUG_ROUTE_PREFIX);
+        if let Some(tenant) = caller.tenant()
+            && !debug
+        {
+            let limits = tenant.rate_limits;
+            if limits.requests_per_minute.is_some()
+                || limits.tokens_per_minute.is_some()
+                || limits.concurrency.is_some()
+            {
+                let estimate = limits::estimate_prompt_tokens(body.len());
+                match self.limiter.admit(&tenant.name, limits, estimate) {
+                    Ok(admitted) => admission = Some(admitted),
+                    Err(refusal) => {
+                        accounting::rejected(
+                            &table,
+                            Some(&tenant.name),
+                            &parsed.model,
+                            refusal.limit.label(),
+                        );
+                        return Err(ApiError {
+                            kind: ErrorKind::Policy(429),
+                            code: "rate_limit_exceeded",
+                            param: None,
+                            message: refusal.message(&tenant.name),
+                            retry_after: Some(refusal.retry_after_secs()),
+                        });
+                    }
+                }
+            }
+        }
         let destination = table.destination(target).ok_or_else(|| {
             ApiError::new(
                 ErrorKind::Internal,
