@@ -17,3 +17,4 @@ pub mod request;
 pub mod routing;
 pub mod scorer;
 pub mod translate;
+pub mod translate_openai;

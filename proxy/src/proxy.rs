@@ -35,6 +35,7 @@ use crate::routing::{
 };
 use crate::scorer::{self, Decision, Outcome};
 use crate::translate::{self, StreamTranslator};
+use crate::translate_openai::{self, MessagesStreamTranslator};
 use switchyard_kv::index::Overlap;
 use switchyard_kv::tokenize::PromptTokenizer;
 use switchyard_policy::{
@@ -102,8 +103,8 @@ pub struct Route {
     pub requested_model: String,
     pub upstream_model: String,
     pub stream: bool,
-    /// Anthropic request to an OpenAI-only pool or provider.
-    pub translate: bool,
+    /// Whether (and which way) the request and its answer are translated.
+    pub translate: Translation,
     /// Indexes of workers already tried.
     pub tried: Vec<usize>,
     /// Set when a pooled connection to this worker turned out closed: try it again on a fresh one.
@@ -133,6 +134,16 @@ pub struct Route {
     pub first_byte: Option<Instant>,
 }
 
+/// Translation between the client's API and the upstream's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Translation {
+    None,
+    /// Anthropic Messages client, OpenAI Chat Completions upstream.
+    MessagesToChat,
+    /// OpenAI Chat Completions client, Anthropic Messages upstream.
+    ChatToMessages,
+}
+
 #[derive(Debug, Default)]
 enum ResponseMode {
     #[default]
@@ -143,6 +154,13 @@ enum ResponseMode {
         status: u16,
     },
     TranslateStream(Box<StreamTranslator>),
+    /// Anthropic events to OpenAI chunks.
+    TranslateStreamToOpenai(Box<MessagesStreamTranslator>),
+    /// Buffer a whole Anthropic answer and translate it to OpenAI at the end.
+    TranslateWholeToOpenai {
+        buffer: BytesMut,
+        status: u16,
+    },
 }
 
 /// Admin path prefix: `POST /debug/route/v1/chat/completions` explains without forwarding.
@@ -761,48 +779,62 @@ impl Gateway {
             (Some(pool), _) => {
                 let translate = endpoint == Endpoint::Messages
                     && pool.config.anthropic_messages == AnthropicMessages::Translate;
-                (
-                    translate,
-                    translate.then(|| "/v1/chat/completions".to_owned()),
-                )
+                if translate {
+                    (
+                        Translation::MessagesToChat,
+                        Some("/v1/chat/completions".to_owned()),
+                    )
+                } else {
+                    (Translation::None, None)
+                }
             }
             (None, Some(provider)) => {
                 let base = &provider.base_path;
                 match (endpoint, provider.config.format) {
                     (Endpoint::Messages, ProviderFormat::Anthropic) => {
-                        (false, Some(format!("{base}/messages")))
+                        (Translation::None, Some(format!("{base}/messages")))
                     }
-                    (Endpoint::Messages, ProviderFormat::Openai) => {
-                        (true, Some(format!("{base}/chat/completions")))
-                    }
+                    (Endpoint::Messages, ProviderFormat::Openai) => (
+                        Translation::MessagesToChat,
+                        Some(format!("{base}/chat/completions")),
+                    ),
                     (Endpoint::ChatCompletions, ProviderFormat::Openai) => {
-                        (false, Some(format!("{base}/chat/completions")))
+                        (Translation::None, Some(format!("{base}/chat/completions")))
                     }
+                    (Endpoint::ChatCompletions, ProviderFormat::Anthropic) => (
+                        Translation::ChatToMessages,
+                        Some(format!("{base}/messages")),
+                    ),
                     (Endpoint::Completions, ProviderFormat::Openai) => {
-                        (false, Some(format!("{base}/completions")))
+                        (Translation::None, Some(format!("{base}/completions")))
                     }
                     _ => {
                         return Err(ApiError::new(
                             ErrorKind::NotImplemented,
                             "translation_unsupported",
                             format!(
-                                "model '{}' is served by provider {}, which speaks the Anthropic API; send this request to /v1/messages",
+                                "model '{}' is served by provider {}, which speaks the Anthropic Messages API: \
+                                 use /v1/chat/completions or /v1/messages (legacy completions cannot be translated)",
                                 parsed.model, provider.config.id
                             ),
                         ));
                     }
                 }
             }
-            (None, None) => (false, None),
+            (None, None) => (Translation::None, None),
         };
-        let mut upstream_body = if translate {
-            translate::messages_request_to_chat(&body, &target.upstream_model)?
-        } else {
-            request::with_model(&body, &parsed, &target.upstream_model)
+        let mut upstream_body = match translate {
+            Translation::MessagesToChat => {
+                translate::messages_request_to_chat(&body, &target.upstream_model)?
+            }
+            Translation::ChatToMessages => {
+                translate_openai::chat_request_to_messages(&body, &target.upstream_model)?
+            }
+            Translation::None => request::with_model(&body, &parsed, &target.upstream_model),
         };
         // Streamed OpenAI answers carry usage only when asked: ask on the client's behalf, and
         // remove that chunk again before it reaches a client that did not ask.
-        let openai_upstream = !translate
+        let openai_upstream = translate == Translation::None
             && matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions)
             && provider
                 .as_ref()
@@ -812,6 +844,10 @@ impl Gateway {
             let (body, injected) = request::with_stream_usage(upstream_body)?;
             upstream_body = body;
             strip_usage = injected;
+        }
+        if parsed.stream && translate == Translation::ChatToMessages {
+            // The translated stream always ends with a usage chunk: keep it only on request.
+            strip_usage = !request::asks_for_stream_usage(&body);
         }
         let target_label = target.backend.to_string();
         let route = Route {
@@ -1182,7 +1218,7 @@ impl ProxyHttp for Gateway {
                 .map_err(|_| Error::explain(ErrorType::InternalError, "invalid upstream path"))?;
             upstream_request.set_uri(uri);
         }
-        if route.translate {
+        if route.translate == Translation::MessagesToChat {
             upstream_request.remove_header("anthropic-version");
             upstream_request.remove_header("anthropic-beta");
         }
@@ -1242,7 +1278,23 @@ impl ProxyHttp for Gateway {
             route.pending = None;
         }
         let route = &*route;
-        if route.translate {
+        if route.translate == Translation::ChatToMessages {
+            upstream_response.remove_header(&http::header::CONTENT_LENGTH);
+            let streaming = route.stream && ctx.status < 400;
+            ctx.response = if streaming {
+                upstream_response.insert_header(http::header::CONTENT_TYPE, "text/event-stream")?;
+                ResponseMode::TranslateStreamToOpenai(Box::new(MessagesStreamTranslator::new(
+                    &route.requested_model,
+                )))
+            } else {
+                upstream_response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
+                ResponseMode::TranslateWholeToOpenai {
+                    buffer: BytesMut::new(),
+                    status: ctx.status,
+                }
+            };
+        }
+        if route.translate == Translation::MessagesToChat {
             upstream_response.remove_header(&http::header::CONTENT_LENGTH);
             let streaming = route.stream && ctx.status < 400;
             ctx.response = if streaming {
@@ -1293,6 +1345,29 @@ impl ProxyHttp for Gateway {
                         translate::error_to_anthropic(*status, buffer)
                     } else {
                         translate::chat_response_to_message(buffer, client_model)
+                    };
+                    *body = Some(translated);
+                }
+            }
+            ResponseMode::TranslateStreamToOpenai(translator) => {
+                let mut out = BytesMut::new();
+                if let Some(chunk) = body.take() {
+                    out.extend_from_slice(&translator.feed(&chunk));
+                }
+                if end_of_stream {
+                    out.extend_from_slice(&translator.finish());
+                }
+                *body = (!out.is_empty()).then(|| out.freeze());
+            }
+            ResponseMode::TranslateWholeToOpenai { buffer, status } => {
+                if let Some(chunk) = body.take() {
+                    buffer.extend_from_slice(&chunk);
+                }
+                if end_of_stream {
+                    let translated = if *status >= 400 {
+                        translate_openai::error_to_openai(*status, buffer)
+                    } else {
+                        translate_openai::message_response_to_chat(buffer, client_model)
                     };
                     *body = Some(translated);
                 }

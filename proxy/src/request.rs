@@ -166,6 +166,25 @@ pub fn with_stream_usage(body: Bytes) -> Result<(Bytes, bool), ApiError> {
     Ok((Bytes::from(bytes), true))
 }
 
+/// Whether an OpenAI request asks for usage in its stream (`stream_options.include_usage`).
+pub fn asks_for_stream_usage(body: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct Head {
+        #[serde(default)]
+        stream_options: Option<Options>,
+    }
+    #[derive(Deserialize)]
+    struct Options {
+        #[serde(default)]
+        include_usage: Option<bool>,
+    }
+    serde_json::from_slice::<Head>(body)
+        .ok()
+        .and_then(|h| h.stream_options)
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false)
+}
+
 fn require_messages(messages: Option<&[MessageHead<'_>]>) -> Result<(), ApiError> {
     match messages {
         None => Err(ApiError::invalid(

@@ -1,0 +1,682 @@
+//! OpenAI Chat Completions → Anthropic Messages: requests to Anthropic-format providers, and
+//! their answers (whole or streamed) back into Chat Completions for OpenAI clients. The other
+//! direction lives in `translate`.
+
+use bytes::{Bytes, BytesMut};
+use serde_json::{Map, Value, json};
+
+use crate::api::{ApiError, ClientFormat, ErrorKind};
+
+/// Anthropic requires `max_tokens`; OpenAI clients often leave it out.
+pub const DEFAULT_MAX_TOKENS: u64 = 4096;
+
+fn text_content(content: &Value, index: usize) -> Result<String, ApiError> {
+    match content {
+        Value::Null => Ok(String::new()),
+        Value::String(text) => Ok(text.clone()),
+        Value::Array(parts) => Ok(parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("")),
+        _ => Err(ApiError::invalid(
+            "messages",
+            format!("messages[{index}].content must be a string or an array of parts"),
+        )),
+    }
+}
+
+/// One OpenAI content part as an Anthropic content block.
+fn block_of(part: &Value, index: usize) -> Result<Value, ApiError> {
+    match part.get("type").and_then(Value::as_str) {
+        Some("text") => {
+            Ok(json!({"type": "text", "text": part.get("text").cloned().unwrap_or(json!(""))}))
+        }
+        Some("image_url") => {
+            let url = part
+                .get("image_url")
+                .and_then(|i| i.get("url"))
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            match url
+                .strip_prefix("data:")
+                .and_then(|rest| rest.split_once(";base64,"))
+            {
+                Some((media_type, data)) => Ok(
+                    json!({"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}),
+                ),
+                None => Ok(json!({"type": "image", "source": {"type": "url", "url": url}})),
+            }
+        }
+        other => Err(ApiError::invalid(
+            "messages",
+            format!(
+                "messages[{index}]: content part type {other:?} cannot be sent to an Anthropic provider"
+            ),
+        )),
+    }
+}
+
+/// Append a message, merging it into the previous one when the role repeats (Anthropic wants
+/// user and assistant turns to alternate; tool results are user turns).
+fn push_turn(messages: &mut Vec<Value>, role: &str, mut blocks: Vec<Value>) {
+    if blocks.is_empty() {
+        return;
+    }
+    if let Some(last) = messages.last_mut()
+        && last.get("role").and_then(Value::as_str) == Some(role)
+        && let Some(Value::Array(existing)) = last.get_mut("content")
+    {
+        existing.append(&mut blocks);
+        return;
+    }
+    messages.push(json!({"role": role, "content": blocks}));
+}
+
+/// Translate a Chat Completions request into a Messages request for `upstream_model`.
+pub fn chat_request_to_messages(body: &[u8], upstream_model: &str) -> Result<Bytes, ApiError> {
+    let request: Map<String, Value> = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?;
+    if request
+        .get("n")
+        .and_then(Value::as_u64)
+        .is_some_and(|n| n > 1)
+    {
+        return Err(ApiError::invalid(
+            "n",
+            "this model is served by an Anthropic-format provider, which returns one choice: n must be 1",
+        ));
+    }
+    let input = request
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ApiError::invalid("messages", "'messages' must be an array"))?;
+    let mut system = Vec::new();
+    let mut messages: Vec<Value> = Vec::new();
+    for (index, message) in input.iter().enumerate() {
+        let role = message
+            .get("role")
+            .and_then(Value::as_str)
+            .unwrap_or("user");
+        let content = message.get("content").unwrap_or(&Value::Null);
+        match role {
+            "system" | "developer" => {
+                let text = text_content(content, index)?;
+                if !text.is_empty() {
+                    system.push(text);
+                }
+            }
+            "tool" => {
+                let text = text_content(content, index)?;
+                push_turn(
+                    &mut messages,
+                    "user",
+                    vec![
+                        json!({"type": "tool_result", "tool_use_id": message.get("tool_call_id"), "content": text}),
+                    ],
+                );
+            }
+            "user" | "assistant" => {
+                let mut blocks = match content {
+                    Value::Null => Vec::new(),
+                    Value::String(text) if text.is_empty() => Vec::new(),
+                    Value::String(text) => vec![json!({"type": "text", "text": text})],
+                    Value::Array(parts) => parts
+                        .iter()
+                        .map(|p| block_of(p, index))
+                        .collect::<Result<_, _>>()?,
+                    _ => {
+                        return Err(ApiError::invalid(
+                            "messages",
+                            format!(
+                                "messages[{index}].content must be a string or an array of parts"
+                            ),
+                        ));
+                    }
+                };
+                if let Some(calls) = message.get("tool_calls").and_then(Value::as_array) {
+                    for call in calls {
+                        let function = call.get("function");
+                        let arguments = function
+                            .and_then(|f| f.get("arguments"))
+                            .and_then(Value::as_str)
+                            .unwrap_or("{}");
+                        let input: Value = serde_json::from_str(arguments).map_err(|_| {
+                            ApiError::invalid(
+                                "messages",
+                                format!(
+                                    "messages[{index}]: tool call arguments must be a JSON object"
+                                ),
+                            )
+                        })?;
+                        blocks.push(json!({
+                            "type": "tool_use",
+                            "id": call.get("id"),
+                            "name": function.and_then(|f| f.get("name")),
+                            "input": input,
+                        }));
+                    }
+                }
+                push_turn(&mut messages, role, blocks);
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    "messages",
+                    format!("messages[{index}]: unknown role '{other}'"),
+                ));
+            }
+        }
+    }
+    let mut out = Map::new();
+    out.insert("model".into(), json!(upstream_model));
+    if !system.is_empty() {
+        out.insert("system".into(), json!(system.join("\n\n")));
+    }
+    out.insert("messages".into(), Value::Array(messages));
+    let max_tokens = request
+        .get("max_completion_tokens")
+        .or_else(|| request.get("max_tokens"))
+        .and_then(Value::as_u64)
+        .unwrap_or(DEFAULT_MAX_TOKENS);
+    out.insert("max_tokens".into(), json!(max_tokens));
+    for key in ["temperature", "top_p", "stream"] {
+        if let Some(value) = request.get(key) {
+            out.insert(key.into(), value.clone());
+        }
+    }
+    match request.get("stop") {
+        Some(Value::String(stop)) => {
+            out.insert("stop_sequences".into(), json!([stop]));
+        }
+        Some(stops @ Value::Array(_)) => {
+            out.insert("stop_sequences".into(), stops.clone());
+        }
+        _ => {}
+    }
+    if let Some(user) = request.get("user") {
+        out.insert("metadata".into(), json!({"user_id": user}));
+    }
+    if let Some(tools) = request.get("tools").and_then(Value::as_array) {
+        let tools: Vec<Value> = tools
+            .iter()
+            .filter_map(|t| t.get("function"))
+            .map(|f| {
+                json!({
+                    "name": f.get("name"),
+                    "description": f.get("description").cloned().unwrap_or(json!("")),
+                    "input_schema": f.get("parameters").cloned().unwrap_or_else(|| json!({"type": "object"})),
+                })
+            })
+            .collect();
+        out.insert("tools".into(), Value::Array(tools));
+    }
+    match request.get("tool_choice") {
+        Some(Value::String(choice)) => {
+            let translated = match choice.as_str() {
+                "required" => json!({"type": "any"}),
+                "none" => json!({"type": "none"}),
+                _ => json!({"type": "auto"}),
+            };
+            out.insert("tool_choice".into(), translated);
+        }
+        Some(choice @ Value::Object(_)) => {
+            if let Some(name) = choice.get("function").and_then(|f| f.get("name")) {
+                out.insert("tool_choice".into(), json!({"type": "tool", "name": name}));
+            }
+        }
+        _ => {}
+    }
+    Ok(Bytes::from(Value::Object(out).to_string()))
+}
+
+fn finish_reason(stop_reason: Option<&str>) -> Value {
+    match stop_reason {
+        Some("end_turn" | "stop_sequence" | "pause_turn") => json!("stop"),
+        Some("max_tokens") => json!("length"),
+        Some("tool_use") => json!("tool_calls"),
+        Some("refusal") => json!("content_filter"),
+        Some(_) => json!("stop"),
+        None => Value::Null,
+    }
+}
+
+/// Anthropic usage in OpenAI's shape (cached input counted in the prompt, as OpenAI does).
+fn openai_usage(usage: &Value) -> Value {
+    let number = |key: &str| usage.get(key).and_then(Value::as_u64).unwrap_or(0);
+    let cached = number("cache_read_input_tokens");
+    let prompt = number("input_tokens") + cached + number("cache_creation_input_tokens");
+    let completion = number("output_tokens");
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+/// Translate a whole Messages response into a Chat Completions response.
+pub fn message_response_to_chat(body: &[u8], client_model: &str) -> Bytes {
+    let Ok(response) = serde_json::from_slice::<Value>(body) else {
+        return error_to_openai(502, body);
+    };
+    let mut text = String::new();
+    let mut tool_calls = Vec::new();
+    for block in response
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        match block.get("type").and_then(Value::as_str) {
+            Some("text") => text.push_str(block.get("text").and_then(Value::as_str).unwrap_or_default()),
+            Some("tool_use") => tool_calls.push(json!({
+                "id": block.get("id"),
+                "type": "function",
+                "function": {
+                    "name": block.get("name"),
+                    "arguments": block.get("input").map_or_else(|| "{}".to_owned(), Value::to_string),
+                }
+            })),
+            _ => {}
+        }
+    }
+    let mut message = json!({"role": "assistant", "content": if text.is_empty() && !tool_calls.is_empty() { Value::Null } else { json!(text) }});
+    if !tool_calls.is_empty() {
+        message["tool_calls"] = Value::Array(tool_calls);
+    }
+    let id = response
+        .get("id")
+        .and_then(Value::as_str)
+        .unwrap_or("unknown");
+    Bytes::from(
+        json!({
+            "id": format!("chatcmpl-{id}"),
+            "object": "chat.completion",
+            "created": unix_now(),
+            "model": client_model,
+            "choices": [{
+                "index": 0,
+                "message": message,
+                "finish_reason": finish_reason(response.get("stop_reason").and_then(Value::as_str)),
+            }],
+            "usage": openai_usage(response.get("usage").unwrap_or(&Value::Null)),
+        })
+        .to_string(),
+    )
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Translate an upstream error body (Anthropic shape or anything else) into an OpenAI error.
+pub fn error_to_openai(status: u16, body: &[u8]) -> Bytes {
+    let parsed = serde_json::from_slice::<Value>(body).ok();
+    let message = parsed
+        .as_ref()
+        .and_then(|v| v.get("error"))
+        .and_then(|e| {
+            e.get("message")
+                .and_then(Value::as_str)
+                .or_else(|| e.as_str())
+        })
+        .map(str::to_owned)
+        .unwrap_or_else(|| format!("upstream answered with status {status}"));
+    let kind = match status {
+        400 | 422 => ErrorKind::InvalidRequest,
+        401 | 403 => ErrorKind::BadGateway,
+        404 => ErrorKind::NotFound,
+        413 => ErrorKind::PayloadTooLarge,
+        429 => ErrorKind::Policy(429),
+        503 | 529 => ErrorKind::Unavailable,
+        504 => ErrorKind::GatewayTimeout,
+        _ => ErrorKind::BadGateway,
+    };
+    ApiError::new(kind, "upstream_error", message).body(ClientFormat::OpenAi)
+}
+
+/// Turns an Anthropic Messages SSE stream into Chat Completions chunks, incrementally.
+#[derive(Debug)]
+pub struct MessagesStreamTranslator {
+    client_model: String,
+    pending: BytesMut,
+    id: String,
+    created: u64,
+    /// Anthropic block index → OpenAI tool-call index, for tool_use blocks.
+    tool_blocks: Vec<(u64, u64)>,
+    usage: Value,
+    finished: bool,
+}
+
+impl MessagesStreamTranslator {
+    pub fn new(client_model: &str) -> MessagesStreamTranslator {
+        MessagesStreamTranslator {
+            client_model: client_model.to_owned(),
+            pending: BytesMut::new(),
+            id: "chatcmpl-unknown".to_owned(),
+            created: unix_now(),
+            tool_blocks: Vec::new(),
+            usage: json!({}),
+            finished: false,
+        }
+    }
+
+    /// Feed bytes from upstream; returns the Chat Completions chunks they complete.
+    pub fn feed(&mut self, chunk: &[u8]) -> Bytes {
+        self.pending.extend_from_slice(chunk);
+        let mut out = String::new();
+        while let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
+            let event = self.pending.split_to(end + 2);
+            let text = String::from_utf8_lossy(&event).into_owned();
+            for line in text.lines() {
+                if let Some(data) = line.strip_prefix("data:") {
+                    self.on_event(data.trim(), &mut out);
+                }
+            }
+        }
+        Bytes::from(out)
+    }
+
+    /// The end of the upstream body: close the stream if the upstream did not.
+    pub fn finish(&mut self) -> Bytes {
+        let mut out = self.feed(b"\n\n").to_vec();
+        if !self.finished {
+            out.extend_from_slice(b"data: [DONE]\n\n");
+            self.finished = true;
+        }
+        Bytes::from(out)
+    }
+
+    fn chunk(&self, delta: Value, finish: Value, out: &mut String) {
+        let chunk = json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.client_model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        });
+        out.push_str("data: ");
+        out.push_str(&chunk.to_string());
+        out.push_str("\n\n");
+    }
+
+    fn on_event(&mut self, data: &str, out: &mut String) {
+        if self.finished {
+            return;
+        }
+        let Ok(event) = serde_json::from_str::<Value>(data) else {
+            return;
+        };
+        match event.get("type").and_then(Value::as_str) {
+            Some("message_start") => {
+                let message = event.get("message");
+                if let Some(id) = message.and_then(|m| m.get("id")).and_then(Value::as_str) {
+                    self.id = format!("chatcmpl-{id}");
+                }
+                if let Some(usage) = message
+                    .and_then(|m| m.get("usage"))
+                    .and_then(Value::as_object)
+                {
+                    for (key, value) in usage {
+                        self.usage[key] = value.clone();
+                    }
+                }
+                self.chunk(
+                    json!({"role": "assistant", "content": ""}),
+                    Value::Null,
+                    out,
+                );
+            }
+            Some("content_block_start") => {
+                let block = event.get("content_block");
+                if block.and_then(|b| b.get("type")).and_then(Value::as_str) == Some("tool_use") {
+                    let anthropic_index = event.get("index").and_then(Value::as_u64).unwrap_or(0);
+                    let openai_index = self.tool_blocks.len() as u64;
+                    self.tool_blocks.push((anthropic_index, openai_index));
+                    self.chunk(
+                        json!({"tool_calls": [{"index": openai_index, "id": block.and_then(|b| b.get("id")), "type": "function", "function": {"name": block.and_then(|b| b.get("name")), "arguments": ""}}]}),
+                        Value::Null,
+                        out,
+                    );
+                }
+            }
+            Some("content_block_delta") => {
+                let delta = event.get("delta");
+                match delta.and_then(|d| d.get("type")).and_then(Value::as_str) {
+                    Some("text_delta") => {
+                        let text = delta
+                            .and_then(|d| d.get("text"))
+                            .cloned()
+                            .unwrap_or(json!(""));
+                        self.chunk(json!({"content": text}), Value::Null, out);
+                    }
+                    Some("input_json_delta") => {
+                        let anthropic_index =
+                            event.get("index").and_then(Value::as_u64).unwrap_or(0);
+                        let openai_index = self
+                            .tool_blocks
+                            .iter()
+                            .find(|(a, _)| *a == anthropic_index)
+                            .map_or(0, |(_, o)| *o);
+                        let partial = delta
+                            .and_then(|d| d.get("partial_json"))
+                            .cloned()
+                            .unwrap_or(json!(""));
+                        self.chunk(
+                            json!({"tool_calls": [{"index": openai_index, "function": {"arguments": partial}}]}),
+                            Value::Null,
+                            out,
+                        );
+                    }
+                    _ => {}
+                }
+            }
+            Some("message_delta") => {
+                if let Some(usage) = event.get("usage").and_then(Value::as_object) {
+                    for (key, value) in usage {
+                        self.usage[key] = value.clone();
+                    }
+                }
+                let stop = event
+                    .get("delta")
+                    .and_then(|d| d.get("stop_reason"))
+                    .and_then(Value::as_str);
+                self.chunk(json!({}), finish_reason(stop.or(Some("end_turn"))), out);
+            }
+            Some("message_stop") => {
+                // The usage chunk (OpenAI's include_usage form); the proxy removes it for
+                // clients that did not ask for it.
+                let usage = json!({
+                    "id": self.id,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": self.client_model,
+                    "choices": [],
+                    "usage": openai_usage(&self.usage),
+                });
+                out.push_str("data: ");
+                out.push_str(&usage.to_string());
+                out.push_str("\n\ndata: [DONE]\n\n");
+                self.finished = true;
+            }
+            Some("error") => {
+                let message = event
+                    .get("error")
+                    .and_then(|e| e.get("message"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("upstream error");
+                out.push_str("data: ");
+                out.push_str(&json!({"error": {"message": message, "type": "server_error", "param": null, "code": "upstream_error"}}).to_string());
+                out.push_str("\n\ndata: [DONE]\n\n");
+                self.finished = true;
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_become_messages_with_system_tools_and_alternating_turns() {
+        let body = json!({
+            "model": "alias", "max_completion_tokens": 99, "stream": true, "stop": "END", "user": "u1",
+            "temperature": 0.2,
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"q\":1}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"},
+                {"role": "user", "content": "and?"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "tool_choice": "required",
+        });
+        let out: Value = serde_json::from_slice(
+            &chat_request_to_messages(body.to_string().as_bytes(), "claude-x").unwrap(),
+        )
+        .unwrap();
+        assert_eq!(out["model"], "claude-x");
+        assert_eq!(out["system"], "be brief");
+        assert_eq!(out["max_tokens"], 99);
+        assert_eq!(out["stop_sequences"], json!(["END"]));
+        assert_eq!(out["metadata"]["user_id"], "u1");
+        assert_eq!(out["tool_choice"], json!({"type": "any"}));
+        assert_eq!(out["tools"][0]["input_schema"], json!({"type": "object"}));
+        let messages = out["messages"].as_array().unwrap();
+        let roles: Vec<&str> = messages
+            .iter()
+            .map(|m| m["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            roles,
+            ["user", "assistant", "user"],
+            "tool result and next user turn merged"
+        );
+        assert_eq!(
+            messages[0]["content"][1]["source"],
+            json!({"type": "base64", "media_type": "image/png", "data": "AAAA"})
+        );
+        assert_eq!(
+            messages[1]["content"][0],
+            json!({"type": "tool_use", "id": "c1", "name": "f", "input": {"q": 1}})
+        );
+        assert_eq!(messages[2]["content"][0]["type"], "tool_result");
+        assert_eq!(
+            messages[2]["content"][1],
+            json!({"type": "text", "text": "and?"})
+        );
+        let no_max: Value = serde_json::from_slice(
+            &chat_request_to_messages(br#"{"messages":[{"role":"user","content":"x"}]}"#, "m")
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(no_max["max_tokens"], DEFAULT_MAX_TOKENS);
+        assert!(chat_request_to_messages(br#"{"n":2,"messages":[]}"#, "m").is_err());
+    }
+
+    #[test]
+    fn whole_answers_and_errors_become_openai() {
+        let body = json!({"id": "msg_1", "type": "message", "content": [{"type": "text", "text": "hi"}, {"type": "tool_use", "id": "t", "name": "f", "input": {"a": 1}}], "stop_reason": "tool_use", "usage": {"input_tokens": 3, "cache_read_input_tokens": 10, "output_tokens": 5}});
+        let out: Value = serde_json::from_slice(&message_response_to_chat(
+            body.to_string().as_bytes(),
+            "alias",
+        ))
+        .unwrap();
+        assert_eq!(out["model"], "alias");
+        assert_eq!(out["choices"][0]["message"]["content"], "hi");
+        assert_eq!(
+            out["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"],
+            "{\"a\":1}"
+        );
+        assert_eq!(out["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(
+            out["usage"],
+            json!({"prompt_tokens": 13, "completion_tokens": 5, "total_tokens": 18, "prompt_tokens_details": {"cached_tokens": 10}})
+        );
+        let error: Value = serde_json::from_slice(&error_to_openai(
+            529,
+            br#"{"type":"error","error":{"type":"overloaded_error","message":"busy"}}"#,
+        ))
+        .unwrap();
+        assert_eq!(error["error"]["message"], "busy");
+        assert_eq!(error["error"]["type"], "server_error");
+    }
+
+    #[test]
+    fn streams_become_chunks_split_anywhere() {
+        let events = [
+            (
+                "message_start",
+                json!({"type": "message_start", "message": {"id": "msg_9", "usage": {"input_tokens": 4, "output_tokens": 1}}}),
+            ),
+            (
+                "content_block_start",
+                json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+            ),
+            (
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hel"}}),
+            ),
+            (
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "lo"}}),
+            ),
+            (
+                "content_block_start",
+                json!({"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "t1", "name": "f"}}),
+            ),
+            (
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{\"a\":"}}),
+            ),
+            (
+                "message_delta",
+                json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 7}}),
+            ),
+            ("message_stop", json!({"type": "message_stop"})),
+        ];
+        let text: String = events
+            .iter()
+            .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n"))
+            .collect();
+        let mut translator = MessagesStreamTranslator::new("alias");
+        let mut out = Vec::new();
+        for piece in text.as_bytes().chunks(7) {
+            out.extend_from_slice(&translator.feed(piece));
+        }
+        out.extend_from_slice(&translator.finish());
+        let out = String::from_utf8(out).unwrap();
+        let chunks: Vec<Value> = out
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        assert!(out.ends_with("data: [DONE]\n\n"));
+        assert_eq!(out.matches("[DONE]").count(), 1);
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(chunks[0]["id"], "chatcmpl-msg_9");
+        let text: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(text, "Hello");
+        assert_eq!(
+            chunks[3]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"],
+            "f"
+        );
+        assert_eq!(
+            chunks[4]["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"],
+            "{\"a\":"
+        );
+        assert_eq!(chunks[5]["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(chunks[6]["choices"], json!([]));
+        assert_eq!(chunks[6]["usage"]["prompt_tokens"], 4);
+        assert_eq!(chunks[6]["usage"]["completion_tokens"], 7);
+    }
+}

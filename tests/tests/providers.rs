@@ -1,0 +1,196 @@
+//! External providers: an OpenAI client reaching an Anthropic-format provider and an Anthropic
+//! client reaching an OpenAI-format provider, whole and streamed, with the provider's key and
+//! not the client's.
+
+use serde_json::{Value, json};
+use switchyard_e2e::{Proxy, Upstream, UpstreamOptions};
+
+const PROVIDER_KEY: &str = "sk-provider";
+
+struct Setup {
+    anthropic: Upstream,
+    openai: Upstream,
+    proxy: Proxy,
+    _dir: tempfile::TempDir,
+}
+
+async fn setup() -> Setup {
+    let anthropic = Upstream::start_with(
+        "claude",
+        UpstreamOptions {
+            anthropic_native: true,
+            stream_chunks: Some(3),
+            ..Default::default()
+        },
+    )
+    .await;
+    let openai = Upstream::start_with(
+        "gpt",
+        UpstreamOptions {
+            stream_chunks: Some(2),
+            ..Default::default()
+        },
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, PROVIDER_KEY).unwrap();
+    let yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: ExternalProvider\nmetadata: {{name: anthropic}}\nspec: {{baseUrl: \"http://{}/v1\", format: anthropic, credentials: {{file: \"{}\"}}}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: ExternalProvider\nmetadata: {{name: openai}}\nspec: {{baseUrl: \"http://{}/v1/\", format: openai, credentials: {{file: \"{}\"}}}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: claude}}\nspec: {{targets: [{{provider: anthropic, model: claude-sonnet}}]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: gpt}}\nspec: {{targets: [{{provider: openai, model: gpt-4.1}}]}}\n",
+        anthropic.endpoint(),
+        key.display(),
+        openai.endpoint(),
+        key.display()
+    );
+    let proxy = Proxy::start(&yaml, &[]).await;
+    Setup {
+        anthropic,
+        openai,
+        proxy,
+        _dir: dir,
+    }
+}
+
+fn data_events(text: &str) -> Vec<Value> {
+    text.split("\n\n")
+        .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn openai_clients_reach_anthropic_providers() {
+    let s = setup().await;
+    let client = reqwest::Client::new();
+    let request = json!({"model": "claude", "messages": [{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}], "max_tokens": 50});
+    let response = client
+        .post(format!("{}/v1/chat/completions", s.proxy.url()))
+        .bearer_auth("client-key")
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["model"], "claude");
+    assert!(
+        body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("claude saw")
+    );
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert_eq!(body["usage"]["prompt_tokens"], 7);
+    let sent = &s.anthropic.received()[0];
+    assert_eq!(sent.path, "/v1/messages");
+    assert_eq!(sent.headers["x-api-key"], PROVIDER_KEY);
+    assert_eq!(sent.headers["anthropic-version"], "2023-06-01");
+    assert!(
+        sent.headers.get("authorization").is_none(),
+        "the client's key must not leave"
+    );
+    let sent = sent.json();
+    assert_eq!(sent["model"], "claude-sonnet");
+    assert_eq!(sent["system"], "terse");
+    assert_eq!(sent["max_tokens"], 50);
+    assert_eq!(
+        sent["messages"],
+        json!([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    );
+
+    // Streamed: OpenAI chunks, no usage chunk unless asked.
+    let mut stream_request = request.clone();
+    stream_request["stream"] = json!(true);
+    let text = client
+        .post(format!("{}/v1/chat/completions", s.proxy.url()))
+        .json(&stream_request)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let chunks = data_events(&text);
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, "claude-0 claude-1 claude-2 ");
+    assert!(chunks.iter().all(|c| c.get("usage").is_none()), "{text}");
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
+    stream_request["stream_options"] = json!({"include_usage": true});
+    let text = client
+        .post(format!("{}/v1/chat/completions", s.proxy.url()))
+        .json(&stream_request)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let usage: Vec<Value> = data_events(&text)
+        .into_iter()
+        .filter(|c| c.get("usage").is_some())
+        .collect();
+    assert_eq!(usage.len(), 1, "{text}");
+    assert_eq!(usage[0]["usage"]["completion_tokens"], 3);
+    assert_eq!(usage[0]["choices"], json!([]));
+}
+
+#[tokio::test]
+async fn anthropic_clients_reach_openai_providers() {
+    let s = setup().await;
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/messages", s.proxy.url()))
+        .header("x-api-key", "client-key")
+        .header("anthropic-version", "2023-06-01")
+        .json(&json!({"model": "gpt", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["type"], "message");
+    assert!(
+        body["content"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("gpt saw")
+    );
+    let sent = &s.openai.received()[0];
+    assert_eq!(
+        sent.path, "/v1/chat/completions",
+        "base URL with a trailing slash"
+    );
+    assert_eq!(
+        sent.headers["authorization"],
+        format!("Bearer {PROVIDER_KEY}")
+    );
+    assert!(sent.headers.get("x-api-key").is_none());
+    assert_eq!(sent.json()["model"], "gpt-4.1");
+    // Legacy completions cannot go to an Anthropic provider: a clear 501.
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/completions", s.proxy.url()))
+        .json(&json!({"model": "claude", "prompt": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 501);
+    let body: Value = response.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("legacy completions"),
+        "{body}"
+    );
+}
