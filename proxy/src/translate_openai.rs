@@ -280,9 +280,18 @@ pub fn message_response_to_chat(body: &[u8], client_model: &str) -> Bytes {
             _ => {}
         }
     }
-    let mut message = json!({"role": "assistant", "content": if text.is_empty() && !tool_calls.is_empty() { Value::Null } else { json!(text) }});
+    let mut message = Map::new();
+    message.insert("role".into(), json!("assistant"));
+    message.insert(
+        "content".into(),
+        if text.is_empty() && !tool_calls.is_empty() {
+            Value::Null
+        } else {
+            json!(text)
+        },
+    );
     if !tool_calls.is_empty() {
-        message["tool_calls"] = Value::Array(tool_calls);
+        message.insert("tool_calls".into(), Value::Array(tool_calls));
     }
     let id = response
         .get("id")
@@ -346,7 +355,8 @@ pub struct MessagesStreamTranslator {
     created: u64,
     /// Anthropic block index → OpenAI tool-call index, for tool_use blocks.
     tool_blocks: Vec<(u64, u64)>,
-    usage: Value,
+    /// Usage fields as they arrive (input in message_start, output in message_delta).
+    usage: Map<String, Value>,
     finished: bool,
 }
 
@@ -358,7 +368,7 @@ impl MessagesStreamTranslator {
             id: "chatcmpl-unknown".to_owned(),
             created: unix_now(),
             tool_blocks: Vec::new(),
-            usage: json!({}),
+            usage: Map::new(),
             finished: false,
         }
     }
@@ -420,7 +430,7 @@ impl MessagesStreamTranslator {
                     .and_then(Value::as_object)
                 {
                     for (key, value) in usage {
-                        self.usage[key] = value.clone();
+                        self.usage.insert(key.clone(), value.clone());
                     }
                 }
                 self.chunk(
@@ -476,7 +486,7 @@ impl MessagesStreamTranslator {
             Some("message_delta") => {
                 if let Some(usage) = event.get("usage").and_then(Value::as_object) {
                     for (key, value) in usage {
-                        self.usage[key] = value.clone();
+                        self.usage.insert(key.clone(), value.clone());
                     }
                 }
                 let stop = event
@@ -494,7 +504,7 @@ impl MessagesStreamTranslator {
                     "created": self.created,
                     "model": self.client_model,
                     "choices": [],
-                    "usage": openai_usage(&self.usage),
+                    "usage": openai_usage(&Value::Object(self.usage.clone())),
                 });
                 out.push_str("data: ");
                 out.push_str(&usage.to_string());

@@ -110,10 +110,21 @@ fn sibling(name: &str) -> PathBuf {
 }
 
 /// The checkout this binary was built in (`<root>/target/<profile>/switchyard-bench`).
+/// The checkout the binary belongs to: an ancestor of the executable holding
+/// `loadtest/plot.py` (target/<profile>/switchyard-bench), else the source tree it was built
+/// from (a CARGO_TARGET_DIR outside the checkout), else the working directory.
 fn project_root() -> PathBuf {
+    let is_root = |dir: &std::path::Path| dir.join("loadtest/plot.py").is_file();
     std::env::current_exe()
         .ok()
-        .and_then(|exe| exe.ancestors().nth(3).map(PathBuf::from))
+        .and_then(|exe| exe.ancestors().find(|dir| is_root(dir)).map(PathBuf::from))
+        .or_else(|| {
+            let built_from = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+            built_from
+                .parent()
+                .filter(|dir| is_root(dir))
+                .map(PathBuf::from)
+        })
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
