@@ -16,6 +16,22 @@ const MAX_RULE_LABELS: usize = 1_000;
 /// bounded by what operators write (and capped in case of many renames over a long run).
 static POLICY_DECISIONS: Mutex<BTreeMap<(String, &'static str), u64>> = Mutex::new(BTreeMap::new());
 
+/// Fallbacks from one target to the next, by (from, to).
+static FALLBACKS: Mutex<BTreeMap<(String, String), u64>> = Mutex::new(BTreeMap::new());
+
+/// Count a move from target `from` to target `to` (labels from configuration).
+pub fn fallback(from: &str, to: &str) {
+    let mut counts = match FALLBACKS.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    let key = (from.to_owned(), to.to_owned());
+    if !counts.contains_key(&key) && counts.len() >= MAX_RULE_LABELS {
+        return;
+    }
+    *counts.entry(key).or_default() += 1;
+}
+
 /// Count one policy decision. `rule` is `namespace/policy/rule`, or empty when no rule decided.
 pub fn policy_decision(rule: &str, outcome: &'static str) {
     let mut counts = match POLICY_DECISIONS.lock() {
@@ -171,6 +187,27 @@ pub fn render(store: &ConfigStore) -> String {
             })
             .collect()
     };
+    let fallbacks: Vec<(String, f64)> = {
+        let counts = match FALLBACKS.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        counts
+            .iter()
+            .map(|((from, to), count)| {
+                (
+                    format!("from=\"{}\",to=\"{}\"", escape(from), escape(to)),
+                    *count as f64,
+                )
+            })
+            .collect()
+    };
+    family(
+        "switchyard_target_fallbacks_total",
+        "counter",
+        "Requests moved to the next target of their model (connect failure or 5xx before the first byte).",
+        fallbacks,
+    );
     family(
         "switchyard_policy_decisions_total",
         "counter",

@@ -42,8 +42,8 @@ use switchyard_policy::{
     ClassSet, Classifier, Context, NoTarget, Outcome as PolicyOutcome, PoolState, RequestFacts,
     RequestPrompt,
 };
-use switchyard_snapshot::PoolId;
 use switchyard_snapshot::snapshot::{LoadBalancing, ProviderFormat};
+use switchyard_snapshot::{ModelTarget, PoolId};
 
 /// Bytes Pingora's retry buffer holds (pingora-core `BODY_BUF_LIMIT`).
 const RETRY_BUFFER_BYTES: usize = 64 * 1024;
@@ -132,6 +132,58 @@ pub struct Route {
     pub usage: UsageTap,
     /// When the first byte of the answer went to the client.
     pub first_byte: Option<Instant>,
+    /// Targets still to try, in order, when this one cannot be reached or answers 5xx before
+    /// its first byte.
+    pub fallbacks: Vec<ModelTarget>,
+    /// What the client sent, to prepare a fallback target.
+    pub endpoint: Endpoint,
+    pub parsed: request::ParsedRequest,
+    pub client_body: Bytes,
+    /// Set when the current attempt is abandoned for the next target: that error is retried.
+    pub fallback_requested: bool,
+}
+
+impl Route {
+    /// Move to the next fallback target that can be prepared. Returns the body to send there;
+    /// `None` when no target is left.
+    fn next_target(&mut self) -> Option<Bytes> {
+        while !self.fallbacks.is_empty() {
+            let target = self.fallbacks.remove(0);
+            let prepared = match prepare_target(
+                &self.table,
+                &target,
+                self.endpoint,
+                &self.parsed,
+                &self.client_body,
+            ) {
+                Ok(prepared) => prepared,
+                Err(error) => {
+                    tracing::debug!(target = %target.backend, reason = %error.message, "fallback target skipped");
+                    continue;
+                }
+            };
+            tracing::info!(from = %self.target_label, to = %prepared.target_label, "falling back to the next target");
+            metrics::fallback(&self.target_label, &prepared.target_label);
+            self.pool = prepared.pool;
+            self.provider = prepared.provider;
+            self.translate = prepared.translate;
+            self.upstream_path = prepared.upstream_path;
+            self.upstream_model = prepared.upstream_model;
+            self.target_label = prepared.target_label;
+            self.usage = UsageTap::new(self.stream, prepared.strip_usage);
+            self.tried.clear();
+            self.reconnect_to = None;
+            self.reconnects = 0;
+            self.current = None;
+            self.pending = None;
+            self.prediction = None;
+            // The prompt was tokenized for the first pool; a fallback pool routes by queue.
+            self.prompt = None;
+            self.decision = None;
+            return Some(prepared.upstream_body);
+        }
+        None
+    }
 }
 
 /// Translation between the client's API and the upstream's.
@@ -329,6 +381,148 @@ fn provider_peer(route: &mut Route, provider: &ProviderRuntime) -> Option<HttpPe
         Some(Duration::from_millis(provider.config.connect_timeout_ms));
     peer.options.read_timeout = Some(Duration::from_millis(provider.config.read_timeout_ms));
     Some(peer)
+}
+
+/// A target made ready: where it goes, which way to translate, and the body to send.
+struct Prepared {
+    pool: Option<Arc<PoolRuntime>>,
+    provider: Option<Arc<ProviderRuntime>>,
+    translate: Translation,
+    upstream_path: Option<String>,
+    upstream_body: Bytes,
+    strip_usage: bool,
+    upstream_model: String,
+    target_label: String,
+}
+
+/// Prepare `target` for a request (`body` as the client sent it). Used for the first target
+/// and again for each fallback.
+fn prepare_target(
+    table: &RoutingTable,
+    target: &ModelTarget,
+    endpoint: Endpoint,
+    parsed: &request::ParsedRequest,
+    body: &Bytes,
+) -> std::result::Result<Prepared, ApiError> {
+    let destination = table.destination(target).ok_or_else(|| {
+        ApiError::new(
+            ErrorKind::Internal,
+            "target_missing",
+            format!("{} is not loaded", target.backend),
+        )
+    })?;
+    let (pool, provider) = match destination {
+        Destination::Pool(pool) => (Some(pool), None),
+        Destination::Provider(provider) => (None, Some(provider)),
+    };
+    if let Some(provider) = &provider
+        && let Some(reason) = &provider.unavailable
+    {
+        return Err(ApiError::new(
+            ErrorKind::Unavailable,
+            "provider_unavailable",
+            format!(
+                "model '{}' routes to provider {}, which cannot be used: {reason}",
+                parsed.model, provider.config.id
+            ),
+        ));
+    }
+    if let Some(pool) = &pool
+        && pool.workers.is_empty()
+    {
+        return Err(ApiError::new(
+            ErrorKind::Unavailable,
+            "no_workers",
+            format!(
+                "model '{}' has no workers available right now; retry shortly",
+                parsed.model
+            ),
+        ));
+    }
+    let (translate, upstream_path) = match (&pool, &provider) {
+        (Some(pool), _) => {
+            let translate = endpoint == Endpoint::Messages
+                && pool.config.anthropic_messages == AnthropicMessages::Translate;
+            if translate {
+                (
+                    Translation::MessagesToChat,
+                    Some("/v1/chat/completions".to_owned()),
+                )
+            } else {
+                (Translation::None, None)
+            }
+        }
+        (None, Some(provider)) => {
+            let base = &provider.base_path;
+            match (endpoint, provider.config.format) {
+                (Endpoint::Messages, ProviderFormat::Anthropic) => {
+                    (Translation::None, Some(format!("{base}/messages")))
+                }
+                (Endpoint::Messages, ProviderFormat::Openai) => (
+                    Translation::MessagesToChat,
+                    Some(format!("{base}/chat/completions")),
+                ),
+                (Endpoint::ChatCompletions, ProviderFormat::Openai) => {
+                    (Translation::None, Some(format!("{base}/chat/completions")))
+                }
+                (Endpoint::ChatCompletions, ProviderFormat::Anthropic) => (
+                    Translation::ChatToMessages,
+                    Some(format!("{base}/messages")),
+                ),
+                (Endpoint::Completions, ProviderFormat::Openai) => {
+                    (Translation::None, Some(format!("{base}/completions")))
+                }
+                _ => {
+                    return Err(ApiError::new(
+                        ErrorKind::NotImplemented,
+                        "translation_unsupported",
+                        format!(
+                            "model '{}' is served by provider {}, which speaks the Anthropic Messages API: \
+                                 use /v1/chat/completions or /v1/messages (legacy completions cannot be translated)",
+                            parsed.model, provider.config.id
+                        ),
+                    ));
+                }
+            }
+        }
+        (None, None) => (Translation::None, None),
+    };
+    let mut upstream_body = match translate {
+        Translation::MessagesToChat => {
+            translate::messages_request_to_chat(&body, &target.upstream_model)?
+        }
+        Translation::ChatToMessages => {
+            translate_openai::chat_request_to_messages(&body, &target.upstream_model)?
+        }
+        Translation::None => request::with_model(&body, &parsed, &target.upstream_model),
+    };
+    // Streamed OpenAI answers carry usage only when asked: ask on the client's behalf, and
+    // remove that chunk again before it reaches a client that did not ask.
+    let openai_upstream = translate == Translation::None
+        && matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions)
+        && provider
+            .as_ref()
+            .is_none_or(|p| p.config.format == ProviderFormat::Openai);
+    let mut strip_usage = false;
+    if parsed.stream && openai_upstream {
+        let (body, injected) = request::with_stream_usage(upstream_body)?;
+        upstream_body = body;
+        strip_usage = injected;
+    }
+    if parsed.stream && translate == Translation::ChatToMessages {
+        // The translated stream always ends with a usage chunk: keep it only on request.
+        strip_usage = !request::asks_for_stream_usage(&body);
+    }
+    Ok(Prepared {
+        pool,
+        provider,
+        translate,
+        upstream_path,
+        upstream_body,
+        strip_usage,
+        upstream_model: target.upstream_model.clone(),
+        target_label: target.backend.to_string(),
+    })
 }
 
 /// Per-request state.
@@ -721,41 +915,24 @@ impl Gateway {
                 }
             }
         }
-        let destination = table.destination(target).ok_or_else(|| {
-            ApiError::new(
-                ErrorKind::Internal,
-                "target_missing",
-                format!("{} is not loaded", target.backend),
-            )
-        })?;
-        let (pool, provider) = match destination {
-            Destination::Pool(pool) => (Some(pool), None),
-            Destination::Provider(provider) => (None, Some(provider)),
-        };
-        if let Some(provider) = &provider
-            && let Some(reason) = &provider.unavailable
-        {
-            return Err(ApiError::new(
-                ErrorKind::Unavailable,
-                "provider_unavailable",
-                format!(
-                    "model '{}' routes to provider {}, which cannot be used: {reason}",
-                    parsed.model, provider.config.id
-                ),
-            ));
-        }
-        if let Some(pool) = &pool
-            && pool.workers.is_empty()
-        {
-            return Err(ApiError::new(
-                ErrorKind::Unavailable,
-                "no_workers",
-                format!(
-                    "model '{}' has no workers available right now; retry shortly",
-                    parsed.model
-                ),
-            ));
-        }
+        let Prepared {
+            pool,
+            provider,
+            translate,
+            upstream_path,
+            upstream_body,
+            strip_usage,
+            upstream_model,
+            target_label,
+        } = prepare_target(&table, target, endpoint, &parsed, &body)?;
+        // Later targets of the model, tried in order when this one cannot be reached or fails
+        // before its first byte.
+        let fallbacks: Vec<ModelTarget> = chosen
+            .targets
+            .iter()
+            .filter(|t| !std::ptr::eq(**t, target) && table.usable(t))
+            .map(|t| (*t).clone())
+            .collect();
         let prompt = match &pool {
             Some(pool) => match &pool.tokenizer {
                 Some(tokenizer) => {
@@ -775,84 +952,9 @@ impl Gateway {
             },
             None => None,
         };
-        let (translate, upstream_path) = match (&pool, &provider) {
-            (Some(pool), _) => {
-                let translate = endpoint == Endpoint::Messages
-                    && pool.config.anthropic_messages == AnthropicMessages::Translate;
-                if translate {
-                    (
-                        Translation::MessagesToChat,
-                        Some("/v1/chat/completions".to_owned()),
-                    )
-                } else {
-                    (Translation::None, None)
-                }
-            }
-            (None, Some(provider)) => {
-                let base = &provider.base_path;
-                match (endpoint, provider.config.format) {
-                    (Endpoint::Messages, ProviderFormat::Anthropic) => {
-                        (Translation::None, Some(format!("{base}/messages")))
-                    }
-                    (Endpoint::Messages, ProviderFormat::Openai) => (
-                        Translation::MessagesToChat,
-                        Some(format!("{base}/chat/completions")),
-                    ),
-                    (Endpoint::ChatCompletions, ProviderFormat::Openai) => {
-                        (Translation::None, Some(format!("{base}/chat/completions")))
-                    }
-                    (Endpoint::ChatCompletions, ProviderFormat::Anthropic) => (
-                        Translation::ChatToMessages,
-                        Some(format!("{base}/messages")),
-                    ),
-                    (Endpoint::Completions, ProviderFormat::Openai) => {
-                        (Translation::None, Some(format!("{base}/completions")))
-                    }
-                    _ => {
-                        return Err(ApiError::new(
-                            ErrorKind::NotImplemented,
-                            "translation_unsupported",
-                            format!(
-                                "model '{}' is served by provider {}, which speaks the Anthropic Messages API: \
-                                 use /v1/chat/completions or /v1/messages (legacy completions cannot be translated)",
-                                parsed.model, provider.config.id
-                            ),
-                        ));
-                    }
-                }
-            }
-            (None, None) => (Translation::None, None),
-        };
-        let mut upstream_body = match translate {
-            Translation::MessagesToChat => {
-                translate::messages_request_to_chat(&body, &target.upstream_model)?
-            }
-            Translation::ChatToMessages => {
-                translate_openai::chat_request_to_messages(&body, &target.upstream_model)?
-            }
-            Translation::None => request::with_model(&body, &parsed, &target.upstream_model),
-        };
-        // Streamed OpenAI answers carry usage only when asked: ask on the client's behalf, and
-        // remove that chunk again before it reaches a client that did not ask.
-        let openai_upstream = translate == Translation::None
-            && matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions)
-            && provider
-                .as_ref()
-                .is_none_or(|p| p.config.format == ProviderFormat::Openai);
-        let mut strip_usage = false;
-        if parsed.stream && openai_upstream {
-            let (body, injected) = request::with_stream_usage(upstream_body)?;
-            upstream_body = body;
-            strip_usage = injected;
-        }
-        if parsed.stream && translate == Translation::ChatToMessages {
-            // The translated stream always ends with a usage chunk: keep it only on request.
-            strip_usage = !request::asks_for_stream_usage(&body);
-        }
-        let target_label = target.backend.to_string();
         let route = Route {
-            upstream_model: target.upstream_model.clone(),
-            requested_model: parsed.model,
+            upstream_model,
+            requested_model: parsed.model.clone(),
             stream: parsed.stream,
             translate,
             upstream_path,
@@ -876,6 +978,11 @@ impl Gateway {
             admission,
             usage: UsageTap::new(parsed.stream, strip_usage),
             first_byte: None,
+            fallbacks,
+            endpoint,
+            parsed,
+            client_body: body,
+            fallback_requested: false,
         };
         Ok((route, upstream_body))
     }
@@ -1259,7 +1366,22 @@ impl ProxyHttp for Gateway {
         upstream_response: &mut ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
-        ctx.status = upstream_response.status.as_u16();
+        let status = upstream_response.status.as_u16();
+        // A 5xx before any byte reached the client: the next target, if there is one.
+        if status >= 500
+            && let Some(route) = ctx.route.as_mut()
+            && let Some(body) = route.next_target()
+        {
+            tracing::warn!(request_id = %ctx.request_id, status, "upstream failed; trying the next target");
+            route.fallback_requested = true;
+            ctx.body = body;
+            ctx.response = ResponseMode::PassThrough;
+            return Err(Error::explain(
+                ErrorType::HTTPStatus(status),
+                "upstream error; trying the next target",
+            ));
+        }
+        ctx.status = status;
         upstream_response.insert_header("x-request-id", ctx.request_id.as_str())?;
         let Some(route) = ctx.route.as_mut() else {
             return Ok(());
@@ -1412,7 +1534,14 @@ impl ProxyHttp for Gateway {
             let may_retry = route.pool.as_ref().is_some_and(|pool| {
                 attempts < pool.config.max_attempts as usize && pool.pick(&route.tried).is_some()
             });
-            e.set_retry(may_retry);
+            if may_retry {
+                e.set_retry(true);
+            } else if let Some(body) = route.next_target() {
+                ctx.body = body;
+                e.set_retry(true);
+            } else {
+                e.set_retry(false);
+            }
         }
         e
     }
@@ -1429,6 +1558,13 @@ impl ProxyHttp for Gateway {
         // A pooled connection the worker had already closed fails before the worker saw the
         // request: safe to send again, to the same worker on a fresh connection. Anything after
         // a response started is not retried.
+        if let Some(route) = ctx.route.as_mut()
+            && route.fallback_requested
+        {
+            route.fallback_requested = false;
+            e.set_retry(true);
+            return e;
+        }
         let mut retry = false;
         if let Some(route) = ctx.route.as_mut()
             && client_reused

@@ -36,6 +36,8 @@ pub struct UpstreamOptions {
     pub gated: bool,
     /// Serve `/v1/messages` (Anthropic format) as vLLM does; otherwise it is a 404.
     pub anthropic_native: bool,
+    /// Answer every inference request with this status (an OpenAI error body).
+    pub fail_with: Option<u16>,
 }
 
 struct Shared {
@@ -195,6 +197,14 @@ async fn handle(
     }
     if path == "/health" {
         return StatusCode::OK.into_response();
+    }
+    if let Some(status) = shared.options.fail_with {
+        let error = json!({"error": {"message": format!("{} is failing on purpose", shared.name), "type": "InternalServerError", "code": status}});
+        return (
+            StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            axum::Json(error),
+        )
+            .into_response();
     }
     let request: Value = match serde_json::from_slice(&body) {
         Ok(value) => value,
