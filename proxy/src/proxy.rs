@@ -489,12 +489,12 @@ fn prepare_target(
     };
     let mut upstream_body = match translate {
         Translation::MessagesToChat => {
-            translate::messages_request_to_chat(&body, &target.upstream_model)?
+            translate::messages_request_to_chat(body, &target.upstream_model)?
         }
         Translation::ChatToMessages => {
-            translate_openai::chat_request_to_messages(&body, &target.upstream_model)?
+            translate_openai::chat_request_to_messages(body, &target.upstream_model)?
         }
-        Translation::None => request::with_model(&body, &parsed, &target.upstream_model),
+        Translation::None => request::with_model(body, parsed, &target.upstream_model),
     };
     // Streamed OpenAI answers carry usage only when asked: ask on the client's behalf, and
     // remove that chunk again before it reaches a client that did not ask.
@@ -511,7 +511,7 @@ fn prepare_target(
     }
     if parsed.stream && translate == Translation::ChatToMessages {
         // The translated stream always ends with a usage chunk: keep it only on request.
-        strip_usage = !request::asks_for_stream_usage(&body);
+        strip_usage = !request::asks_for_stream_usage(body);
     }
     Ok(Prepared {
         pool,
