@@ -380,6 +380,11 @@ fn provider_peer(route: &mut Route, provider: &ProviderRuntime) -> Option<HttpPe
     peer.options.connection_timeout =
         Some(Duration::from_millis(provider.config.connect_timeout_ms));
     peer.options.read_timeout = Some(Duration::from_millis(provider.config.read_timeout_ms));
+    peer.options.ca = provider.ca.clone();
+    // Pingora's connection pool keys peers by address, SNI and verification flags, not by the
+    // CA list: without a group of its own, a connection verified against one provider's CA
+    // could be reused for another provider at the same address that trusts different roots.
+    peer.group_key = provider.group_key;
     Some(peer)
 }
 

@@ -9,6 +9,8 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use pingora_core::protocols::tls::CaType;
+use pingora_core::utils::tls::{WrappedX509, parse_x509};
 use rand::Rng;
 use sha2::{Digest, Sha256};
 use switchyard_kv::index::WorkerId;
@@ -222,6 +224,10 @@ pub struct ProviderRuntime {
     pub base_path: String,
     /// The credential; never logged (Debug prints it redacted).
     pub key: Option<String>,
+    /// CA certificates trusted for this provider (`caFile`); `None`: the system's roots.
+    pub ca: Option<Arc<CaType>>,
+    /// Keeps this provider's pooled connections apart from any other peer's.
+    pub group_key: u64,
 }
 
 impl std::fmt::Debug for ProviderRuntime {
@@ -308,6 +314,16 @@ impl ProviderRuntime {
                 secret.name, secret.key
             ))),
         };
+        let ca = match &config.ca_file {
+            Some(path) if tls => match load_ca(path) {
+                Ok(ca) => Some(ca),
+                Err(reason) => {
+                    unavailable.get_or_insert(reason);
+                    None
+                }
+            },
+            _ => None,
+        };
         if let Some(reason) = &unavailable {
             tracing::error!(provider = %config.id, %reason, "external provider unavailable");
         }
@@ -320,8 +336,33 @@ impl ProviderRuntime {
             authority: authority.to_owned(),
             base_path: path.trim_end_matches('/').to_owned(),
             key,
+            ca,
+            group_key: {
+                use std::hash::{Hash, Hasher};
+                let mut hasher = std::collections::hash_map::DefaultHasher::new();
+                (&config.id, &config.ca_file).hash(&mut hasher);
+                hasher.finish()
+            },
         })
     }
+}
+
+/// Read a PEM file of CA certificates for one provider's TLS connections.
+fn load_ca(path: &str) -> Result<Arc<CaType>, String> {
+    let text = std::fs::read(path).map_err(|e| format!("its caFile {path} cannot be read: {e}"))?;
+    let mut reader = std::io::BufReader::new(text.as_slice());
+    let mut certificates = Vec::new();
+    for item in rustls_pemfile::certs(&mut reader) {
+        let der = item.map_err(|e| format!("its caFile {path} is not valid PEM: {e}"))?;
+        // pingora's wrapper parses the certificate again and panics on bad DER: check first.
+        x509_parser::parse_x509_certificate(der.as_ref())
+            .map_err(|e| format!("its caFile {path} holds an invalid certificate: {e}"))?;
+        certificates.push(WrappedX509::new(der.to_vec(), parse_x509));
+    }
+    if certificates.is_empty() {
+        return Err(format!("its caFile {path} holds no certificate"));
+    }
+    Ok(Arc::from(certificates))
 }
 
 /// Compare two digests without an early exit, so timing does not reveal how much matched.

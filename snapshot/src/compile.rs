@@ -606,6 +606,17 @@ fn compile_providers<'a>(
                 }
             },
         };
+        if let Some(ca_file) = &spec.ca_file {
+            if ca_file.trim().is_empty() {
+                errors.push(error_at(document, "spec.caFile", "must name a file".into()));
+            } else if !base_url.starts_with("https://") {
+                errors.push(error_at(
+                    document,
+                    "spec.caFile",
+                    "only used with an https:// baseUrl".into(),
+                ));
+            }
+        }
         for (field, value) in [
             ("spec.connectTimeoutMs", spec.connect_timeout_ms),
             ("spec.readTimeoutMs", spec.read_timeout_ms),
@@ -625,6 +636,7 @@ fn compile_providers<'a>(
                 format: spec.format,
                 credentials,
                 models: spec.models.iter().map(|m| m.trim().to_owned()).collect(),
+                ca_file: spec.ca_file.as_ref().map(|f| f.trim().to_owned()),
                 connect_timeout_ms: spec
                     .connect_timeout_ms
                     .unwrap_or(DEFAULT_PROVIDER_CONNECT_TIMEOUT_MS),

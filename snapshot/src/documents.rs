@@ -352,6 +352,10 @@ pub struct ExternalProviderSpec {
     /// Models the provider serves; targets naming another model are errors. Empty: any.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub models: Vec<String>,
+    /// PEM file of the CA certificates to trust for this provider (a private gateway, a test
+    /// CA); default: the system's roots. Only with an https:// base URL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub connect_timeout_ms: Option<u64>,

@@ -170,6 +170,8 @@ pub struct Provider {
     pub credentials: Option<Credentials>,
     /// Empty: any model.
     pub models: Vec<String>,
+    /// CA certificates (PEM) trusted for this provider instead of the system's roots.
+    pub ca_file: Option<String>,
     pub connect_timeout_ms: u64,
     pub read_timeout_ms: u64,
 }

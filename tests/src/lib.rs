@@ -5,6 +5,7 @@
 //! then talk HTTP to `proxy.url()`.
 
 pub mod process;
+pub mod tls;
 pub mod upstream;
 
 pub use process::{Proxy, Sim, SimWorker, free_port, workspace_root};

@@ -194,3 +194,75 @@ async fn anthropic_clients_reach_openai_providers() {
         "{body}"
     );
 }
+
+#[tokio::test]
+async fn providers_over_tls_trust_their_ca_file_and_nothing_else() {
+    let openai = Upstream::start("tls-gpt").await;
+    let anthropic = Upstream::start_with(
+        "tls-claude",
+        UpstreamOptions {
+            anthropic_native: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let openai_tls = switchyard_e2e::tls::TlsFront::start(openai.addr).await;
+    let anthropic_tls = switchyard_e2e::tls::TlsFront::start(anthropic.addr).await;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, PROVIDER_KEY).unwrap();
+    let yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: ExternalProvider\nmetadata: {{name: trusted}}\nspec: {{baseUrl: \"https://127.0.0.1:{}/v1\", format: openai, caFile: \"{}\", credentials: {{file: \"{}\"}}}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: ExternalProvider\nmetadata: {{name: claude-tls}}\nspec: {{baseUrl: \"https://127.0.0.1:{}/v1\", format: anthropic, caFile: \"{}\", credentials: {{file: \"{}\"}}}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: ExternalProvider\nmetadata: {{name: untrusted}}\nspec: {{baseUrl: \"https://127.0.0.1:{}/v1\", format: openai}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: trusted}}\nspec: {{targets: [{{provider: trusted, model: gpt-4.1}}]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: claude}}\nspec: {{targets: [{{provider: claude-tls, model: claude-sonnet}}]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: untrusted}}\nspec: {{targets: [{{provider: untrusted, model: gpt-4.1}}]}}\n",
+        openai_tls.addr.port(),
+        openai_tls.ca_file.display(),
+        key.display(),
+        anthropic_tls.addr.port(),
+        anthropic_tls.ca_file.display(),
+        key.display(),
+        openai_tls.addr.port(),
+    );
+    let proxy = Proxy::start(&yaml, &[]).await;
+    let client = reqwest::Client::new();
+    let ask = |model: &str, stream: bool| json!({"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]});
+    for stream in [false, true] {
+        let response = client
+            .post(format!("{}/v1/chat/completions", proxy.url()))
+            .json(&ask("trusted", stream))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        assert!(response.text().await.unwrap().contains("tls-gpt"));
+        let response = client
+            .post(format!("{}/v1/chat/completions", proxy.url()))
+            .json(&ask("claude", stream))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        assert!(response.text().await.unwrap().contains("tls-claude"));
+    }
+    let sent = openai.received();
+    assert_eq!(sent.len(), 2);
+    assert_eq!(
+        sent[0].headers["authorization"],
+        format!("Bearer {PROVIDER_KEY}")
+    );
+    assert_eq!(anthropic.received()[0].headers["x-api-key"], PROVIDER_KEY);
+    // The same server without its CA: the certificate is not trusted, nothing is sent.
+    let response = client
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .json(&ask("untrusted", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 502);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "server_error");
+    assert_eq!(openai.received().len(), 2);
+}
