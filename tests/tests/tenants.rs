@@ -294,3 +294,53 @@ async fn limits_answer_429_with_retry_after_in_the_clients_format() {
         1.0
     );
 }
+
+#[tokio::test]
+async fn a_default_tenant_serves_keyless_requests_only_when_configured() {
+    let upstream = Upstream::start("w").await;
+    let ask = json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]});
+    // Off by default: no key is a 401 once tenants exist.
+    let proxy = Proxy::start(&config(&upstream, "", ""), &[]).await;
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .json(&ask)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 401);
+    drop(proxy);
+    // team-b as the default tenant: keyless requests are served and counted as team-b; a
+    // wrong key is still refused.
+    let proxy = Proxy::start(
+        &config(&upstream, "", ", default: true, models: [chat]"),
+        &[],
+    )
+    .await;
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .json(&ask)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(post(&proxy, "sk-wrong", ask.clone()).await.status(), 401);
+    let mut counted = 0.0;
+    for _ in 0..100 {
+        let metrics = reqwest::get(format!("{}/metrics", proxy.url()))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        counted = metric(
+            &metrics,
+            "switchyard_tenant_requests_total",
+            "tenant=\"team-b\",model=\"chat\",target=\"pool default/p\",outcome=\"success\"",
+        );
+        if counted == 1.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(counted, 1.0);
+}
