@@ -114,6 +114,10 @@ impl UsageTap {
             while let Some(event) = self.next_event() {
                 self.read_event(&event);
             }
+            if self.pending.len() > MAX_WHOLE_BODY {
+                // Not an event stream after all: stop looking rather than grow.
+                self.pending = BytesMut::new();
+            }
             return chunk;
         }
         let mut out = BytesMut::with_capacity(chunk.len());
@@ -145,13 +149,22 @@ impl UsageTap {
         }
     }
 
-    /// Split one complete SSE event (terminator included) off `pending`.
+    /// Split one complete SSE event (terminator included, `\n\n` or `\r\n\r\n`) off `pending`.
     fn next_event(&mut self) -> Option<BytesMut> {
-        let end = self
+        let lf = self
             .pending
             .windows(2)
             .position(|w| w == b"\n\n")
-            .map(|at| at + 2)?;
+            .map(|at| at + 2);
+        let crlf = self
+            .pending
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map(|at| at + 4);
+        let end = match (lf, crlf) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
         Some(self.pending.split_to(end))
     }
 
@@ -490,6 +503,20 @@ mod tests {
                 reported: true
             }
         );
+    }
+
+    #[test]
+    fn crlf_events_are_read_and_stripped_too() {
+        let mut tap = UsageTap::new(true, true);
+        let text = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\r\n\r\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\r\n\r\ndata: [DONE]\r\n\r\n";
+        let out = tap.feed(Bytes::from(text));
+        assert_eq!(
+            out,
+            Bytes::from(
+                "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\r\n\r\ndata: [DONE]\r\n\r\n"
+            )
+        );
+        assert!(tap.usage.reported);
     }
 
     #[test]
