@@ -196,6 +196,32 @@ pub enum Translation {
     ChatToMessages,
 }
 
+/// An incremental stream translation (either direction).
+pub trait StreamTranslation: std::fmt::Debug + Send + Sync {
+    /// Bytes from upstream in, bytes for the client out.
+    fn feed(&mut self, chunk: &[u8]) -> Bytes;
+    /// The end of the upstream body: whatever closes the client's stream.
+    fn finish(&mut self) -> Bytes;
+}
+
+impl StreamTranslation for StreamTranslator {
+    fn feed(&mut self, chunk: &[u8]) -> Bytes {
+        StreamTranslator::feed(self, chunk)
+    }
+    fn finish(&mut self) -> Bytes {
+        StreamTranslator::finish(self)
+    }
+}
+
+impl StreamTranslation for MessagesStreamTranslator {
+    fn feed(&mut self, chunk: &[u8]) -> Bytes {
+        MessagesStreamTranslator::feed(self, chunk)
+    }
+    fn finish(&mut self) -> Bytes {
+        MessagesStreamTranslator::finish(self)
+    }
+}
+
 #[derive(Debug, Default)]
 enum ResponseMode {
     #[default]
@@ -204,15 +230,12 @@ enum ResponseMode {
     TranslateWhole {
         buffer: BytesMut,
         status: u16,
+        /// A successful answer, in the client's API.
+        answer: fn(&[u8], &str) -> Bytes,
+        /// An error body, in the client's error format.
+        error: fn(u16, &[u8]) -> Bytes,
     },
-    TranslateStream(Box<StreamTranslator>),
-    /// Anthropic events to OpenAI chunks.
-    TranslateStreamToOpenai(Box<MessagesStreamTranslator>),
-    /// Buffer a whole Anthropic answer and translate it to OpenAI at the end.
-    TranslateWholeToOpenai {
-        buffer: BytesMut,
-        status: u16,
-    },
+    TranslateStream(Box<dyn StreamTranslation>),
 }
 
 /// Admin path prefix: `POST /debug/route/v1/chat/completions` explains without forwarding.
@@ -1410,14 +1433,16 @@ impl ProxyHttp for Gateway {
             let streaming = route.stream && ctx.status < 400;
             ctx.response = if streaming {
                 upstream_response.insert_header(http::header::CONTENT_TYPE, "text/event-stream")?;
-                ResponseMode::TranslateStreamToOpenai(Box::new(MessagesStreamTranslator::new(
+                ResponseMode::TranslateStream(Box::new(MessagesStreamTranslator::new(
                     &route.requested_model,
                 )))
             } else {
                 upstream_response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
-                ResponseMode::TranslateWholeToOpenai {
+                ResponseMode::TranslateWhole {
                     buffer: BytesMut::new(),
                     status: ctx.status,
+                    answer: translate_openai::message_response_to_chat,
+                    error: translate_openai::error_to_openai,
                 }
             };
         }
@@ -1434,6 +1459,8 @@ impl ProxyHttp for Gateway {
                 ResponseMode::TranslateWhole {
                     buffer: BytesMut::new(),
                     status: ctx.status,
+                    answer: translate::chat_response_to_message,
+                    error: translate::error_to_anthropic,
                 }
             };
         }
@@ -1463,40 +1490,21 @@ impl ProxyHttp for Gateway {
                 }
                 *body = (!out.is_empty()).then(|| out.freeze());
             }
-            ResponseMode::TranslateWhole { buffer, status } => {
+            ResponseMode::TranslateWhole {
+                buffer,
+                status,
+                answer,
+                error,
+            } => {
                 if let Some(chunk) = body.take() {
                     buffer.extend_from_slice(&chunk);
                 }
                 if end_of_stream {
-                    let translated = if *status >= 400 {
-                        translate::error_to_anthropic(*status, buffer)
+                    *body = Some(if *status >= 400 {
+                        error(*status, buffer)
                     } else {
-                        translate::chat_response_to_message(buffer, client_model)
-                    };
-                    *body = Some(translated);
-                }
-            }
-            ResponseMode::TranslateStreamToOpenai(translator) => {
-                let mut out = BytesMut::new();
-                if let Some(chunk) = body.take() {
-                    out.extend_from_slice(&translator.feed(&chunk));
-                }
-                if end_of_stream {
-                    out.extend_from_slice(&translator.finish());
-                }
-                *body = (!out.is_empty()).then(|| out.freeze());
-            }
-            ResponseMode::TranslateWholeToOpenai { buffer, status } => {
-                if let Some(chunk) = body.take() {
-                    buffer.extend_from_slice(&chunk);
-                }
-                if end_of_stream {
-                    let translated = if *status >= 400 {
-                        translate_openai::error_to_openai(*status, buffer)
-                    } else {
-                        translate_openai::message_response_to_chat(buffer, client_model)
-                    };
-                    *body = Some(translated);
+                        answer(buffer, client_model)
+                    });
                 }
             }
         }
