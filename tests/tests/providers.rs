@@ -266,3 +266,34 @@ async fn providers_over_tls_trust_their_ca_file_and_nothing_else() {
     assert_eq!(body["error"]["type"], "server_error");
     assert_eq!(openai.received().len(), 2);
 }
+
+#[tokio::test]
+async fn a_silent_provider_times_out_by_its_own_read_timeout() {
+    // Accepts connections and never answers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: ExternalProvider\nmetadata: {{name: silent}}\nspec: {{baseUrl: \"http://{addr}/v1\", format: openai, readTimeoutMs: 300}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: slow}}\nspec: {{targets: [{{provider: silent, model: m}}]}}\n"
+    );
+    // The proxy-wide read timeout is an hour: only the provider's own 300 ms can answer in time.
+    let proxy = Proxy::start(&yaml, &["--upstream-read-timeout-s", "3600"]).await;
+    let request = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .json(&json!({"model": "slow", "messages": [{"role": "user", "content": "hi"}]}))
+        .send();
+    let response = tokio::time::timeout(std::time::Duration::from_secs(60), request)
+        .await
+        .expect("the provider's read timeout did not apply")
+        .unwrap();
+    assert_eq!(response.status(), 504);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "upstream_timeout");
+    holder.abort();
+}
