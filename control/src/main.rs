@@ -6,8 +6,11 @@
 //! `switchyard-control explain --request req.json --tenant T conf/` shows which policy rule a
 //! request meets, the prompt's classes and the target, with the proxy's own evaluator.
 //! `switchyard-control snapshot conf/` prints the compiled snapshot as JSON.
+//! `switchyard-control serve --socket /run/switchyard/control.sock conf/` pushes snapshots to
+//! proxies started with `--control-socket` and follows edits.
 
 mod explain;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -39,6 +42,17 @@ enum Command {
     },
     /// Show how a request would be treated by the policies: rules, prompt classes, target.
     Explain(explain::ExplainArgs),
+    /// Push snapshots of the documents to proxies over a Unix socket, following edits.
+    Serve(serve::ServeArgs),
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 fn main() -> anyhow::Result<ExitCode> {
@@ -46,7 +60,11 @@ fn main() -> anyhow::Result<ExitCode> {
     let paths = match &args.command {
         Command::Check { paths } | Command::Snapshot { paths } => paths,
         Command::Explain(explain) => &explain.paths,
+        Command::Serve(serve) => &serve.paths,
     };
+    if matches!(args.command, Command::Serve(_)) {
+        init_tracing();
+    }
     let snapshot = match switchyard_snapshot::load_paths(paths) {
         Ok(snapshot) => snapshot,
         Err(errors) => {
@@ -66,6 +84,7 @@ fn main() -> anyhow::Result<ExitCode> {
         ),
         Command::Snapshot { .. } => println!("{}", serde_json::to_string_pretty(&snapshot)?),
         Command::Explain(explain) => return explain::run(&explain, &snapshot),
+        Command::Serve(serve) => return serve::run(serve, snapshot),
     }
     Ok(ExitCode::SUCCESS)
 }

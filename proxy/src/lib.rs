@@ -8,6 +8,7 @@
 pub mod accounting;
 pub mod api;
 pub mod config;
+pub mod control;
 pub mod kv;
 pub mod limits;
 pub mod metrics;

@@ -11,6 +11,7 @@ use pingora_core::server::configuration::{Opt, ServerConf};
 use pingora_core::services::background::background_service;
 use pingora_proxy::ProxyServiceBuilder;
 use switchyard_proxy::config::{self, ConfigStore, FileWatcher};
+use switchyard_proxy::control::ControlClient;
 use switchyard_proxy::kv::KvService;
 use switchyard_proxy::proxy::{Gateway, Settings};
 
@@ -49,6 +50,10 @@ struct Args {
     /// Validate the configuration, print every error, and exit.
     #[arg(long)]
     check: bool,
+    /// Take snapshots from `switchyard-control serve` on this Unix socket instead of files; the
+    /// proxy is not ready until the first snapshot arrives.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["config", "check"])]
+    control_socket: Option<PathBuf>,
 }
 
 fn init_tracing(json: bool) {
@@ -70,34 +75,41 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     init_tracing(args.log_json);
 
-    let (loaded_digest, initial) = if args.config.is_empty() {
+    let store = Arc::new(ConfigStore::default());
+    // With a control socket the proxy starts empty (not ready) and waits for the first snapshot.
+    let (loaded_digest, initial) = if args.control_socket.is_some() {
+        (String::new(), None)
+    } else if args.config.is_empty() {
         (
             String::new(),
-            switchyard_snapshot::load_str(
+            Some(switchyard_snapshot::load_str(
                 switchyard_snapshot::EMBEDDED_SOURCE,
                 config::EMBEDDED_DEFAULT,
-            ),
+            )),
         )
     } else {
-        config::read_files(&args.config)
+        let (digest, result) = config::read_files(&args.config);
+        (digest, Some(result))
     };
-    let snapshot = match initial {
-        Ok(snapshot) => snapshot,
-        Err(errors) => {
-            eprintln!("{errors}");
+    if let Some(initial) = initial {
+        let snapshot = match initial {
+            Ok(snapshot) => snapshot,
+            Err(errors) => {
+                eprintln!("{errors}");
+                std::process::exit(2);
+            }
+        };
+        let (pools, models) = (snapshot.pools.len(), snapshot.models.len());
+        // Building the routing tables also loads each pool's tokenizer, so --check catches a
+        // bad path.
+        if let Err(error) = store.apply(snapshot) {
+            eprintln!("cannot serve the configuration: {error}");
             std::process::exit(2);
         }
-    };
-    let (pools, models) = (snapshot.pools.len(), snapshot.models.len());
-    // Building the routing tables also loads each pool's tokenizer, so --check catches a bad path.
-    let store = Arc::new(ConfigStore::default());
-    if let Err(error) = store.apply(snapshot) {
-        eprintln!("cannot serve the configuration: {error}");
-        std::process::exit(2);
-    }
-    if args.check {
-        println!("configuration OK: {pools} pool(s), {models} model(s)");
-        return Ok(());
+        if args.check {
+            println!("configuration OK: {pools} pool(s), {models} model(s)");
+            return Ok(());
+        }
     }
 
     let conf = ServerConf {
@@ -133,7 +145,15 @@ fn main() -> anyhow::Result<()> {
         },
     ));
 
-    if !args.config.is_empty() {
+    if let Some(socket) = &args.control_socket {
+        server.add_service(background_service(
+            "control socket",
+            ControlClient {
+                store: store.clone(),
+                socket: socket.clone(),
+            },
+        ));
+    } else if !args.config.is_empty() {
         let watcher = FileWatcher {
             store,
             paths: args.config.clone(),

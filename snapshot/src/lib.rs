@@ -11,6 +11,7 @@ pub mod documents;
 pub mod error;
 pub mod parse;
 pub mod snapshot;
+pub mod wire;
 
 pub use compile::compile;
 pub use error::{ConfigError, ConfigErrors};

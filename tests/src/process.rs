@@ -78,10 +78,26 @@ impl Proxy {
         let config_dir = tempfile::tempdir().expect("tempdir");
         let config_path = config_dir.path().join("switchyard.yaml");
         std::fs::write(&config_path, config_yaml).expect("write config");
+        let config_arg = config_path.display().to_string();
+        let mut all = vec!["--config", config_arg.as_str()];
+        all.extend_from_slice(args);
+        Proxy::spawn(config_dir, config_path, &all).await
+    }
+
+    /// Start the proxy fed by `switchyard-control serve` on `socket`; returns once it is ready
+    /// (that is, once the first snapshot arrived).
+    pub async fn start_with_control(socket: &std::path::Path, args: &[&str]) -> Proxy {
+        let config_dir = tempfile::tempdir().expect("tempdir");
+        let config_path = config_dir.path().join("unused.yaml");
+        let socket_arg = socket.display().to_string();
+        let mut all = vec!["--control-socket", socket_arg.as_str()];
+        all.extend_from_slice(args);
+        Proxy::spawn(config_dir, config_path, &all).await
+    }
+
+    async fn spawn(config_dir: tempfile::TempDir, config_path: PathBuf, args: &[&str]) -> Proxy {
         let port = free_port();
         let mut child = Command::new(binary("switchyard-proxy"))
-            .arg("--config")
-            .arg(&config_path)
             .args([
                 "--listen",
                 &format!("127.0.0.1:{port}"),
