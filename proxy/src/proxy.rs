@@ -903,7 +903,16 @@ impl Gateway {
                 "; target={} model={}",
                 target.backend, target.upstream_model
             ));
-            text
+            // A header value: names from configuration may hold characters a header cannot.
+            text.chars()
+                .map(|c| {
+                    if c == ' ' || c.is_ascii_graphic() {
+                        c
+                    } else {
+                        '?'
+                    }
+                })
+                .collect::<String>()
         });
         // Rate limits, once the request is known to go somewhere: the prompt is counted up
         // front (estimated from the body's size), the completion when the answer's usage
