@@ -31,6 +31,9 @@ PY
   rm -f .cache/wheels/vllm-"$vllm_version"-*.whl
 fi
 
+# Go-built tools (helm), cached in .cache/tools.
+scripts/tools.sh
+
 echo "== cargo fmt --check"
 cargo fmt --all --check
 echo "== cargo clippy"

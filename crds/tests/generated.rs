@@ -20,6 +20,11 @@ fn checked_in_yaml_matches_the_types() {
         let want = render(&crd).unwrap();
         if update {
             std::fs::write(&path, &want).unwrap();
+            // The Helm chart installs the same files.
+            let chart_copy = crds_dir()
+                .join("../helm/switchyard/crds")
+                .join(file_name(&crd));
+            std::fs::write(chart_copy, &want).unwrap();
             continue;
         }
         let have = std::fs::read_to_string(&path).unwrap_or_default();

@@ -1,0 +1,174 @@
+//! The Helm chart: `helm lint` and `helm template` with a Helm built from its Go modules
+//! (`scripts/tools.sh`), and the rendered manifests checked for what the layout promises.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+use switchyard_e2e::process::binary;
+use switchyard_e2e::workspace_root;
+
+fn helm() -> PathBuf {
+    let path = std::env::var_os("SWITCHYARD_HELM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".cache/tools/helm"));
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/tools.sh (scripts/test.sh does)",
+        path.display()
+    );
+    path
+}
+
+fn run_helm(args: &[&str]) -> String {
+    let output = Command::new(helm())
+        .args(args)
+        .current_dir(workspace_root())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "helm {args:?} failed\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+fn documents(text: &str) -> Vec<Value> {
+    serde_norway::Deserializer::from_str(text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .filter(|v: &Value| !v.is_null())
+        .collect()
+}
+
+fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|d| d["kind"] == kind).collect()
+}
+
+#[test]
+fn chart_lints_renders_and_keeps_its_promises() {
+    let lint = run_helm(&["lint", "--strict", "helm/switchyard"]);
+    assert!(lint.contains("0 chart(s) failed"), "{lint}");
+    let rendered = run_helm(&["template", "gw", "helm/switchyard", "--include-crds"]);
+    let docs = documents(&rendered);
+    assert_eq!(of_kind(&docs, "CustomResourceDefinition").len(), 5);
+    assert_eq!(of_kind(&docs, "ConfigMap").len(), 2);
+    assert_eq!(of_kind(&docs, "Service").len(), 1);
+    let account = of_kind(&docs, "ServiceAccount")[0];
+    assert_eq!(account["automountServiceAccountToken"], false);
+
+    let deployment = of_kind(&docs, "Deployment")[0];
+    let pod = &deployment["spec"]["template"]["spec"];
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    let containers = pod["containers"].as_array().unwrap();
+    let names: Vec<&str> = containers
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["control", "proxy"]);
+    let socket = "/run/switchyard/control.sock";
+    for container in containers {
+        let command: Vec<&str> = container["command"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        assert!(command.contains(&socket), "{command:?}");
+        let mounts = container["volumeMounts"].as_array().unwrap();
+        assert!(
+            mounts
+                .iter()
+                .any(|m| m["name"] == "control-socket" && m["mountPath"] == "/run/switchyard")
+        );
+        assert_eq!(container["securityContext"]["readOnlyRootFilesystem"], true);
+        assert!(container["resources"]["requests"].is_object());
+    }
+    let proxy = &containers[1];
+    assert_eq!(proxy["readinessProbe"]["httpGet"]["path"], "/ready");
+    assert_eq!(proxy["livenessProbe"]["httpGet"]["path"], "/health");
+    let volumes = pod["volumes"].as_array().unwrap();
+    assert!(
+        volumes
+            .iter()
+            .any(|v| v["name"] == "control-socket" && v["emptyDir"]["medium"] == "Memory")
+    );
+
+    // The chart's CRDs are the generated ones, byte for byte.
+    for entry in std::fs::read_dir(workspace_root().join("crds")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            let name = path.file_name().unwrap();
+            let copy = workspace_root().join("helm/switchyard/crds").join(name);
+            assert_eq!(
+                std::fs::read(&path).unwrap(),
+                std::fs::read(&copy).unwrap_or_default(),
+                "{} differs from crds/; copy it again",
+                copy.display()
+            );
+        }
+    }
+
+    // The shipped documents compile with the control process's own compiler.
+    let config = of_kind(&docs, "ConfigMap")
+        .into_iter()
+        .find(|c| c["metadata"]["name"] == "gw-config")
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for (file, text) in config["data"].as_object().unwrap() {
+        std::fs::write(dir.path().join(file), text.as_str().unwrap()).unwrap();
+    }
+    let check = Command::new(binary("switchyard-control"))
+        .arg("check")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+
+    // The dashboard is valid JSON over the per-tenant metrics.
+    let dashboard = of_kind(&docs, "ConfigMap")
+        .into_iter()
+        .find(|c| c["metadata"]["name"] == "gw-dashboard")
+        .unwrap();
+    assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
+    let json: Value = serde_json::from_str(
+        dashboard["data"]["switchyard-tenants.json"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let exprs = json.to_string();
+    for metric in [
+        "switchyard_tenant_requests_total",
+        "switchyard_tenant_ttft_seconds_bucket",
+        "switchyard_tenant_rejections_total",
+    ] {
+        assert!(exprs.contains(metric), "dashboard lacks {metric}");
+    }
+
+    // Values flow through.
+    let rendered = run_helm(&[
+        "template",
+        "gw",
+        "helm/switchyard",
+        "--set",
+        "replicas=3",
+        "--set",
+        "logJson=false",
+        "--set",
+        "dashboard.enabled=false",
+    ]);
+    let docs = documents(&rendered);
+    let deployment = of_kind(&docs, "Deployment")[0];
+    assert_eq!(deployment["spec"]["replicas"], 3);
+    let proxy_command =
+        deployment["spec"]["template"]["spec"]["containers"][1]["command"].to_string();
+    assert!(!proxy_command.contains("--log-json"), "{proxy_command}");
+    assert_eq!(of_kind(&docs, "ConfigMap").len(), 1);
+}
