@@ -102,13 +102,12 @@ async fn serve(args: ServeArgs, initial: Snapshot) -> anyhow::Result<std::proces
         Duration::from_millis(args.reload_interval_ms.max(20)),
         publish,
     ));
-    let our_uid = own_uid();
     let accept = async {
         loop {
             match listener.accept().await {
                 Ok((stream, _)) => {
                     let peer_uid = stream.peer_cred().map(|c| c.uid()).ok();
-                    if peer_uid != Some(our_uid) && peer_uid != Some(0) {
+                    if !wire::peer_allowed(peer_uid) {
                         tracing::warn!(?peer_uid, "refused a connection from another user");
                         continue;
                     }
@@ -138,12 +137,6 @@ async fn terminate() {
         }
         Err(_) => std::future::pending().await,
     }
-}
-
-/// The user id of this process (from /proc, to avoid unsafe libc calls).
-fn own_uid() -> u32 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self").map_or(u32::MAX, |m| m.uid())
 }
 
 async fn watch_files(

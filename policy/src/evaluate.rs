@@ -106,8 +106,6 @@ pub struct Evaluator {
     model_index: HashMap<String, usize>,
     /// For each model (by index), its first pool target: the default pool of `poolState`.
     default_pool: Vec<Option<PoolId>>,
-    /// For each model, whether any target is local; and whether all are.
-    model_has_local: Vec<bool>,
 }
 
 impl std::fmt::Debug for Evaluator {
@@ -146,7 +144,6 @@ impl Evaluator {
                 })
             })
             .collect::<Vec<_>>();
-        let model_has_local = default_pool.iter().map(Option::is_some).collect();
         let mut compiled = Vec::with_capacity(snapshot.rules.len());
         for rule in &snapshot.rules {
             let m = &rule.matches;
@@ -208,7 +205,6 @@ impl Evaluator {
             tenant_index,
             model_index,
             default_pool,
-            model_has_local,
         })
     }
 
@@ -225,14 +221,6 @@ impl Evaluator {
         self.compiled
             .iter()
             .any(|r| r.classes_any.0 != 0 || r.classes_none.0 != 0)
-    }
-
-    /// Whether the requested model has any local target.
-    pub fn model_has_local(&self, model: &str) -> bool {
-        self.model_index
-            .get(model)
-            .and_then(|i| self.model_has_local.get(*i).copied())
-            .unwrap_or(false)
     }
 
     /// Run the rules in order. `trace` (for `explain` and the debug header) receives a line per

@@ -16,6 +16,7 @@ use serde_json::Value;
 
 use crate::metrics::escape;
 use crate::routing::RoutingTable;
+use crate::translate::find_event_end;
 
 /// Most label combinations kept per family; later ones count under `tenant="other"`.
 const MAX_SERIES: usize = 10_000;
@@ -151,21 +152,8 @@ impl UsageTap {
 
     /// Split one complete SSE event (terminator included, `\n\n` or `\r\n\r\n`) off `pending`.
     fn next_event(&mut self) -> Option<BytesMut> {
-        let lf = self
-            .pending
-            .windows(2)
-            .position(|w| w == b"\n\n")
-            .map(|at| at + 2);
-        let crlf = self
-            .pending
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .map(|at| at + 4);
-        let end = match (lf, crlf) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b)?,
-        };
-        Some(self.pending.split_to(end))
+        let (end, separator) = find_event_end(&self.pending)?;
+        Some(self.pending.split_to(end + separator))
     }
 
     /// Read an event's usage. Returns true when the event is the injected usage-only chunk
@@ -288,19 +276,16 @@ fn tenant_label(tenant: Option<&str>) -> String {
 
 /// Count a request refused before it reached an upstream.
 pub fn rejected(table: &RoutingTable, tenant: Option<&str>, model: &str, reason: &'static str) {
-    let key = (
-        tenant_label(tenant),
-        model_label(Some(table), model),
-        reason,
-    );
-    *bounded(&mut ledger().rejections, key, |(_, model, reason)| {
-        ("other".to_owned(), model, reason)
-    }) += 1;
+    count_rejection(tenant, model_label(Some(table), model), reason);
 }
 
 /// Count a rejection with no usable model name (authentication, unreadable bodies).
 pub fn rejected_early(tenant: Option<&str>, reason: &'static str) {
-    let key = (tenant_label(tenant), "unknown".to_owned(), reason);
+    count_rejection(tenant, "unknown".to_owned(), reason);
+}
+
+fn count_rejection(tenant: Option<&str>, model: String, reason: &'static str) {
+    let key = (tenant_label(tenant), model, reason);
     *bounded(&mut ledger().rejections, key, |(_, model, reason)| {
         ("other".to_owned(), model, reason)
     }) += 1;

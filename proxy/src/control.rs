@@ -23,19 +23,13 @@ pub struct ControlClient {
     pub socket: PathBuf,
 }
 
-/// The user id of this process (from /proc, without unsafe calls).
-fn own_uid() -> u32 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self").map_or(u32::MAX, |m| m.uid())
-}
-
 impl ControlClient {
     /// One connection, until it ends. Returns whether a snapshot was received (to reset the
     /// backoff).
     async fn session(&self) -> Result<bool, WireError> {
         let stream = UnixStream::connect(&self.socket).await?;
         let peer = stream.peer_cred().map(|c| c.uid()).ok();
-        if peer != Some(own_uid()) && peer != Some(0) {
+        if !wire::peer_allowed(peer) {
             return Err(WireError::Io(std::io::Error::new(
                 std::io::ErrorKind::PermissionDenied,
                 format!("the control socket belongs to uid {peer:?}, not this user or root"),

@@ -204,12 +204,6 @@ impl RateLimiter {
             holds_slot,
         })
     }
-
-    /// Forget tenants that no longer exist.
-    pub fn retain(&self, tenants: &[&str]) {
-        self.lock()
-            .retain(|name, state| state.in_flight > 0 || tenants.contains(&name.as_str()));
-    }
 }
 
 fn sync_bucket(bucket: &mut Option<Bucket>, limit: Option<u64>, now: Instant) {

@@ -1437,39 +1437,36 @@ impl ProxyHttp for Gateway {
             route.pending = None;
         }
         let route = &*route;
-        if route.translate == Translation::ChatToMessages {
+        if route.translate != Translation::None {
             upstream_response.remove_header(&http::header::CONTENT_LENGTH);
             let streaming = route.stream && ctx.status < 400;
             ctx.response = if streaming {
                 upstream_response.insert_header(http::header::CONTENT_TYPE, "text/event-stream")?;
-                ResponseMode::TranslateStream(Box::new(MessagesStreamTranslator::new(
-                    &route.requested_model,
-                )))
+                let client_model = &route.requested_model;
+                ResponseMode::TranslateStream(match route.translate {
+                    Translation::ChatToMessages => {
+                        Box::new(MessagesStreamTranslator::new(client_model))
+                    }
+                    _ => Box::new(StreamTranslator::new(client_model)),
+                })
             } else {
                 upstream_response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
+                let (answer, error): (fn(&[u8], &str) -> Bytes, fn(u16, &[u8]) -> Bytes) =
+                    match route.translate {
+                        Translation::ChatToMessages => (
+                            translate_openai::message_response_to_chat,
+                            translate_openai::error_to_openai,
+                        ),
+                        _ => (
+                            translate::chat_response_to_message,
+                            translate::error_to_anthropic,
+                        ),
+                    };
                 ResponseMode::TranslateWhole {
                     buffer: BytesMut::new(),
                     status: ctx.status,
-                    answer: translate_openai::message_response_to_chat,
-                    error: translate_openai::error_to_openai,
-                }
-            };
-        }
-        if route.translate == Translation::MessagesToChat {
-            upstream_response.remove_header(&http::header::CONTENT_LENGTH);
-            let streaming = route.stream && ctx.status < 400;
-            ctx.response = if streaming {
-                upstream_response.insert_header(http::header::CONTENT_TYPE, "text/event-stream")?;
-                ResponseMode::TranslateStream(Box::new(StreamTranslator::new(
-                    &route.requested_model,
-                )))
-            } else {
-                upstream_response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
-                ResponseMode::TranslateWhole {
-                    buffer: BytesMut::new(),
-                    status: ctx.status,
-                    answer: translate::chat_response_to_message,
-                    error: translate::error_to_anthropic,
+                    answer,
+                    error,
                 }
             };
         }

@@ -278,10 +278,11 @@ pub fn chat_response_to_message(body: &[u8], client_model: &str) -> Bytes {
     )
 }
 
-/// Translate an upstream error body (OpenAI shape or anything else) into an Anthropic error.
-pub fn error_to_anthropic(status: u16, body: &[u8]) -> Bytes {
+/// The message of an upstream error body (`error.message`, `error` as a string, or a top-level
+/// `message`), whatever API it speaks.
+pub(crate) fn upstream_error_message(status: u16, body: &[u8]) -> String {
     let parsed = serde_json::from_slice::<Value>(body).ok();
-    let message = parsed
+    parsed
         .as_ref()
         .and_then(|v| v.get("error"))
         .and_then(|e| {
@@ -296,7 +297,12 @@ pub fn error_to_anthropic(status: u16, body: &[u8]) -> Bytes {
                 .and_then(Value::as_str)
         })
         .map(str::to_owned)
-        .unwrap_or_else(|| format!("upstream answered with status {status}"));
+        .unwrap_or_else(|| format!("upstream answered with status {status}"))
+}
+
+/// Translate an upstream error body (OpenAI shape or anything else) into an Anthropic error.
+pub fn error_to_anthropic(status: u16, body: &[u8]) -> Bytes {
+    let message = upstream_error_message(status, body);
     let kind = match status {
         400 | 422 => ErrorKind::InvalidRequest,
         404 => ErrorKind::NotFound,
@@ -537,7 +543,7 @@ fn emit(out: &mut String, event: &str, data: &Value) {
 }
 
 /// End of the first complete SSE event in `buffer` and the length of its separator.
-fn find_event_end(buffer: &[u8]) -> Option<(usize, usize)> {
+pub(crate) fn find_event_end(buffer: &[u8]) -> Option<(usize, usize)> {
     let lf = buffer.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
     let crlf = buffer
         .windows(4)

@@ -6,6 +6,7 @@ use bytes::{Bytes, BytesMut};
 use serde_json::{Map, Value, json};
 
 use crate::api::{ApiError, ClientFormat, ErrorKind};
+use crate::translate::{find_event_end, upstream_error_message};
 
 /// Anthropic requires `max_tokens`; OpenAI clients often leave it out.
 pub const DEFAULT_MAX_TOKENS: u64 = 4096;
@@ -322,17 +323,7 @@ fn unix_now() -> u64 {
 
 /// Translate an upstream error body (Anthropic shape or anything else) into an OpenAI error.
 pub fn error_to_openai(status: u16, body: &[u8]) -> Bytes {
-    let parsed = serde_json::from_slice::<Value>(body).ok();
-    let message = parsed
-        .as_ref()
-        .and_then(|v| v.get("error"))
-        .and_then(|e| {
-            e.get("message")
-                .and_then(Value::as_str)
-                .or_else(|| e.as_str())
-        })
-        .map(str::to_owned)
-        .unwrap_or_else(|| format!("upstream answered with status {status}"));
+    let message = upstream_error_message(status, body);
     let kind = match status {
         400 | 422 => ErrorKind::InvalidRequest,
         401 | 403 => ErrorKind::BadGateway,
@@ -377,8 +368,8 @@ impl MessagesStreamTranslator {
     pub fn feed(&mut self, chunk: &[u8]) -> Bytes {
         self.pending.extend_from_slice(chunk);
         let mut out = String::new();
-        while let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
-            let event = self.pending.split_to(end + 2);
+        while let Some((end, separator)) = find_event_end(&self.pending) {
+            let event = self.pending.split_to(end + separator);
             let text = String::from_utf8_lossy(&event).into_owned();
             for line in text.lines() {
                 if let Some(data) = line.strip_prefix("data:") {
