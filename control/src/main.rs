@@ -7,9 +7,11 @@
 //! request meets, the prompt's classes and the target, with the proxy's own evaluator.
 //! `switchyard-control snapshot conf/` prints the compiled snapshot as JSON.
 //! `switchyard-control serve --socket /run/switchyard/control.sock conf/` pushes snapshots to
-//! proxies started with `--control-socket` and follows edits.
+//! proxies started with `--control-socket` and follows edits; `serve --kubernetes` reads the five
+//! CRDs and the pools' pods from the API server instead and writes the objects' status.
 
 mod explain;
+mod kubernetes;
 mod serve;
 
 use std::path::PathBuf;
@@ -46,25 +48,39 @@ enum Command {
     Serve(serve::ServeArgs),
 }
 
-fn init_tracing() {
+fn init_tracing(json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
 }
 
 fn main() -> anyhow::Result<ExitCode> {
     let args = Args::parse();
+    if let Command::Serve(serve) = args.command {
+        init_tracing(serve.log_json);
+        if serve.kubernetes {
+            return serve::run(serve, None);
+        }
+        return match switchyard_snapshot::load_paths(&serve.paths) {
+            Ok(snapshot) => serve::run(serve, Some(snapshot)),
+            Err(errors) => {
+                eprintln!("{errors}");
+                Ok(ExitCode::FAILURE)
+            }
+        };
+    }
     let paths = match &args.command {
         Command::Check { paths } | Command::Snapshot { paths } => paths,
         Command::Explain(explain) => &explain.paths,
         Command::Serve(serve) => &serve.paths,
     };
-    if matches!(args.command, Command::Serve(_)) {
-        init_tracing();
-    }
     let snapshot = match switchyard_snapshot::load_paths(paths) {
         Ok(snapshot) => snapshot,
         Err(errors) => {
@@ -84,7 +100,7 @@ fn main() -> anyhow::Result<ExitCode> {
         ),
         Command::Snapshot { .. } => println!("{}", serde_json::to_string_pretty(&snapshot)?),
         Command::Explain(explain) => return explain::run(&explain, &snapshot),
-        Command::Serve(serve) => return serve::run(serve, snapshot),
+        Command::Serve(_) => {}
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -5,8 +5,8 @@
 //! root), checked with the kernel's peer credentials. A proxy that connects gets the current
 //! snapshot at once (unless its `Hello` says it serves it already) and then each new one;
 //! snapshots whose fingerprint did not change are not sent again. An invalid edit is logged with
-//! every error and the last good snapshot stays current. Today the documents come from files
-//! (polled); the Kubernetes watcher feeds the same channel.
+//! every error and the last good snapshot stays current. The documents come from files (polled)
+//! or, with `--kubernetes`, from the API server (see `kubernetes.rs`); both feed one channel.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -27,13 +27,22 @@ pub struct ServeArgs {
     /// How often the files are checked for changes.
     #[arg(long, default_value_t = 1000)]
     reload_interval_ms: u64,
+    /// Read the five CRDs and the pools' pods from the Kubernetes API server (KUBECONFIG, or the
+    /// in-cluster service account) instead of files.
+    #[arg(long, conflicts_with = "paths")]
+    pub kubernetes: bool,
+    #[command(flatten)]
+    pub kube: crate::kubernetes::KubernetesArgs,
+    /// Log as JSON lines.
+    #[arg(long)]
+    pub log_json: bool,
     /// Configuration files or directories.
-    #[arg(required = true, value_name = "PATH")]
+    #[arg(required_unless_present = "kubernetes", value_name = "PATH")]
     pub paths: Vec<PathBuf>,
 }
 
 /// Versions increase across restarts of the control process too: they start from the clock.
-fn next_version(previous: u64) -> u64 {
+pub(crate) fn next_version(previous: u64) -> u64 {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
@@ -57,7 +66,7 @@ fn digest(paths: &[PathBuf]) -> Vec<u8> {
     out
 }
 
-fn log_errors(errors: &switchyard_snapshot::ConfigErrors) {
+pub(crate) fn log_errors(errors: &switchyard_snapshot::ConfigErrors) {
     for error in errors.iter() {
         tracing::error!(
             source = %error.source_name,
@@ -69,7 +78,8 @@ fn log_errors(errors: &switchyard_snapshot::ConfigErrors) {
     }
 }
 
-pub fn run(args: ServeArgs, initial: Snapshot) -> anyhow::Result<std::process::ExitCode> {
+/// `initial` is the compiled files; `None` with `--kubernetes`.
+pub fn run(args: ServeArgs, initial: Option<Snapshot>) -> anyhow::Result<std::process::ExitCode> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -77,10 +87,16 @@ pub fn run(args: ServeArgs, initial: Snapshot) -> anyhow::Result<std::process::E
     runtime.block_on(serve(args, initial))
 }
 
-async fn serve(args: ServeArgs, initial: Snapshot) -> anyhow::Result<std::process::ExitCode> {
-    let initial = initial.with_version(next_version(0));
-    tracing::info!(version = initial.version, fingerprint = %initial.fingerprint, "serving snapshot");
-    let (publish, current) = watch::channel(Arc::new(initial));
+async fn serve(
+    args: ServeArgs,
+    initial: Option<Snapshot>,
+) -> anyhow::Result<std::process::ExitCode> {
+    let initial = initial.map(|initial| {
+        let initial = initial.with_version(next_version(0));
+        tracing::info!(version = initial.version, fingerprint = %initial.fingerprint, "serving snapshot");
+        Arc::new(initial)
+    });
+    let (publish, current) = watch::channel(initial);
 
     // A stale socket file from an earlier run is replaced; anything else at that path is not.
     if let Ok(metadata) = std::fs::symlink_metadata(&args.socket) {
@@ -97,11 +113,15 @@ async fn serve(args: ServeArgs, initial: Snapshot) -> anyhow::Result<std::proces
     std::fs::set_permissions(&args.socket, std::fs::Permissions::from_mode(0o600))?;
     tracing::info!(socket = %args.socket.display(), "control socket ready");
 
-    let watcher = tokio::spawn(watch_files(
-        args.paths.clone(),
-        Duration::from_millis(args.reload_interval_ms.max(20)),
-        publish,
-    ));
+    let mut source = if args.kubernetes {
+        tokio::spawn(crate::kubernetes::run(args.kube.clone(), publish))
+    } else {
+        tokio::spawn(watch_files(
+            args.paths.clone(),
+            Duration::from_millis(args.reload_interval_ms.max(20)),
+            publish,
+        ))
+    };
     let accept = async {
         loop {
             match listener.accept().await {
@@ -120,14 +140,24 @@ async fn serve(args: ServeArgs, initial: Snapshot) -> anyhow::Result<std::proces
             }
         }
     };
+    let mut code = std::process::ExitCode::SUCCESS;
     tokio::select! {
         _ = accept => {}
         _ = tokio::signal::ctrl_c() => {}
         _ = terminate() => {}
+        ended = &mut source => {
+            // The Kubernetes source ends only on a setup error (no kubeconfig, say).
+            match ended {
+                Ok(Err(error)) => tracing::error!("{error:#}"),
+                Ok(Ok(())) => tracing::error!("the configuration source stopped"),
+                Err(error) => tracing::error!(%error, "the configuration source failed"),
+            }
+            code = std::process::ExitCode::FAILURE;
+        }
     }
-    watcher.abort();
+    source.abort();
     let _ = std::fs::remove_file(&args.socket);
-    Ok(std::process::ExitCode::SUCCESS)
+    Ok(code)
 }
 
 async fn terminate() {
@@ -142,8 +172,8 @@ async fn terminate() {
 async fn watch_files(
     paths: Vec<PathBuf>,
     interval: Duration,
-    publish: watch::Sender<Arc<Snapshot>>,
-) {
+    publish: watch::Sender<Option<Arc<Snapshot>>>,
+) -> anyhow::Result<()> {
     let mut last = digest(&paths);
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -157,13 +187,14 @@ async fn watch_files(
         match switchyard_snapshot::load_paths(&paths) {
             Ok(snapshot) => {
                 let previous = publish.borrow().clone();
-                if previous.fingerprint == snapshot.fingerprint {
+                if previous.as_ref().map(|p| &p.fingerprint) == Some(&snapshot.fingerprint) {
                     tracing::debug!("files changed; snapshot unchanged");
                     continue;
                 }
-                let snapshot = snapshot.with_version(next_version(previous.version));
+                let snapshot =
+                    snapshot.with_version(next_version(previous.map_or(0, |p| p.version)));
                 tracing::info!(version = snapshot.version, fingerprint = %snapshot.fingerprint, "new snapshot");
-                publish.send_replace(Arc::new(snapshot));
+                publish.send_replace(Some(Arc::new(snapshot)));
             }
             Err(errors) => log_errors(&errors),
         }
@@ -171,7 +202,7 @@ async fn watch_files(
 }
 
 /// One proxy connection: send what it lacks, then each new snapshot; log its answers.
-async fn serve_proxy(stream: UnixStream, mut current: watch::Receiver<Arc<Snapshot>>) {
+async fn serve_proxy(stream: UnixStream, mut current: watch::Receiver<Option<Arc<Snapshot>>>) {
     let (mut reader, mut writer) = stream.into_split();
     let hello = match tokio::time::timeout(
         Duration::from_secs(10),
@@ -235,8 +266,11 @@ async fn serve_proxy(stream: UnixStream, mut current: watch::Receiver<Arc<Snapsh
         }
     });
     loop {
+        // None until the Kubernetes source has built its first snapshot.
         let snapshot = current.borrow_and_update().clone();
-        if sent_fingerprint.as_deref() != Some(snapshot.fingerprint.as_str()) {
+        if let Some(snapshot) = snapshot
+            && sent_fingerprint.as_deref() != Some(snapshot.fingerprint.as_str())
+        {
             let message = ControlMessage::Snapshot {
                 snapshot: Box::new((*snapshot).clone()),
             };

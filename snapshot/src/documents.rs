@@ -325,7 +325,7 @@ pub enum ProviderFormat {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "[has(self.secretRef), has(self.file), has(self.env)].filter(x, x).size() == 1", "message": "give exactly one of secretRef, file or env"}
+    {"rule": "(has(self.secretRef) ? 1 : 0) + (has(self.file) ? 1 : 0) + (has(self.env) ? 1 : 0) == 1", "message": "give exactly one of secretRef, file or env"}
 ]))]
 pub struct CredentialsSpec {
     /// A Secret key (Kubernetes; the control process resolves it).
@@ -452,7 +452,7 @@ pub struct RuleMatchSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "[has(self.inferenceModel), has(self.pool), has(self.provider)].filter(x, x).size() == 1", "message": "route names exactly one of inferenceModel, pool or provider"}
+    {"rule": "(has(self.inferenceModel) ? 1 : 0) + (has(self.pool) ? 1 : 0) + (has(self.provider) ? 1 : 0) == 1", "message": "route names exactly one of inferenceModel, pool or provider"}
 ]))]
 pub struct RouteSpec {
     /// A client-facing model name (an `InferenceModel`): its targets are used.
@@ -481,7 +481,7 @@ pub struct RejectSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "[has(self.route), has(self.reject), has(self.requireLocal), has(self.fallThrough)].filter(x, x).size() == 1", "message": "an action is exactly one of route, reject, requireLocal or fallThrough"}
+    {"rule": "(has(self.route) ? 1 : 0) + (has(self.reject) ? 1 : 0) + (has(self.requireLocal) ? 1 : 0) + (has(self.fallThrough) ? 1 : 0) == 1", "message": "an action is exactly one of route, reject, requireLocal or fallThrough"}
 ]))]
 pub struct ActionSpec {
     /// Send the request there and stop evaluating.
@@ -554,10 +554,14 @@ pub struct InferencePolicySpec {
     /// Policies run in ascending priority (then by namespace/name); default 100.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<i32>,
+    /// At most 256 per policy (the bound keeps the CRD's CEL rules within the API server's
+    /// cost budget).
     #[serde(default)]
+    #[schemars(length(max = 256))]
     pub rules: Vec<RuleSpec>,
     /// Prompt classes these (and other) policies may name, besides the built-in ones.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
     pub classes: Vec<ClassSpec>,
     /// Tuning of the built-in simple/complex classifier (at most one policy sets it).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -4,6 +4,7 @@
 //! Use: `let upstream = Upstream::start("w1").await; let proxy = Proxy::start(&config_yaml(..), &[]).await;`
 //! then talk HTTP to `proxy.url()`.
 
+pub mod kube;
 pub mod process;
 pub mod tls;
 pub mod upstream;

@@ -197,6 +197,91 @@ impl Drop for Proxy {
     }
 }
 
+/// A running `switchyard-control serve`, killed on drop; its stderr is collected.
+pub struct Control {
+    child: Child,
+    log: Arc<Mutex<String>>,
+}
+
+impl Control {
+    /// Serve the documents at `config` (polled every 50 ms) on `socket`.
+    pub async fn start_files(socket: &Path, config: &Path) -> Control {
+        let config = config.display().to_string();
+        Control::start(socket, &["--reload-interval-ms", "50", &config], &[]).await
+    }
+
+    /// `switchyard-control serve --socket <socket> <args>` with `env`; returns once the socket
+    /// exists.
+    pub async fn start(socket: &Path, args: &[&str], env: &[(&str, &str)]) -> Control {
+        let _ = std::fs::remove_file(socket);
+        let mut child = Command::new(binary("switchyard-control"))
+            .arg("serve")
+            .arg("--socket")
+            .arg(socket)
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn switchyard-control");
+        let log = Arc::new(Mutex::new(String::new()));
+        if let Some(stderr) = child.stderr.take() {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    eprintln!("[control] {line}");
+                    if let Ok(mut log) = log.lock() {
+                        log.push_str(&line);
+                        log.push('\n');
+                    }
+                }
+            });
+        }
+        let mut control = Control { child, log };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !socket.exists() {
+            if let Ok(Some(status)) = control.child.try_wait() {
+                panic!(
+                    "switchyard-control exited with {status}:\n{}",
+                    control.log()
+                );
+            }
+            assert!(Instant::now() < deadline, "control socket never appeared");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        control
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Wait until the log holds `needle` at least `count` times, or panic after 20 s.
+    pub async fn wait_log_count(&self, needle: &str, count: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.log().matches(needle).count() < count {
+            assert!(
+                Instant::now() < deadline,
+                "control never logged {needle:?} {count} times:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Kill it at once (SIGKILL), as a crash or an OOM kill would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Control {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
 /// One simulated worker's addresses, as `switchyard-sim` prints them.
 #[derive(Debug, Clone)]
 pub struct SimWorker {

@@ -22,23 +22,11 @@ pub struct TlsFront {
 impl TlsFront {
     /// Terminate TLS on 127.0.0.1 and relay each connection to `backend`.
     pub async fn start(backend: SocketAddr) -> TlsFront {
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("ca params");
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "switchyard test CA");
-        let ca_key = rcgen::KeyPair::generate().expect("ca key");
-        let ca = ca_params.self_signed(&ca_key).expect("ca cert");
-        let leaf_params =
-            rcgen::CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
-                .expect("leaf params");
-        let leaf_key = rcgen::KeyPair::generate().expect("leaf key");
-        let leaf = leaf_params
-            .signed_by(&leaf_key, &ca, &ca_key)
-            .expect("leaf cert");
+        let certs = TestCerts::generate();
         let dir = tempfile::tempdir().expect("tempdir");
         let ca_file = dir.path().join("ca.pem");
-        std::fs::write(&ca_file, ca.pem()).expect("write ca");
+        std::fs::write(&ca_file, &certs.ca_pem).expect("write ca");
+        let (leaf, leaf_key) = (certs.leaf, certs.leaf_key);
 
         let config = ServerConfig::builder_with_provider(Arc::new(
             tokio_rustls::rustls::crypto::ring::default_provider(),
@@ -72,6 +60,37 @@ impl TlsFront {
             ca_file,
             _dir: dir,
             task,
+        }
+    }
+}
+
+/// A throwaway CA and a certificate for 127.0.0.1 and localhost signed by it.
+pub struct TestCerts {
+    pub ca_pem: String,
+    pub leaf: rcgen::Certificate,
+    pub leaf_key: rcgen::KeyPair,
+}
+
+impl TestCerts {
+    pub fn generate() -> TestCerts {
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("ca params");
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "switchyard test CA");
+        let ca_key = rcgen::KeyPair::generate().expect("ca key");
+        let ca = ca_params.self_signed(&ca_key).expect("ca cert");
+        let leaf_params =
+            rcgen::CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+                .expect("leaf params");
+        let leaf_key = rcgen::KeyPair::generate().expect("leaf key");
+        let leaf = leaf_params
+            .signed_by(&leaf_key, &ca, &ca_key)
+            .expect("leaf cert");
+        TestCerts {
+            ca_pem: ca.pem(),
+            leaf,
+            leaf_key,
         }
     }
 }

@@ -3,74 +3,13 @@
 //! invalid edits kept out, and proxies that keep serving while the control is gone and pick
 //! up again when it returns.
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use switchyard_e2e::process::binary;
+use switchyard_e2e::process::Control;
 use switchyard_e2e::{Proxy, Upstream, pool_config};
-
-struct Control {
-    child: Child,
-    log: Arc<Mutex<String>>,
-}
-
-impl Control {
-    async fn start(socket: &Path, config: &Path) -> Control {
-        let _ = std::fs::remove_file(socket);
-        let mut child = Command::new(binary("switchyard-control"))
-            .args(["serve", "--reload-interval-ms", "50", "--socket"])
-            .arg(socket)
-            .arg(config)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn switchyard-control");
-        let log = Arc::new(Mutex::new(String::new()));
-        if let Some(stderr) = child.stderr.take() {
-            let log = log.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    eprintln!("[control] {line}");
-                    log.lock().unwrap().push_str(&format!("{line}\n"));
-                }
-            });
-        }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !socket.exists() {
-            assert!(Instant::now() < deadline, "control socket never appeared");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        Control { child, log }
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    async fn wait_log_count(&self, needle: &str, count: usize) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while self.log().matches(needle).count() < count {
-            assert!(
-                Instant::now() < deadline,
-                "control never logged {needle:?} {count} times:\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-impl Drop for Control {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn write_config(path: &Path, yaml: &str) {
     let temp = path.with_extension("tmp");
@@ -125,7 +64,7 @@ async fn control_pushes_snapshots_to_every_proxy_and_they_survive_its_absence() 
         &config,
         &pool_config("p", "m", &[first.endpoint()], "", &["chat"]),
     );
-    let control = Control::start(&socket, &config).await;
+    let control = Control::start_files(&socket, &config).await;
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "the socket is for this user only");
 
@@ -185,7 +124,7 @@ async fn control_pushes_snapshots_to_every_proxy_and_they_survive_its_absence() 
         &config,
         &pool_config("p", "m", &[first.endpoint()], "", &["chat"]),
     );
-    let control = Control::start(&socket, &config).await;
+    let control = Control::start_files(&socket, &config).await;
     wait_served_by(&a, "first").await;
     wait_served_by(&b, "first").await;
     assert!(

@@ -53,7 +53,27 @@ fn chart_lints_renders_and_keeps_its_promises() {
     let rendered = run_helm(&["template", "gw", "helm/switchyard", "--include-crds"]);
     let docs = documents(&rendered);
     assert_eq!(of_kind(&docs, "CustomResourceDefinition").len(), 5);
-    assert_eq!(of_kind(&docs, "ConfigMap").len(), 2);
+    // Default: the control reads the CRDs; no ConfigMap of documents, a Role for exactly that.
+    assert_eq!(of_kind(&docs, "ConfigMap").len(), 1);
+    let role = of_kind(&docs, "Role")[0];
+    let verbs: Vec<String> = role["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r["verbs"].as_array().unwrap().iter())
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect();
+    assert!(
+        verbs
+            .iter()
+            .all(|v| ["list", "watch", "patch"].contains(&v.as_str())),
+        "{verbs:?}"
+    );
+    assert!(!role.to_string().contains("secrets"));
+    assert_eq!(
+        of_kind(&docs, "RoleBinding")[0]["roleRef"]["name"],
+        "gw-control"
+    );
     assert_eq!(of_kind(&docs, "Service").len(), 1);
     let account = of_kind(&docs, "ServiceAccount")[0];
     assert_eq!(account["automountServiceAccountToken"], false);
@@ -86,6 +106,22 @@ fn chart_lints_renders_and_keeps_its_promises() {
         assert_eq!(container["securityContext"]["readOnlyRootFilesystem"], true);
         assert!(container["resources"]["requests"].is_object());
     }
+    // Only the control container holds an API token.
+    let token_mounts = |c: &Value| {
+        c["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["name"] == "api-token")
+            .count()
+    };
+    assert_eq!(token_mounts(&containers[0]), 1);
+    assert_eq!(token_mounts(&containers[1]), 0);
+    assert!(
+        containers[0]["command"]
+            .to_string()
+            .contains("--kubernetes")
+    );
     let proxy = &containers[1];
     assert_eq!(proxy["readinessProbe"]["httpGet"]["path"], "/ready");
     assert_eq!(proxy["livenessProbe"]["httpGet"]["path"], "/health");
@@ -111,8 +147,18 @@ fn chart_lints_renders_and_keeps_its_promises() {
         }
     }
 
+    // configSource files: the documents as a ConfigMap, no Role, no token anywhere.
+    let files = documents(&run_helm(&[
+        "template",
+        "gw",
+        "helm/switchyard",
+        "--set",
+        "configSource=files",
+    ]));
+    assert!(of_kind(&files, "Role").is_empty());
+    assert!(!files.iter().any(|d| d.to_string().contains("api-token")));
     // The shipped documents compile with the control process's own compiler.
-    let config = of_kind(&docs, "ConfigMap")
+    let config = of_kind(&files, "ConfigMap")
         .into_iter()
         .find(|c| c["metadata"]["name"] == "gw-config")
         .unwrap();
@@ -163,12 +209,19 @@ fn chart_lints_renders_and_keeps_its_promises() {
         "logJson=false",
         "--set",
         "dashboard.enabled=false",
+        "--set",
+        "otlp.endpoint=http://collector.observability:4317",
     ]);
     let docs = documents(&rendered);
     let deployment = of_kind(&docs, "Deployment")[0];
     assert_eq!(deployment["spec"]["replicas"], 3);
-    let proxy_command =
-        deployment["spec"]["template"]["spec"]["containers"][1]["command"].to_string();
+    let proxy = &deployment["spec"]["template"]["spec"]["containers"][1];
+    let proxy_command = proxy["command"].to_string();
     assert!(!proxy_command.contains("--log-json"), "{proxy_command}");
-    assert_eq!(of_kind(&docs, "ConfigMap").len(), 1);
+    let env = proxy["env"].to_string();
+    assert!(
+        env.contains("OTEL_EXPORTER_OTLP_ENDPOINT") && env.contains("collector.observability:4317"),
+        "{env}"
+    );
+    assert!(of_kind(&docs, "ConfigMap").is_empty());
 }

@@ -1,0 +1,495 @@
+//! The control process against a real Kubernetes API server (kube-apiserver + etcd built from
+//! their Go modules by scripts/tools.sh), with RBAC on and the control running as the Helm
+//! chart's service account, so the chart's Role is what it gets.
+//!
+//! One scenario, in order: the rendered chart applies (CRDs, Namespace-scoped objects, RBAC);
+//! pools find their workers through pod selectors; the proxy routes as the objects say; a policy
+//! edit under load switches routing without a failed request; an invalid object gets
+//! `Accepted=False` with the reason while the proxy keeps the last good snapshot; the control is
+//! killed and restarted under load and the proxy never stops serving; a pod that stops being
+//! ready leaves its pool.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use switchyard_crds::{InferenceModel, InferencePolicy, InferencePool, Tenant};
+use switchyard_e2e::kube::{ADMIN_TOKEN, Cluster, User, apply};
+use switchyard_e2e::process::Control;
+use switchyard_e2e::{Proxy, Upstream, workspace_root};
+
+const NAMESPACE: &str = "switchyard";
+const RELEASE: &str = "gw";
+const CONTROL_TOKEN: &str = "switchyard-test-control";
+/// The identity a pod of the chart's Deployment has (its ServiceAccount).
+const CONTROL_USER: &str = "system:serviceaccount:switchyard:gw";
+const KEY: &str = "sk-kube-test-key";
+/// sha256("sk-kube-test-key")
+fn key_sha256() -> String {
+    use sha2::Digest;
+    format!("{:x}", sha2::Sha256::digest(KEY.as_bytes()))
+}
+
+fn helm_template() -> String {
+    let helm = workspace_root().join(".cache/tools/helm");
+    assert!(helm.exists(), "run scripts/tools.sh first");
+    let output = Command::new(helm)
+        .args(["template", RELEASE, "helm/switchyard", "--include-crds"])
+        .args(["--namespace", NAMESPACE])
+        .current_dir(workspace_root())
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+fn split_documents(yaml: &str) -> Vec<String> {
+    serde_norway::Deserializer::from_str(yaml)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .filter(|v: &Value| !v.is_null())
+        .map(|v: Value| serde_norway::to_string(&v).unwrap())
+        .collect()
+}
+
+/// Apply the rendered chart as an administrator would: CRDs, wait until they serve, the rest.
+async fn install_chart(admin: &kube::Client) {
+    let rendered = helm_template();
+    let (crds, rest): (Vec<String>, Vec<String>) = split_documents(&rendered)
+        .into_iter()
+        .partition(|d| d.contains("kind: CustomResourceDefinition"));
+    assert_eq!(crds.len(), 5);
+    for crd in &crds {
+        apply(admin, NAMESPACE, crd).await.unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Api::<InferencePolicy>::namespaced(admin.clone(), NAMESPACE)
+        .list(&Default::default())
+        .await
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "CRDs never served");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let kinds: Vec<String> = rest
+        .iter()
+        .map(|d| {
+            let v: Value = serde_norway::from_str(d).unwrap();
+            v["kind"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    for kind in [
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "Deployment",
+    ] {
+        assert!(
+            kinds.iter().any(|k| k == kind),
+            "chart lacks a {kind}: {kinds:?}"
+        );
+    }
+    for document in &rest {
+        apply(admin, NAMESPACE, document).await.unwrap();
+    }
+}
+
+/// A worker pod as a kubelet would report it: running, ready, with an IP.
+async fn create_worker_pod(admin: &kube::Client, name: &str, pool: &str) {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NAMESPACE);
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "vllm", "pool": pool}},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]}
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    set_pod_ready(admin, name, true).await;
+}
+
+async fn set_pod_ready(admin: &kube::Client, name: &str, ready: bool) {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NAMESPACE);
+    let status = json!({"status": {
+        "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
+        "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]
+    }});
+    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+}
+
+fn pool_yaml(name: &str, port: u16) -> String {
+    format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: {name}}}\nspec:\n  model: m\n  selector: {{app: vllm, pool: {name}}}\n  targetPort: {port}\n  scrapeIntervalMs: 50\n"
+    )
+}
+
+fn policy_yaml(action: &str) -> String {
+    format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePolicy\nmetadata: {{name: routing}}\nspec:\n  rules:\n    - name: chat-goes-somewhere\n      match: {{models: [chat]}}\n      action: {action}\n"
+    )
+}
+
+/// Which upstream answered one request, or the failure.
+async fn served_by(http: &reqwest::Client, proxy: &str) -> Result<String, String> {
+    let response = http
+        .post(format!("{proxy}/v1/chat/completions"))
+        .bearer_auth(KEY)
+        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = response.status();
+    let body: Value = response.json().await.map_err(|e| e.to_string())?;
+    if status != 200 {
+        return Err(format!("{status}: {body}"));
+    }
+    Ok(body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .split(' ')
+        .next()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+/// When an answer came, and which upstream gave it (or the failure).
+type Answer = (Instant, Result<String, String>);
+
+/// Four clients sending requests back to back until stopped; every answer with its time.
+struct Load {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<Vec<Answer>>>,
+}
+
+impl Load {
+    fn start(proxy: String) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = (0..4)
+            .map(|_| {
+                let (stop, proxy) = (stop.clone(), proxy.clone());
+                tokio::spawn(async move {
+                    let http = reqwest::Client::new();
+                    let mut answers = Vec::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        let answer = served_by(&http, &proxy).await;
+                        answers.push((Instant::now(), answer));
+                    }
+                    answers
+                })
+            })
+            .collect();
+        Load { stop, tasks }
+    }
+
+    async fn finish(self) -> Vec<Answer> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut all = Vec::new();
+        for task in self.tasks {
+            all.extend(task.await.unwrap());
+        }
+        all.sort_by_key(|(at, _)| *at);
+        all
+    }
+}
+
+async fn wait_served_by(proxy: &Proxy, name: &str) {
+    let http = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if served_by(&http, &proxy.url()).await.as_deref() == Ok(name) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "proxy never routed to {name}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn version(proxy: &Proxy) -> u64 {
+    let ready: Value = reqwest::get(format!("{}/ready", proxy.url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    ready["config_version"].as_u64().unwrap()
+}
+
+/// The `Accepted` condition and the whole status of an object, once its status says `want`.
+async fn wait_accepted<K>(admin: &kube::Client, name: &str, want: &str) -> Value
+where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+{
+    let resource = kube::discovery::ApiResource::erase::<K>(&());
+    let api: Api<DynamicObject> = Api::namespaced_with(admin.clone(), NAMESPACE, &resource);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let object = api.get(name).await.unwrap();
+        let status = object.data["status"].clone();
+        let accepted = status["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == "Accepted");
+        if accepted.is_some_and(|c| c["status"] == want) {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} {name} never got Accepted={want}; status: {status}",
+            resource.kind
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn start_control(
+    socket: &std::path::Path,
+    kubeconfig: &std::path::Path,
+) -> impl std::future::Future<Output = Control> {
+    let kubeconfig = kubeconfig.display().to_string();
+    let socket = socket.to_path_buf();
+    async move {
+        Control::start(
+            &socket,
+            &["--kubernetes", "--namespace", NAMESPACE],
+            &[("KUBECONFIG", kubeconfig.as_str()), ("RUST_LOG", "info")],
+        )
+        .await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn control_on_a_real_api_server() {
+    let cluster = Cluster::start(&[User {
+        token: CONTROL_TOKEN,
+        name: CONTROL_USER,
+        groups: &[
+            "system:serviceaccounts",
+            "system:serviceaccounts:switchyard",
+        ],
+    }])
+    .await;
+    let admin = cluster.client(ADMIN_TOKEN, NAMESPACE).await;
+    apply(
+        &admin,
+        NAMESPACE,
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: switchyard}\n",
+    )
+    .await
+    .unwrap();
+
+    // The chart: CRDs, ServiceAccount, Role + RoleBinding, Service, Deployment, dashboard.
+    install_chart(&admin).await;
+
+    // The chart's Role is all the control gets: it cannot read secrets or change specs.
+    let as_control = cluster.client(CONTROL_TOKEN, NAMESPACE).await;
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(as_control.clone(), NAMESPACE);
+    let denied = secrets.list(&Default::default()).await.unwrap_err();
+    assert!(denied.to_string().contains("forbidden"), "{denied}");
+
+    // Workers, found through pod selectors.
+    let large = Upstream::start("large").await;
+    let small = Upstream::start("small").await;
+    create_worker_pod(&admin, "large-0", "large").await;
+    create_worker_pod(&admin, "small-0", "small").await;
+    let port = |u: &Upstream| {
+        u.endpoint()
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .parse::<u16>()
+            .unwrap()
+    };
+    let tenant = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: Tenant\nmetadata: {{name: team}}\nspec: {{apiKeys: [{{sha256: {}}}]}}\n",
+        key_sha256()
+    );
+    let objects = [
+        pool_yaml("large", port(&large)),
+        pool_yaml("small", port(&small)),
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {name: chat}\nspec: {targets: [{pool: large}]}\n".to_owned(),
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {name: chat-small}\nspec: {targets: [{pool: small}]}\n".to_owned(),
+        tenant,
+    ]
+    .join("---\n");
+    apply(&admin, NAMESPACE, &objects).await.unwrap();
+    apply(
+        &admin,
+        NAMESPACE,
+        &policy_yaml("{route: {inferenceModel: chat-small}}"),
+    )
+    .await
+    .unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("control.sock");
+    let kubeconfig = cluster.kubeconfig(CONTROL_TOKEN, NAMESPACE);
+    let mut control = start_control(&socket, &kubeconfig).await;
+    let proxy = Proxy::start_with_control(&socket, &[]).await;
+    control.wait_log_count("proxy applied snapshot", 1).await;
+
+    // Routing follows the objects: the policy sends `chat` to the small pool; the tenant's key
+    // works and others do not.
+    wait_served_by(&proxy, "small").await;
+    let http = reqwest::Client::new();
+    let anonymous = http
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status(), 401);
+
+    // Status written back with the chart's RBAC: accepted, endpoints found.
+    let pool_status = wait_accepted::<InferencePool>(&admin, "large", "True").await;
+    assert_eq!(pool_status["endpoints"], 1, "{pool_status}");
+    assert!(pool_status["snapshotVersion"].as_u64().unwrap() > 0);
+    wait_accepted::<InferencePolicy>(&admin, "routing", "True").await;
+    wait_accepted::<Tenant>(&admin, "team", "True").await;
+
+    // Edit the policy under load: every request answered, the new target within the measured
+    // delay (printed; tests do not assert on time beyond the 20 s wait).
+    let load = Load::start(proxy.url());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let edited = Instant::now();
+    apply(&admin, NAMESPACE, &policy_yaml("{fallThrough: true}"))
+        .await
+        .unwrap();
+    wait_served_by(&proxy, "large").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let answers = load.finish().await;
+    let failures: Vec<_> = answers.iter().filter(|(_, a)| a.is_err()).collect();
+    assert!(
+        failures.is_empty(),
+        "requests failed during the edit: {failures:?}"
+    );
+    let switched = answers
+        .iter()
+        .find(|(at, a)| *at > edited && a.as_deref() == Ok("large"))
+        .map(|(at, _)| at.duration_since(edited))
+        .unwrap();
+    let after_switch = answers
+        .iter()
+        .filter(|(at, _)| *at > edited + switched)
+        .collect::<Vec<_>>();
+    assert!(
+        after_switch
+            .iter()
+            .all(|(_, a)| a.as_deref() == Ok("large")),
+        "old routing came back after the switch"
+    );
+    eprintln!(
+        "policy edit under load: {} requests, 0 failed, new routing {} ms after the apply",
+        answers.len(),
+        switched.as_millis()
+    );
+
+    // An invalid object (the API server's schema accepts it, the compiler does not): its status
+    // says why, and the proxy keeps the snapshot it has.
+    let before = version(&proxy).await;
+    apply(
+        &admin,
+        NAMESPACE,
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {name: broken}\nspec: {targets: [{pool: nowhere}]}\n",
+    )
+    .await
+    .unwrap();
+    let broken = wait_accepted::<InferenceModel>(&admin, "broken", "False").await;
+    let condition = &broken["conditions"][0];
+    assert_eq!(condition["reason"], "Invalid");
+    let message = condition["message"].as_str().unwrap();
+    assert!(
+        message.contains("spec.targets[0].pool") && message.contains("nowhere"),
+        "{message}"
+    );
+    // Objects already served stay accepted; the proxy did not move.
+    wait_accepted::<InferencePolicy>(&admin, "routing", "True").await;
+    assert_eq!(version(&proxy).await, before);
+    wait_served_by(&proxy, "large").await;
+    // An edit held back by the broken object is reported as pending, not accepted.
+    apply(
+        &admin,
+        NAMESPACE,
+        &policy_yaml("{route: {inferenceModel: chat-small}}"),
+    )
+    .await
+    .unwrap();
+    let pending = wait_accepted::<InferencePolicy>(&admin, "routing", "Unknown").await;
+    assert_eq!(pending["conditions"][0]["reason"], "Pending", "{pending}");
+    assert_eq!(version(&proxy).await, before);
+    // What the CRD's own rules catch never reaches the control: the API server refuses it.
+    let refused = apply(
+        &admin,
+        NAMESPACE,
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {name: both}\nspec: {targets: [{pool: large, provider: cloud, model: x}]}\n",
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        refused.contains("exactly one of pool or provider"),
+        "{refused}"
+    );
+    // Fixing the broken object releases the held-back edit.
+    Api::<InferenceModel>::namespaced(admin.clone(), NAMESPACE)
+        .delete("broken", &Default::default())
+        .await
+        .unwrap();
+    wait_served_by(&proxy, "small").await;
+    wait_accepted::<InferencePolicy>(&admin, "routing", "True").await;
+
+    // The control dies under load: the proxy keeps serving its last snapshot throughout, and
+    // follows edits again once a new control is up.
+    let load = Load::start(proxy.url());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    control.kill();
+    apply(&admin, NAMESPACE, &policy_yaml("{fallThrough: true}"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        served_by(&http, &proxy.url()).await.as_deref(),
+        Ok("small"),
+        "nothing can change routing while the control is down"
+    );
+    let control = start_control(&socket, &kubeconfig).await;
+    wait_served_by(&proxy, "large").await;
+    let answers = load.finish().await;
+    let failures: Vec<_> = answers.iter().filter(|(_, a)| a.is_err()).collect();
+    assert!(
+        failures.is_empty(),
+        "requests failed while the control was gone: {failures:?}"
+    );
+    eprintln!(
+        "control killed and restarted under load: {} requests, 0 failed",
+        answers.len()
+    );
+    control.wait_log_count("proxy applied snapshot", 1).await;
+
+    // A worker pod that stops being ready leaves its pool.
+    set_pod_ready(&admin, "large-0", false).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = wait_accepted::<InferencePool>(&admin, "large", "True").await;
+        if status["endpoints"] == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pool kept its unready pod: {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(control);
+    drop(proxy);
+    drop(cluster);
+}
