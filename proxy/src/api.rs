@@ -66,6 +66,17 @@ impl Endpoint {
         }
     }
 
+    /// The client API (inference and model listing), as opposed to probes and metrics.
+    pub fn is_api(self) -> bool {
+        matches!(
+            self,
+            Endpoint::ChatCompletions
+                | Endpoint::Completions
+                | Endpoint::Messages
+                | Endpoint::Models
+        )
+    }
+
     pub fn label(self) -> &'static str {
         match self {
             Endpoint::ChatCompletions => "chat_completions",

@@ -17,5 +17,6 @@ pub mod proxy;
 pub mod request;
 pub mod routing;
 pub mod scorer;
+pub mod telemetry;
 pub mod translate;
 pub mod translate_openai;

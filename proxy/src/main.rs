@@ -129,11 +129,14 @@ fn main() -> anyhow::Result<()> {
     };
     let mut server_options = HttpServerOptions::default();
     server_options.h2c = true;
-    let mut proxy =
-        ProxyServiceBuilder::new(&server.configuration, Gateway::new(store.clone(), settings))
-            .name("switchyard-proxy")
-            .server_options(server_options)
-            .build();
+    // OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set; kept alive until the process ends.
+    let telemetry = switchyard_proxy::telemetry::Telemetry::from_env()?;
+    let gateway =
+        Gateway::new(store.clone(), settings).with_tracer(telemetry.as_ref().map(|t| t.tracer()));
+    let mut proxy = ProxyServiceBuilder::new(&server.configuration, gateway)
+        .name("switchyard-proxy")
+        .server_options(server_options)
+        .build();
     proxy.add_tcp(&args.listen);
     server.add_service(proxy);
 
@@ -161,6 +164,10 @@ fn main() -> anyhow::Result<()> {
             loaded_digest,
         };
         server.add_service(background_service("config watcher", watcher));
+    }
+
+    if let Some(telemetry) = &telemetry {
+        server.add_service(background_service("trace flush", telemetry.flusher()));
     }
 
     tracing::info!(listen = %args.listen, "switchyard-proxy starting");

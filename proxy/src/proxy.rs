@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
+use opentelemetry::KeyValue;
 use pingora_core::upstreams::peer::{HttpPeer, Peer};
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
@@ -34,6 +35,7 @@ use crate::routing::{
     RoutingTable,
 };
 use crate::scorer::{self, Decision, Outcome};
+use crate::telemetry::{RequestSpan, Tracer};
 use crate::translate::{self, StreamTranslator};
 use crate::translate_openai::{self, MessagesStreamTranslator};
 use switchyard_kv::index::Overlap;
@@ -72,6 +74,8 @@ pub struct Gateway {
     settings: Settings,
     /// Per-tenant rate limits, kept across snapshots.
     limiter: Arc<RateLimiter>,
+    /// Request spans, when OTLP export is configured.
+    tracer: Option<Tracer>,
 }
 
 impl Gateway {
@@ -80,7 +84,14 @@ impl Gateway {
             store,
             settings,
             limiter: Arc::default(),
+            tracer: None,
         }
+    }
+
+    /// Open a span per API request with `tracer`.
+    pub fn with_tracer(mut self, tracer: Option<Tracer>) -> Gateway {
+        self.tracer = tracer;
+        self
     }
 }
 
@@ -566,6 +577,8 @@ pub struct RequestCtx {
     failure: Option<ApiError>,
     response: ResponseMode,
     status: u16,
+    /// The request's trace span (API requests, when tracing is on).
+    span: Option<RequestSpan>,
 }
 
 fn request_id(session: &Session) -> String {
@@ -1156,6 +1169,7 @@ impl ProxyHttp for Gateway {
             failure: None,
             response: ResponseMode::PassThrough,
             status: 0,
+            span: None,
         }
     }
 
@@ -1178,6 +1192,13 @@ impl ProxyHttp for Gateway {
             return self.respond_error(session, ctx, error).await;
         };
         ctx.endpoint = Some(endpoint);
+        if let Some(tracer) = &self.tracer
+            && endpoint.is_api()
+        {
+            let request = session.req_header();
+            let name = format!("{} {path}", request.method);
+            ctx.span = Some(tracer.start(name, &request.headers));
+        }
         let method = session.req_header().method.clone();
         if method != endpoint.method() {
             let error = ApiError::new(
@@ -1375,6 +1396,14 @@ impl ProxyHttp for Gateway {
         // Responses are inspected (translation, accounting): keep them uncompressed.
         upstream_request.remove_header(&http::header::ACCEPT_ENCODING);
         upstream_request.insert_header("x-request-id", ctx.request_id.as_str())?;
+        if let Some(span) = &ctx.span {
+            // The upstream's spans hang under this request's span, not the caller's.
+            upstream_request.remove_header("traceparent");
+            upstream_request.remove_header("tracestate");
+            for (name, value) in span.propagation_headers() {
+                upstream_request.insert_header(name, value)?;
+            }
+        }
         if let Some(provider) = &route.provider {
             upstream_request.insert_header(http::header::HOST, provider.authority.as_str())?;
             match provider.config.format {
@@ -1676,6 +1705,13 @@ impl ProxyHttp for Gateway {
     }
 
     async fn logging(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+        if let Some(span) = ctx.span.take() {
+            span.end(
+                span_attributes(ctx),
+                ctx.status,
+                e.map(|e| e.etype().as_str()),
+            );
+        }
         let route = ctx.route.as_ref();
         let worker = route
             .and_then(|r| r.current.as_ref())
@@ -1732,4 +1768,90 @@ impl ProxyHttp for Gateway {
             route.prediction = None;
         }
     }
+}
+
+/// The routing facts of a finished request for its span: no prompt text, no credentials.
+fn span_attributes(ctx: &RequestCtx) -> Vec<KeyValue> {
+    let mut attributes = vec![
+        KeyValue::new("http.response.status_code", i64::from(ctx.status)),
+        KeyValue::new("switchyard.request_id", ctx.request_id.clone()),
+    ];
+    let Some(route) = &ctx.route else {
+        return attributes;
+    };
+    attributes.push(KeyValue::new(
+        "gen_ai.request.model",
+        route.requested_model.clone(),
+    ));
+    attributes.push(KeyValue::new(
+        "switchyard.upstream_model",
+        route.upstream_model.clone(),
+    ));
+    attributes.push(KeyValue::new(
+        "switchyard.target",
+        route.target_label.clone(),
+    ));
+    attributes.push(KeyValue::new(
+        "switchyard.attempts",
+        route.tried.len() as i64,
+    ));
+    attributes.push(KeyValue::new("switchyard.stream", route.stream));
+    if let Some(tenant) = &route.tenant {
+        attributes.push(KeyValue::new("switchyard.tenant", tenant.clone()));
+    }
+    if let Some(rule) = &route.rule {
+        attributes.push(KeyValue::new("switchyard.policy.rule", rule.clone()));
+    }
+    if let Some(current) = &route.current {
+        attributes.push(KeyValue::new(
+            "switchyard.worker",
+            current.worker().address.clone(),
+        ));
+    }
+    if let Some(provider) = &route.provider {
+        attributes.push(KeyValue::new(
+            "switchyard.provider",
+            provider.config.id.to_string(),
+        ));
+    }
+    let chosen = route.tried.last().and_then(|index| {
+        route
+            .decision
+            .as_ref()
+            .and_then(|d| d.scores.iter().find(|s| s.position == *index))
+    });
+    if let Some(score) = chosen {
+        attributes.push(KeyValue::new(
+            "switchyard.prefix.matched_tokens",
+            score.cached_tokens as i64,
+        ));
+        attributes.push(KeyValue::new(
+            "switchyard.ttft.predicted_ms",
+            score.predicted_ttft_s * 1000.0,
+        ));
+    }
+    if let Some(prompt) = &route.prompt {
+        attributes.push(KeyValue::new(
+            "switchyard.prompt.tokens",
+            prompt.tokens as i64,
+        ));
+    }
+    if let Some(first) = route.first_byte {
+        attributes.push(KeyValue::new(
+            "switchyard.ttft.actual_ms",
+            first.duration_since(ctx.started).as_secs_f64() * 1000.0,
+        ));
+    }
+    let usage = route.usage.usage;
+    if usage.reported {
+        attributes.push(KeyValue::new(
+            "gen_ai.usage.input_tokens",
+            usage.prompt_tokens as i64,
+        ));
+        attributes.push(KeyValue::new(
+            "gen_ai.usage.output_tokens",
+            usage.completion_tokens as i64,
+        ));
+    }
+    attributes
 }

@@ -81,7 +81,18 @@ impl Proxy {
         let config_arg = config_path.display().to_string();
         let mut all = vec!["--config", config_arg.as_str()];
         all.extend_from_slice(args);
-        Proxy::spawn(config_dir, config_path, &all).await
+        Proxy::spawn(config_dir, config_path, &all, &[]).await
+    }
+
+    /// [`Proxy::start`] with extra environment variables.
+    pub async fn start_with_env(config_yaml: &str, args: &[&str], env: &[(&str, &str)]) -> Proxy {
+        let config_dir = tempfile::tempdir().expect("tempdir");
+        let config_path = config_dir.path().join("switchyard.yaml");
+        std::fs::write(&config_path, config_yaml).expect("write config");
+        let config_arg = config_path.display().to_string();
+        let mut all = vec!["--config", config_arg.as_str()];
+        all.extend_from_slice(args);
+        Proxy::spawn(config_dir, config_path, &all, env).await
     }
 
     /// Start the proxy fed by `switchyard-control serve` on `socket`; returns once it is ready
@@ -92,10 +103,15 @@ impl Proxy {
         let socket_arg = socket.display().to_string();
         let mut all = vec!["--control-socket", socket_arg.as_str()];
         all.extend_from_slice(args);
-        Proxy::spawn(config_dir, config_path, &all).await
+        Proxy::spawn(config_dir, config_path, &all, &[]).await
     }
 
-    async fn spawn(config_dir: tempfile::TempDir, config_path: PathBuf, args: &[&str]) -> Proxy {
+    async fn spawn(
+        config_dir: tempfile::TempDir,
+        config_path: PathBuf,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Proxy {
         let port = free_port();
         let mut child = Command::new(binary("switchyard-proxy"))
             .args([
@@ -108,6 +124,7 @@ impl Proxy {
             ])
             .args(args)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
