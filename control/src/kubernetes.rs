@@ -19,21 +19,24 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use k8s_openapi::NamespaceResourceScope;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::reflector::{self, Store};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use sha2::{Digest as _, Sha256};
 use switchyard_crds::{
     ExternalProvider, InferenceModel, InferencePolicy, InferencePool, ObjectStatus, Tenant,
 };
+use switchyard_snapshot::documents::SecretKeyRef;
 use switchyard_snapshot::documents::{
     Document, EndpointSpec, Kind, ObjectMeta as DocumentMeta, Origin, Spec,
 };
-use switchyard_snapshot::{ConfigErrors, Snapshot};
+use switchyard_snapshot::snapshot::{Credentials, SecretValue};
+use switchyard_snapshot::{ConfigError, ConfigErrors, Snapshot};
 use tokio::sync::{Notify, watch};
 
 /// Field manager name of the status writes.
@@ -50,6 +53,11 @@ pub struct KubernetesArgs {
     /// Namespace whose objects and pods are watched (default: the kubeconfig's or the pod's own).
     #[arg(long, env = "SWITCHYARD_NAMESPACE")]
     pub namespace: Option<String>,
+    /// Read the namespace's Secrets to resolve `secretRef`s (tenant keys are hashed here and
+    /// only their SHA-256 leaves; provider keys go to the proxies over the control socket).
+    /// Needs list/watch on secrets; without it a `secretRef` makes its object invalid.
+    #[arg(long)]
+    pub read_secrets: bool,
 }
 
 /// One of the five CRD kinds, as the control process reads it.
@@ -106,6 +114,7 @@ struct Stores {
     tenants: Store<Tenant>,
     providers: Store<ExternalProvider>,
     pods: Store<Pod>,
+    secrets: Option<Store<Secret>>,
 }
 
 /// Watch the namespace and publish every new snapshot; runs until the process ends.
@@ -126,6 +135,11 @@ pub async fn run(
         tenants: reflect(&client, &namespace, &changed),
         providers: reflect(&client, &namespace, &changed),
         pods: reflect(&client, &namespace, &changed),
+        // Helm keeps its release records in Secrets; they are never credentials.
+        secrets: args.read_secrets.then(|| {
+            let config = watcher::Config::default().fields("type!=helm.sh/release.v1");
+            reflect_with(&client, &namespace, &changed, config)
+        }),
     };
     let ready = async {
         stores.pools.wait_until_ready().await?;
@@ -133,6 +147,9 @@ pub async fn run(
         stores.policies.wait_until_ready().await?;
         stores.tenants.wait_until_ready().await?;
         stores.providers.wait_until_ready().await?;
+        if let Some(secrets) = &stores.secrets {
+            secrets.wait_until_ready().await?;
+        }
         stores.pods.wait_until_ready().await
     };
     ready.await?;
@@ -152,7 +169,8 @@ pub async fn run(
         next.as_mut().enable();
         let entries = stores.entries(&namespace);
         let documents: Vec<Document> = entries.values().map(|e| e.document.clone()).collect();
-        let outcome = switchyard_snapshot::compile(&documents);
+        let outcome = switchyard_snapshot::compile(&documents)
+            .and_then(|snapshot| resolve_secrets(snapshot, stores.secrets.as_ref(), &namespace));
         let version = match &outcome {
             Ok(snapshot) => {
                 let previous = publish.borrow().clone();
@@ -209,11 +227,27 @@ where
         + Sync
         + 'static,
 {
+    reflect_with(client, namespace, changed, watcher::Config::default())
+}
+
+fn reflect_with<K>(
+    client: &Client,
+    namespace: &str,
+    changed: &Arc<Notify>,
+    config: watcher::Config,
+) -> Store<K>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + Debug
+        + Send
+        + Sync
+        + 'static,
+{
     let api: Api<K> = Api::namespaced(client.clone(), namespace);
     let (store, writer) = reflector::store();
-    let stream = watcher(api, watcher::Config::default())
-        .default_backoff()
-        .reflect(writer);
+    let stream = watcher(api, config).default_backoff().reflect(writer);
     let changed = changed.clone();
     let kind = K::kind(&()).into_owned();
     tokio::spawn(async move {
@@ -300,6 +334,108 @@ fn collect<K: Watched>(store: &Store<K>, namespace: &str, into: &mut BTreeMap<Ob
                 endpoints: None,
             },
         );
+    }
+}
+
+/// Put what `secretRef`s point at into the snapshot: tenant keys as their SHA-256, provider keys
+/// as the key (it travels to the proxies over the 0600 socket). A missing Secret or key is an
+/// error of the object that names it.
+fn resolve_secrets(
+    mut snapshot: Snapshot,
+    secrets: Option<&Store<Secret>>,
+    namespace: &str,
+) -> Result<Snapshot, ConfigErrors> {
+    let mut errors = Vec::new();
+    let mut changed = false;
+    let read = |reference: &SecretKeyRef| -> Result<String, String> {
+        let Some(store) = secrets else {
+            return Err(format!(
+                "Secret {}: this control process does not read Secrets; start it with \
+                 --read-secrets and grant list/watch on secrets (chart: control.readSecrets), \
+                 or give the value another way",
+                reference.name
+            ));
+        };
+        let secret = store
+            .get(&ObjectRef::new(&reference.name).within(namespace))
+            .ok_or_else(|| format!("Secret {} not found in {namespace}", reference.name))?;
+        let bytes = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(&reference.key))
+            .ok_or_else(|| format!("Secret {} has no key '{}'", reference.name, reference.key))?;
+        let text = std::str::from_utf8(&bytes.0)
+            .map_err(|_| {
+                format!(
+                    "Secret {} key '{}' is not UTF-8",
+                    reference.name, reference.key
+                )
+            })?
+            .trim();
+        if text.is_empty() {
+            return Err(format!(
+                "Secret {} key '{}' is empty",
+                reference.name, reference.key
+            ));
+        }
+        Ok(text.to_owned())
+    };
+    for tenant in snapshot.tenants.values_mut() {
+        for reference in std::mem::take(&mut tenant.key_secrets) {
+            changed = true;
+            match read(&reference) {
+                Ok(key) => {
+                    let digest = format!("{:x}", Sha256::digest(key.as_bytes()));
+                    if !tenant.key_sha256.contains(&digest) {
+                        tenant.key_sha256.push(digest);
+                    }
+                }
+                Err(message) => errors.push(object_error(
+                    Kind::Tenant,
+                    namespace,
+                    &tenant.name,
+                    "spec.apiKeys[].secretRef",
+                    message,
+                )),
+            }
+        }
+    }
+    for provider in snapshot.providers.values_mut() {
+        if let Some(Credentials::Secret(reference)) = &provider.credentials {
+            changed = true;
+            match read(reference) {
+                Ok(key) => provider.credentials = Some(Credentials::Key(SecretValue::new(key))),
+                Err(message) => errors.push(object_error(
+                    Kind::ExternalProvider,
+                    namespace,
+                    provider.id.0.rsplit('/').next().unwrap_or_default(),
+                    "spec.credentials.secretRef",
+                    message,
+                )),
+            }
+        }
+    }
+    if !errors.is_empty() {
+        return Err(ConfigErrors(errors));
+    }
+    if changed {
+        snapshot.fingerprint = switchyard_snapshot::compile::fingerprint(&snapshot);
+    }
+    Ok(snapshot)
+}
+
+fn object_error(
+    kind: Kind,
+    namespace: &str,
+    name: &str,
+    field: &str,
+    message: String,
+) -> ConfigError {
+    ConfigError {
+        source_name: format!("{SOURCE} {}/{namespace}/{name}", kind.as_str()),
+        document: format!("{} {namespace}/{name}", kind.as_str()),
+        field: field.to_owned(),
+        message,
     }
 }
 

@@ -308,6 +308,7 @@ impl ProviderRuntime {
             Some(Credentials::Env(name)) => read_key(
                 std::env::var(name).map_err(|_| format!("environment variable {name} is not set")),
             ),
+            Some(Credentials::Key(value)) => read_key(Ok(value.expose().to_owned())),
             Some(Credentials::Secret(secret)) => read_key(Err(format!(
                 "its key lives in Secret {}/{}, which only the control process can read; \
                  outside Kubernetes use credentials.file or credentials.env",

@@ -184,6 +184,31 @@ pub enum Credentials {
     Env(String),
     /// Resolved by the control process; a proxy loading files cannot read it.
     Secret(SecretKeyRef),
+    /// The key itself, read from a Secret by the control process (Kubernetes) and sent to its
+    /// proxies over the 0600 control socket.
+    Key(SecretValue),
+}
+
+/// A credential in clear. `Debug` never shows it; it serializes as the plain string because
+/// the control socket must carry it.
+#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SecretValue(String);
+
+impl SecretValue {
+    pub fn new(value: String) -> SecretValue {
+        SecretValue(value)
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for SecretValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SecretValue(<redacted>)")
+    }
 }
 
 pub const DEFAULT_PROVIDER_CONNECT_TIMEOUT_MS: u64 = 5_000;

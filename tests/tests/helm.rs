@@ -69,7 +69,19 @@ fn chart_lints_renders_and_keeps_its_promises() {
             .all(|v| ["list", "watch", "patch"].contains(&v.as_str())),
         "{verbs:?}"
     );
-    assert!(!role.to_string().contains("secrets"));
+    assert!(role.to_string().contains("secrets"));
+    assert!(
+        !documents(&run_helm(&[
+            "template",
+            "gw",
+            "helm/switchyard",
+            "--set",
+            "control.readSecrets=false",
+        ]))
+        .iter()
+        .any(|d| d["kind"] == "Role" && d.to_string().contains("secrets")),
+        "readSecrets=false still grants secrets"
+    );
     assert_eq!(
         of_kind(&docs, "RoleBinding")[0]["roleRef"]["name"],
         "gw-control"

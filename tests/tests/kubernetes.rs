@@ -28,6 +28,9 @@ const CONTROL_TOKEN: &str = "switchyard-test-control";
 /// The identity a pod of the chart's Deployment has (its ServiceAccount).
 const CONTROL_USER: &str = "system:serviceaccount:switchyard:gw";
 const KEY: &str = "sk-kube-test-key";
+/// Held in Secrets only.
+const SECRET_KEY: &str = "sk-from-a-secret";
+const PROVIDER_KEY: &str = "provider-token-in-a-secret";
 /// sha256("sk-kube-test-key")
 fn key_sha256() -> String {
     use sha2::Digest;
@@ -260,7 +263,7 @@ fn start_control(
     async move {
         Control::start(
             &socket,
-            &["--kubernetes", "--namespace", NAMESPACE],
+            &["--kubernetes", "--namespace", NAMESPACE, "--read-secrets"],
             &[("KUBECONFIG", kubeconfig.as_str()), ("RUST_LOG", "info")],
         )
         .await
@@ -290,11 +293,24 @@ async fn control_on_a_real_api_server() {
     // The chart: CRDs, ServiceAccount, Role + RoleBinding, Service, Deployment, dashboard.
     install_chart(&admin).await;
 
-    // The chart's Role is all the control gets: it cannot read secrets or change specs.
+    // The chart's Role is all the control gets: no spec writes, nothing outside its namespace.
     let as_control = cluster.client(CONTROL_TOKEN, NAMESPACE).await;
-    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
-        Api::namespaced(as_control.clone(), NAMESPACE);
-    let denied = secrets.list(&Default::default()).await.unwrap_err();
+    let denied = Api::<InferencePolicy>::namespaced(as_control.clone(), NAMESPACE)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "switchyard.dev/v1alpha1", "kind": "InferencePolicy",
+                "metadata": {"name": "sneaky"}, "spec": {"rules": []}
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap_err();
+    assert!(denied.to_string().contains("forbidden"), "{denied}");
+    let denied = Api::<Pod>::namespaced(as_control.clone(), "default")
+        .list(&Default::default())
+        .await
+        .unwrap_err();
     assert!(denied.to_string().contains("forbidden"), "{denied}");
 
     // Workers, found through pod selectors.
@@ -314,6 +330,17 @@ async fn control_on_a_real_api_server() {
         "apiVersion: switchyard.dev/v1alpha1\nkind: Tenant\nmetadata: {{name: team}}\nspec: {{apiKeys: [{{sha256: {}}}]}}\n",
         key_sha256()
     );
+    // Keys in Secrets: a tenant's (hashed by the control) and a provider's (sent to the proxy).
+    let cloud = Upstream::start("cloud").await;
+    let secrets = format!(
+        "apiVersion: v1\nkind: Secret\nmetadata: {{name: team2-key}}\nstringData: {{key: \"{SECRET_KEY}\\n\"}}\n---\n\
+         apiVersion: v1\nkind: Secret\nmetadata: {{name: provider-key}}\nstringData: {{token: {PROVIDER_KEY}}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: Tenant\nmetadata: {{name: team2}}\nspec: {{apiKeys: [{{secretRef: {{name: team2-key, key: key}}}}]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: ExternalProvider\nmetadata: {{name: cloud}}\nspec: {{baseUrl: \"http://{}/v1\", format: openai, credentials: {{secretRef: {{name: provider-key, key: token}}}}}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: cloud-chat}}\nspec: {{targets: [{{provider: cloud, model: gpt-x}}]}}\n",
+        cloud.endpoint()
+    );
+    apply(&admin, NAMESPACE, &secrets).await.unwrap();
     let objects = [
         pool_yaml("large", port(&large)),
         pool_yaml("small", port(&small)),
@@ -349,6 +376,45 @@ async fn control_on_a_real_api_server() {
         .await
         .unwrap();
     assert_eq!(anonymous.status(), 401);
+    let via_secrets = http
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .bearer_auth(SECRET_KEY)
+        .json(&json!({"model": "cloud-chat", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(via_secrets.status(), 200, "{:?}", via_secrets.text().await);
+    let sent = cloud.received();
+    assert_eq!(
+        sent[0].headers.get("authorization").unwrap(),
+        &format!("Bearer {PROVIDER_KEY}"),
+        "the provider gets the key from its Secret"
+    );
+    assert!(
+        !control.log().contains(PROVIDER_KEY) && !control.log().contains(SECRET_KEY),
+        "a key reached the control's log"
+    );
+    // A secretRef to a missing key makes that object invalid, with the reason.
+    apply(
+        &admin,
+        NAMESPACE,
+        "apiVersion: switchyard.dev/v1alpha1\nkind: Tenant\nmetadata: {name: team3}\nspec: {apiKeys: [{secretRef: {name: team2-key, key: nope}}]}\n",
+    )
+    .await
+    .unwrap();
+    let team3 = wait_accepted::<Tenant>(&admin, "team3", "False").await;
+    assert!(
+        team3["conditions"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("Secret team2-key has no key 'nope'"),
+        "{team3}"
+    );
+    Api::<Tenant>::namespaced(admin.clone(), NAMESPACE)
+        .delete("team3", &Default::default())
+        .await
+        .unwrap();
+    wait_accepted::<Tenant>(&admin, "team2", "True").await;
 
     // Status written back with the chart's RBAC: accepted, endpoints found.
     let pool_status = wait_accepted::<InferencePool>(&admin, "large", "True").await;
