@@ -21,7 +21,7 @@ use futures_util::StreamExt;
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
@@ -61,16 +61,7 @@ pub struct KubernetesArgs {
 }
 
 /// One of the five CRD kinds, as the control process reads it.
-trait Watched:
-    Resource<DynamicType = (), Scope = NamespaceResourceScope>
-    + Clone
-    + DeserializeOwned
-    + Serialize
-    + Debug
-    + Send
-    + Sync
-    + 'static
-{
+trait Watched: Reflected + Serialize {
     const KIND: Kind;
     fn document_spec(&self) -> Spec;
     fn object_status(&self) -> Option<&ObjectStatus>;
@@ -216,35 +207,40 @@ pub async fn run(
     }
 }
 
-/// Start a reflector for one kind; every event wakes the builder.
-fn reflect<K>(client: &Client, namespace: &str, changed: &Arc<Notify>) -> Store<K>
-where
+/// What a reflector can watch: a namespaced kind known at compile time.
+trait Reflected:
+    Resource<DynamicType = (), Scope = NamespaceResourceScope>
+    + Clone
+    + DeserializeOwned
+    + Debug
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Reflected for K where
     K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
         + Clone
         + DeserializeOwned
         + Debug
         + Send
         + Sync
-        + 'static,
+        + 'static
 {
+}
+
+/// Start a reflector for one kind; every event wakes the builder.
+fn reflect<K: Reflected>(client: &Client, namespace: &str, changed: &Arc<Notify>) -> Store<K> {
     reflect_with(client, namespace, changed, watcher::Config::default())
 }
 
-fn reflect_with<K>(
+fn reflect_with<K: Reflected>(
     client: &Client,
     namespace: &str,
     changed: &Arc<Notify>,
     config: watcher::Config,
-) -> Store<K>
-where
-    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-        + Clone
-        + DeserializeOwned
-        + Debug
-        + Send
-        + Sync
-        + 'static,
-{
+) -> Store<K> {
     let api: Api<K> = Api::namespaced(client.clone(), namespace);
     let (store, writer) = reflector::store();
     let stream = watcher(api, config).default_backoff().reflect(writer);
@@ -522,38 +518,19 @@ impl StatusWriter {
     }
 
     async fn write(&self, kind: Kind, name: &str, status: &ObjectStatus) -> kube::Result<()> {
+        let resource = match kind {
+            Kind::InferencePool => ApiResource::erase::<InferencePool>(&()),
+            Kind::InferenceModel => ApiResource::erase::<InferenceModel>(&()),
+            Kind::InferencePolicy => ApiResource::erase::<InferencePolicy>(&()),
+            Kind::Tenant => ApiResource::erase::<Tenant>(&()),
+            Kind::ExternalProvider => ApiResource::erase::<ExternalProvider>(&()),
+        };
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), &self.namespace, &resource);
         let patch = Patch::Merge(serde_json::json!({ "status": status }));
-        let params = PatchParams::apply(FIELD_MANAGER);
-        let client = self.client.clone();
-        let ns = &self.namespace;
-        match kind {
-            Kind::InferencePool => {
-                Api::<InferencePool>::namespaced(client, ns)
-                    .patch_status(name, &params, &patch)
-                    .await?;
-            }
-            Kind::InferenceModel => {
-                Api::<InferenceModel>::namespaced(client, ns)
-                    .patch_status(name, &params, &patch)
-                    .await?;
-            }
-            Kind::InferencePolicy => {
-                Api::<InferencePolicy>::namespaced(client, ns)
-                    .patch_status(name, &params, &patch)
-                    .await?;
-            }
-            Kind::Tenant => {
-                Api::<Tenant>::namespaced(client, ns)
-                    .patch_status(name, &params, &patch)
-                    .await?;
-            }
-            Kind::ExternalProvider => {
-                Api::<ExternalProvider>::namespaced(client, ns)
-                    .patch_status(name, &params, &patch)
-                    .await?;
-            }
-        }
-        Ok(())
+        api.patch_status(name, &PatchParams::apply(FIELD_MANAGER), &patch)
+            .await
+            .map(drop)
     }
 }
 

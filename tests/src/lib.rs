@@ -92,3 +92,48 @@ pub async fn one_worker_proxy(
     .await;
     (upstream, proxy)
 }
+
+/// Which test upstream answered a chat request for `model` (the first word of its reply), or the
+/// failure with its status and body.
+pub async fn served_by(
+    http: &reqwest::Client,
+    proxy_url: &str,
+    model: &str,
+    key: Option<&str>,
+) -> Result<String, String> {
+    let mut request = http.post(format!("{proxy_url}/v1/chat/completions")).json(
+        &serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    let response = request.send().await.map_err(|e| e.to_string())?;
+    let status = response.status();
+    let body: serde_json::Value = response.json().await.map_err(|e| e.to_string())?;
+    if status != 200 {
+        return Err(format!("{status}: {body}"));
+    }
+    Ok(body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .split(' ')
+        .next()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+/// conf/default.yaml (the embedded default) with the simulator's real ports in place of
+/// 127.0.0.1:8001-8003 and their KV-event sockets.
+pub fn default_config_for(sim: &Sim) -> String {
+    let mut config =
+        std::fs::read_to_string(workspace_root().join("conf/default.yaml")).expect("default.yaml");
+    for (index, worker) in sim.workers.iter().enumerate() {
+        config = config.replace(&format!("127.0.0.1:800{}", index + 1), &worker.http);
+        if let (Some(events), Some(replay)) = (&worker.kv_events, &worker.kv_replay) {
+            config = config
+                .replace(&format!("tcp://127.0.0.1:555{}", 7 + index), events)
+                .replace(&format!("tcp://127.0.0.1:565{}", 7 + index), replay);
+        }
+    }
+    config
+}

@@ -75,13 +75,7 @@ impl Proxy {
     /// Start the proxy on a free port with `config_yaml` written to a temp file, plus `args`;
     /// returns once `/ready` answers 200.
     pub async fn start(config_yaml: &str, args: &[&str]) -> Proxy {
-        let config_dir = tempfile::tempdir().expect("tempdir");
-        let config_path = config_dir.path().join("switchyard.yaml");
-        std::fs::write(&config_path, config_yaml).expect("write config");
-        let config_arg = config_path.display().to_string();
-        let mut all = vec!["--config", config_arg.as_str()];
-        all.extend_from_slice(args);
-        Proxy::spawn(config_dir, config_path, &all, &[]).await
+        Proxy::start_with_env(config_yaml, args, &[]).await
     }
 
     /// [`Proxy::start`] with extra environment variables.
@@ -129,19 +123,7 @@ impl Proxy {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn switchyard-proxy");
-        let log = Arc::new(Mutex::new(String::new()));
-        if let Some(stderr) = child.stderr.take() {
-            let log = log.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    eprintln!("[proxy] {line}");
-                    if let Ok(mut log) = log.lock() {
-                        log.push_str(&line);
-                        log.push('\n');
-                    }
-                }
-            });
-        }
+        let log = capture_stderr(&mut child, "proxy");
         let mut proxy = Proxy {
             child,
             port,
@@ -155,6 +137,34 @@ impl Proxy {
 
     pub fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The snapshot version `/ready` reports.
+    pub async fn config_version(&self) -> u64 {
+        let ready: serde_json::Value = reqwest::get(format!("{}/ready", self.url()))
+            .await
+            .expect("GET /ready")
+            .json()
+            .await
+            .expect("/ready JSON");
+        ready["config_version"].as_u64().expect("config_version")
+    }
+
+    /// Send chat requests for `model` until `upstream` answers one, or panic after 20 s.
+    pub async fn wait_served_by(&self, model: &str, key: Option<&str>, upstream: &str) {
+        let http = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let answer = crate::served_by(&http, &self.url(), model, key).await;
+            if answer.as_deref() == Ok(upstream) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{model} never routed to {upstream}; last answer {answer:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Everything the proxy has logged so far.
@@ -214,6 +224,24 @@ impl Drop for Proxy {
     }
 }
 
+/// Echo a child's stderr with a `[name]` prefix and collect it for assertions.
+fn capture_stderr(child: &mut Child, name: &'static str) -> Arc<Mutex<String>> {
+    let log = Arc::new(Mutex::new(String::new()));
+    if let Some(stderr) = child.stderr.take() {
+        let log = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[{name}] {line}");
+                if let Ok(mut log) = log.lock() {
+                    log.push_str(&line);
+                    log.push('\n');
+                }
+            }
+        });
+    }
+    log
+}
+
 /// A running `switchyard-control serve`, killed on drop; its stderr is collected.
 pub struct Control {
     child: Child,
@@ -241,19 +269,7 @@ impl Control {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn switchyard-control");
-        let log = Arc::new(Mutex::new(String::new()));
-        if let Some(stderr) = child.stderr.take() {
-            let log = log.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    eprintln!("[control] {line}");
-                    if let Ok(mut log) = log.lock() {
-                        log.push_str(&line);
-                        log.push('\n');
-                    }
-                }
-            });
-        }
+        let log = capture_stderr(&mut child, "control");
         let mut control = Control { child, log };
         let deadline = Instant::now() + Duration::from_secs(30);
         while !socket.exists() {

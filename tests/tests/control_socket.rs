@@ -5,9 +5,8 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use serde_json::{Value, json};
 use switchyard_e2e::process::Control;
 use switchyard_e2e::{Proxy, Upstream, pool_config};
 
@@ -18,39 +17,9 @@ fn write_config(path: &Path, yaml: &str) {
 }
 
 async fn served_by(proxy: &Proxy) -> String {
-    let response = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", proxy.url()))
-        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    let body: Value = response.json().await.unwrap();
-    body["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap()
-        .to_owned()
-}
-
-async fn wait_served_by(proxy: &Proxy, name: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while served_by(proxy).await != name {
-        assert!(Instant::now() < deadline, "proxy never switched to {name}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-async fn version(proxy: &Proxy) -> u64 {
-    let ready: Value = reqwest::get(format!("{}/ready", proxy.url()))
+    switchyard_e2e::served_by(&reqwest::Client::new(), &proxy.url(), "chat", None)
         .await
         .unwrap()
-        .json()
-        .await
-        .unwrap();
-    ready["config_version"].as_u64().unwrap()
 }
 
 #[tokio::test]
@@ -74,17 +43,17 @@ async fn control_pushes_snapshots_to_every_proxy_and_they_survive_its_absence() 
     assert_eq!(served_by(&a).await, "first");
     assert_eq!(served_by(&b).await, "first");
     control.wait_log_count("proxy applied snapshot", 2).await;
-    let v1 = version(&a).await;
-    assert_eq!(v1, version(&b).await);
+    let v1 = a.config_version().await;
+    assert_eq!(v1, b.config_version().await);
 
     // An edit reaches both.
     write_config(
         &config,
         &pool_config("p", "m", &[second.endpoint()], "", &["chat"]),
     );
-    wait_served_by(&a, "second").await;
-    wait_served_by(&b, "second").await;
-    let v2 = version(&a).await;
+    a.wait_served_by("chat", None, "second").await;
+    b.wait_served_by("chat", None, "second").await;
+    let v2 = a.config_version().await;
     assert!(v2 > v1);
     control.wait_log_count("proxy applied snapshot", 4).await;
 
@@ -103,7 +72,7 @@ async fn control_pushes_snapshots_to_every_proxy_and_they_survive_its_absence() 
         "{}",
         control.log()
     );
-    assert_eq!(version(&a).await, v2);
+    assert_eq!(a.config_version().await, v2);
 
     // An invalid edit is refused by the control; the proxies keep the last good snapshot.
     write_config(
@@ -125,10 +94,10 @@ async fn control_pushes_snapshots_to_every_proxy_and_they_survive_its_absence() 
         &pool_config("p", "m", &[first.endpoint()], "", &["chat"]),
     );
     let control = Control::start_files(&socket, &config).await;
-    wait_served_by(&a, "first").await;
-    wait_served_by(&b, "first").await;
+    a.wait_served_by("chat", None, "first").await;
+    b.wait_served_by("chat", None, "first").await;
     assert!(
-        version(&a).await > v2,
+        a.config_version().await > v2,
         "versions keep increasing across control restarts"
     );
     control.wait_log_count("proxy connected", 2).await;

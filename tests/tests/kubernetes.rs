@@ -135,37 +135,28 @@ fn pool_yaml(name: &str, port: u16) -> String {
     )
 }
 
+/// Apply the `routing` policy with `action` for model `chat`.
+async fn apply_policy(admin: &kube::Client, action: &str) {
+    apply(admin, NAMESPACE, &policy_yaml(action)).await.unwrap();
+}
+
 fn policy_yaml(action: &str) -> String {
     format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePolicy\nmetadata: {{name: routing}}\nspec:\n  rules:\n    - name: chat-goes-somewhere\n      match: {{models: [chat]}}\n      action: {action}\n"
     )
 }
 
-/// Which upstream answered one request, or the failure.
 async fn served_by(http: &reqwest::Client, proxy: &str) -> Result<String, String> {
-    let response = http
-        .post(format!("{proxy}/v1/chat/completions"))
-        .bearer_auth(KEY)
-        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}))
-        .send()
-        .await
-        .map_err(|e| e.to_string())?;
-    let status = response.status();
-    let body: Value = response.json().await.map_err(|e| e.to_string())?;
-    if status != 200 {
-        return Err(format!("{status}: {body}"));
-    }
-    Ok(body["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap_or_default()
-        .split(' ')
-        .next()
-        .unwrap_or_default()
-        .to_owned())
+    switchyard_e2e::served_by(http, proxy, "chat", Some(KEY)).await
 }
 
-/// When an answer came, and which upstream gave it (or the failure).
-type Answer = (Instant, Result<String, String>);
+/// One request under load: when it was sent, when its answer came, and which upstream gave it
+/// (or the failure).
+struct Answer {
+    sent: Instant,
+    answered: Instant,
+    result: Result<String, String>,
+}
 
 /// Four clients sending requests back to back until stopped; every answer with its time.
 struct Load {
@@ -183,8 +174,13 @@ impl Load {
                     let http = reqwest::Client::new();
                     let mut answers = Vec::new();
                     while !stop.load(Ordering::Relaxed) {
-                        let answer = served_by(&http, &proxy).await;
-                        answers.push((Instant::now(), answer));
+                        let sent = Instant::now();
+                        let result = served_by(&http, &proxy).await;
+                        answers.push(Answer {
+                            sent,
+                            answered: Instant::now(),
+                            result,
+                        });
                     }
                     answers
                 })
@@ -199,31 +195,9 @@ impl Load {
         for task in self.tasks {
             all.extend(task.await.unwrap());
         }
-        all.sort_by_key(|(at, _)| *at);
+        all.sort_by_key(|a| a.answered);
         all
     }
-}
-
-async fn wait_served_by(proxy: &Proxy, name: &str) {
-    let http = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if served_by(&http, &proxy.url()).await.as_deref() == Ok(name) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "proxy never routed to {name}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-async fn version(proxy: &Proxy) -> u64 {
-    let ready: Value = reqwest::get(format!("{}/ready", proxy.url()))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    ready["config_version"].as_u64().unwrap()
 }
 
 /// The `Accepted` condition and the whole status of an object, once its status says `want`.
@@ -350,13 +324,7 @@ async fn control_on_a_real_api_server() {
     ]
     .join("---\n");
     apply(&admin, NAMESPACE, &objects).await.unwrap();
-    apply(
-        &admin,
-        NAMESPACE,
-        &policy_yaml("{route: {inferenceModel: chat-small}}"),
-    )
-    .await
-    .unwrap();
+    apply_policy(&admin, "{route: {inferenceModel: chat-small}}").await;
 
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("control.sock");
@@ -367,7 +335,7 @@ async fn control_on_a_real_api_server() {
 
     // Routing follows the objects: the policy sends `chat` to the small pool; the tenant's key
     // works and others do not.
-    wait_served_by(&proxy, "small").await;
+    proxy.wait_served_by("chat", Some(KEY), "small").await;
     let http = reqwest::Client::new();
     let anonymous = http
         .post(format!("{}/v1/chat/completions", proxy.url()))
@@ -428,41 +396,41 @@ async fn control_on_a_real_api_server() {
     let load = Load::start(proxy.url());
     tokio::time::sleep(Duration::from_millis(300)).await;
     let edited = Instant::now();
-    apply(&admin, NAMESPACE, &policy_yaml("{fallThrough: true}"))
-        .await
-        .unwrap();
-    wait_served_by(&proxy, "large").await;
+    apply_policy(&admin, "{fallThrough: true}").await;
+    proxy.wait_served_by("chat", Some(KEY), "large").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let answers = load.finish().await;
-    let failures: Vec<_> = answers.iter().filter(|(_, a)| a.is_err()).collect();
+    let failures: Vec<&String> = answers
+        .iter()
+        .filter_map(|a| a.result.as_ref().err())
+        .collect();
     assert!(
         failures.is_empty(),
         "requests failed during the edit: {failures:?}"
     );
-    let switched = answers
+    // The first answer from the new target, and after it every request sent later goes there
+    // too (a snapshot swap is atomic; answers to requests sent before it may still arrive).
+    let first_new = answers
         .iter()
-        .find(|(at, a)| *at > edited && a.as_deref() == Ok("large"))
-        .map(|(at, _)| at.duration_since(edited))
+        .find(|a| a.sent > edited && a.result.as_deref() == Ok("large"))
         .unwrap();
-    let after_switch = answers
-        .iter()
-        .filter(|(at, _)| *at > edited + switched)
-        .collect::<Vec<_>>();
+    let switched = first_new.answered.duration_since(edited);
     assert!(
-        after_switch
+        answers
             .iter()
-            .all(|(_, a)| a.as_deref() == Ok("large")),
+            .filter(|a| a.sent > first_new.answered)
+            .all(|a| a.result.as_deref() == Ok("large")),
         "old routing came back after the switch"
     );
     eprintln!(
-        "policy edit under load: {} requests, 0 failed, new routing {} ms after the apply",
+        "policy edit under load: {} requests, 0 failed, new routing {} ms after the apply was sent",
         answers.len(),
         switched.as_millis()
     );
 
     // An invalid object (the API server's schema accepts it, the compiler does not): its status
     // says why, and the proxy keeps the snapshot it has.
-    let before = version(&proxy).await;
+    let before = proxy.config_version().await;
     apply(
         &admin,
         NAMESPACE,
@@ -480,19 +448,13 @@ async fn control_on_a_real_api_server() {
     );
     // Objects already served stay accepted; the proxy did not move.
     wait_accepted::<InferencePolicy>(&admin, "routing", "True").await;
-    assert_eq!(version(&proxy).await, before);
-    wait_served_by(&proxy, "large").await;
+    assert_eq!(proxy.config_version().await, before);
+    proxy.wait_served_by("chat", Some(KEY), "large").await;
     // An edit held back by the broken object is reported as pending, not accepted.
-    apply(
-        &admin,
-        NAMESPACE,
-        &policy_yaml("{route: {inferenceModel: chat-small}}"),
-    )
-    .await
-    .unwrap();
+    apply_policy(&admin, "{route: {inferenceModel: chat-small}}").await;
     let pending = wait_accepted::<InferencePolicy>(&admin, "routing", "Unknown").await;
     assert_eq!(pending["conditions"][0]["reason"], "Pending", "{pending}");
-    assert_eq!(version(&proxy).await, before);
+    assert_eq!(proxy.config_version().await, before);
     // What the CRD's own rules catch never reaches the control: the API server refuses it.
     let refused = apply(
         &admin,
@@ -510,7 +472,7 @@ async fn control_on_a_real_api_server() {
         .delete("broken", &Default::default())
         .await
         .unwrap();
-    wait_served_by(&proxy, "small").await;
+    proxy.wait_served_by("chat", Some(KEY), "small").await;
     wait_accepted::<InferencePolicy>(&admin, "routing", "True").await;
 
     // The control dies under load: the proxy keeps serving its last snapshot throughout, and
@@ -518,9 +480,7 @@ async fn control_on_a_real_api_server() {
     let load = Load::start(proxy.url());
     tokio::time::sleep(Duration::from_millis(200)).await;
     control.kill();
-    apply(&admin, NAMESPACE, &policy_yaml("{fallThrough: true}"))
-        .await
-        .unwrap();
+    apply_policy(&admin, "{fallThrough: true}").await;
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert_eq!(
         served_by(&http, &proxy.url()).await.as_deref(),
@@ -528,9 +488,12 @@ async fn control_on_a_real_api_server() {
         "nothing can change routing while the control is down"
     );
     let control = start_control(&socket, &kubeconfig).await;
-    wait_served_by(&proxy, "large").await;
+    proxy.wait_served_by("chat", Some(KEY), "large").await;
     let answers = load.finish().await;
-    let failures: Vec<_> = answers.iter().filter(|(_, a)| a.is_err()).collect();
+    let failures: Vec<&String> = answers
+        .iter()
+        .filter_map(|a| a.result.as_ref().err())
+        .collect();
     assert!(
         failures.is_empty(),
         "requests failed while the control was gone: {failures:?}"

@@ -34,21 +34,7 @@ async fn the_embedded_default_config_fronts_three_simulated_workers() {
     // scripts/demo.sh's layout, on free ports: the default config names 127.0.0.1:8001-8003, so
     // this test writes the same documents with the simulator's real ports.
     let sim = Sim::start(&["--workers", "3", "--time-scale", "0.001"]);
-    let mut config =
-        std::fs::read_to_string(switchyard_e2e::workspace_root().join("conf/default.yaml"))
-            .unwrap();
-    for (index, worker) in sim.workers.iter().enumerate() {
-        config = config
-            .replace(&format!("127.0.0.1:800{}", index + 1), &worker.http)
-            .replace(
-                &format!("tcp://127.0.0.1:555{}", 7 + index),
-                worker.kv_events.as_deref().unwrap(),
-            )
-            .replace(
-                &format!("tcp://127.0.0.1:565{}", 7 + index),
-                worker.kv_replay.as_deref().unwrap(),
-            );
-    }
+    let config = switchyard_e2e::default_config_for(&sim);
     assert!(
         !config.contains("127.0.0.1:800") && !config.contains(":555") && !config.contains(":565")
     );

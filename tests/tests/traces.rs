@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use switchyard_e2e::{Proxy, Sim, Upstream, free_port, workspace_root};
+use switchyard_e2e::{Proxy, Sim, Upstream, default_config_for, free_port, workspace_root};
 
 const KEY: &str = "sk-trace-test";
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -133,19 +133,7 @@ fn attribute(holder: &Value, key: &str) -> Option<Value> {
 }
 
 fn config(sim: &Sim, recorder: &Upstream) -> String {
-    let mut config = std::fs::read_to_string(workspace_root().join("conf/default.yaml")).unwrap();
-    for (index, worker) in sim.workers.iter().enumerate() {
-        config = config
-            .replace(&format!("127.0.0.1:800{}", index + 1), &worker.http)
-            .replace(
-                &format!("tcp://127.0.0.1:555{}", 7 + index),
-                worker.kv_events.as_deref().unwrap(),
-            )
-            .replace(
-                &format!("tcp://127.0.0.1:565{}", 7 + index),
-                worker.kv_replay.as_deref().unwrap(),
-            );
-    }
+    let mut config = default_config_for(sim);
     use sha2::Digest;
     let key_sha256 = format!("{:x}", sha2::Sha256::digest(KEY.as_bytes()));
     config.push_str(&format!(
