@@ -310,8 +310,9 @@ impl ProviderRuntime {
             ),
             Some(Credentials::Key(value)) => read_key(Ok(value.expose().to_owned())),
             Some(Credentials::Secret(secret)) => read_key(Err(format!(
-                "its key lives in Secret {}/{}, which only the control process can read; \
-                 outside Kubernetes use credentials.file or credentials.env",
+                "its key lives in Secret {}/{}, which only the control process reads \
+                 (switchyard-control serve --kubernetes --read-secrets); outside Kubernetes use \
+                 credentials.file or credentials.env",
                 secret.name, secret.key
             ))),
         };

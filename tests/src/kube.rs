@@ -215,6 +215,27 @@ impl Drop for Cluster {
 /// `kubectl apply --server-side` of every document in `yaml`; namespaced objects without a
 /// namespace land in `namespace`. Returns the first error with the object it concerns.
 pub async fn apply(client: &kube::Client, namespace: &str, yaml: &str) -> Result<(), String> {
+    apply_with(client, namespace, yaml, false).await
+}
+
+/// [`apply`] with `--dry-run=server`: the API server validates (schema, CEL rules) and stores
+/// nothing.
+pub async fn apply_dry_run(
+    client: &kube::Client,
+    namespace: &str,
+    yaml: &str,
+) -> Result<(), String> {
+    apply_with(client, namespace, yaml, true).await
+}
+
+async fn apply_with(
+    client: &kube::Client,
+    namespace: &str,
+    yaml: &str,
+    dry_run: bool,
+) -> Result<(), String> {
+    let mut params = PatchParams::apply("switchyard-tests").force();
+    params.dry_run = dry_run;
     for document in serde_norway::Deserializer::from_str(yaml) {
         let value: serde_json::Value =
             serde::Deserialize::deserialize(document).map_err(|e| format!("bad YAML: {e}"))?;
@@ -244,13 +265,9 @@ pub async fn apply(client: &kube::Client, namespace: &str, yaml: &str) -> Result
             ),
             Scope::Cluster => Api::all_with(client.clone(), &resource),
         };
-        api.patch(
-            &name,
-            &PatchParams::apply("switchyard-tests").force(),
-            &Patch::Apply(&object),
-        )
-        .await
-        .map_err(|e| format!("{} {name}: {e}", gvk.kind))?;
+        api.patch(&name, &params, &Patch::Apply(&object))
+            .await
+            .map_err(|e| format!("{} {name}: {e}", gvk.kind))?;
     }
     Ok(())
 }

@@ -25,6 +25,13 @@ fn check_accepts_the_examples_and_the_default() {
         assert!(output.status.success(), "{path}: {}", text(&output.stderr));
         assert!(text(&output.stdout).starts_with("ok: "));
     }
+    let output = control(&[
+        "check",
+        "conf/kubernetes",
+        "conf/examples/models.yaml",
+        "conf/examples/policies.yaml",
+    ]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
     let output = control(&["check", "conf/examples"]);
     assert!(
         text(&output.stdout)

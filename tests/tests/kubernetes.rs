@@ -18,7 +18,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use switchyard_crds::{InferenceModel, InferencePolicy, InferencePool, Tenant};
-use switchyard_e2e::kube::{ADMIN_TOKEN, Cluster, User, apply};
+use switchyard_e2e::kube::{ADMIN_TOKEN, Cluster, User, apply, apply_dry_run};
 use switchyard_e2e::process::Control;
 use switchyard_e2e::{Proxy, Upstream, workspace_root};
 
@@ -266,6 +266,20 @@ async fn control_on_a_real_api_server() {
 
     // The chart: CRDs, ServiceAccount, Role + RoleBinding, Service, Deployment, dashboard.
     install_chart(&admin).await;
+
+    // The shipped Kubernetes examples pass the API server's own validation (schemas, CEL).
+    for file in [
+        "conf/kubernetes/pools.yaml",
+        "conf/kubernetes/providers.yaml",
+        "conf/kubernetes/tenants.yaml",
+        "conf/examples/models.yaml",
+        "conf/examples/policies.yaml",
+    ] {
+        let yaml = std::fs::read_to_string(workspace_root().join(file)).unwrap();
+        apply_dry_run(&admin, NAMESPACE, &yaml)
+            .await
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+    }
 
     // The chart's Role is all the control gets: no spec writes, nothing outside its namespace.
     let as_control = cluster.client(CONTROL_TOKEN, NAMESPACE).await;
