@@ -10,7 +10,8 @@
 //! held back with them. Pools also report how many ready worker pods their selector found.
 //!
 //! Nothing is built before every reflector has listed its objects once, so a control process
-//! that starts (or restarts) never pushes a partial configuration.
+//! that starts (or restarts) never pushes a partial configuration. Every replica builds and
+//! pushes; only the holder of a Lease writes status (`lease.rs`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Debug;
@@ -58,6 +59,8 @@ pub struct KubernetesArgs {
     /// Needs list/watch on secrets; without it a `secretRef` makes its object invalid.
     #[arg(long)]
     pub read_secrets: bool,
+    #[command(flatten)]
+    pub lease: crate::lease::LeaseArgs,
 }
 
 /// One of the five CRD kinds, as the control process reads it.
@@ -150,6 +153,8 @@ pub async fn run(
         client: client.clone(),
         namespace: namespace.clone(),
     };
+    // Only the Lease holder writes status; gaining the Lease triggers a rebuild that writes it.
+    let writer = crate::lease::elect(client.clone(), &namespace, &args.lease, changed.clone());
     let mut served: HashMap<ObjectKey, Option<i64>> = HashMap::new();
     // Status writes wake the builder too; the same errors are logged once.
     let mut logged_errors = String::new();
@@ -193,15 +198,17 @@ pub async fn run(
                 None
             }
         };
-        let served_version = publish.borrow().as_ref().map(|s| s.version);
-        status
-            .write_all(
-                &entries,
-                outcome.as_ref().err(),
-                &served,
-                version.or(served_version),
-            )
-            .await;
+        if *writer.borrow() {
+            let served_version = publish.borrow().as_ref().map(|s| s.version);
+            status
+                .write_all(
+                    &entries,
+                    outcome.as_ref().err(),
+                    &served,
+                    version.or(served_version),
+                )
+                .await;
+        }
         next.await;
         tokio::time::sleep(DEBOUNCE).await;
     }

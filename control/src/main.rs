@@ -12,6 +12,7 @@
 
 mod explain;
 mod kubernetes;
+mod lease;
 mod serve;
 
 use std::path::PathBuf;

@@ -66,9 +66,21 @@ fn chart_lints_renders_and_keeps_its_promises() {
     assert!(
         verbs
             .iter()
-            .all(|v| ["list", "watch", "patch"].contains(&v.as_str())),
+            .all(|v| ["list", "watch", "patch", "create", "get", "update"].contains(&v.as_str())),
         "{verbs:?}"
     );
+    // get/update only on the election Lease, by name.
+    for rule in role["rules"].as_array().unwrap() {
+        let verbs = rule["verbs"].to_string();
+        if verbs.contains("get") || verbs.contains("update") {
+            assert_eq!(rule["resources"], serde_json::json!(["leases"]), "{rule}");
+            assert_eq!(
+                rule["resourceNames"],
+                serde_json::json!(["gw-control"]),
+                "{rule}"
+            );
+        }
+    }
     assert!(role.to_string().contains("secrets"));
     assert!(
         !documents(&run_helm(&[

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -237,7 +238,17 @@ fn start_control(
     async move {
         Control::start(
             &socket,
-            &["--kubernetes", "--namespace", NAMESPACE, "--read-secrets"],
+            &[
+                "--kubernetes",
+                "--namespace",
+                NAMESPACE,
+                "--read-secrets",
+                // The chart's Role allows exactly this Lease (RELEASE-control).
+                "--lease-name",
+                "gw-control",
+                "--lease-duration-s",
+                "2",
+            ],
             &[("KUBECONFIG", kubeconfig.as_str()), ("RUST_LOG", "info")],
         )
         .await
@@ -405,6 +416,25 @@ async fn control_on_a_real_api_server() {
     wait_accepted::<InferencePolicy>(&admin, "routing", "True").await;
     wait_accepted::<Tenant>(&admin, "team", "True").await;
 
+    // A second replica (its own control and proxy, as the chart's second pod): it routes the
+    // same, and the two controls do not fight over status (only the Lease holder writes).
+    let socket2 = dir.path().join("control2.sock");
+    let control2 = start_control(&socket2, &kubeconfig).await;
+    let proxy2 = Proxy::start_with_control(&socket2, &[]).await;
+    proxy2.wait_served_by("chat", Some(KEY), "small").await;
+    let lease = Api::<Lease>::namespaced(admin.clone(), NAMESPACE)
+        .get("gw-control")
+        .await
+        .unwrap();
+    assert!(lease.spec.unwrap().holder_identity.is_some());
+    let versions = resource_versions(&admin).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        resource_versions(&admin).await,
+        versions,
+        "objects kept being rewritten with two controls running"
+    );
+
     // Edit the policy under load: every request answered, the new target within the measured
     // delay (printed; tests do not assert on time beyond the 20 s wait).
     let load = Load::start(proxy.url());
@@ -495,7 +525,26 @@ async fn control_on_a_real_api_server() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     control.kill();
     apply_policy(&admin, "{fallThrough: true}").await;
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // The other replica follows the edit, takes the Lease over and reports it.
+    proxy2.wait_served_by("chat", Some(KEY), "large").await;
+    let generation = Api::<InferencePolicy>::namespaced(admin.clone(), NAMESPACE)
+        .get("routing")
+        .await
+        .unwrap()
+        .metadata
+        .generation;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = wait_accepted::<InferencePolicy>(&admin, "routing", "True").await;
+        if status["observedGeneration"].as_i64() == generation {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no replica reported the edit: {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert_eq!(
         served_by(&http, &proxy.url()).await.as_deref(),
         Ok("small"),
@@ -532,7 +581,30 @@ async fn control_on_a_real_api_server() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    drop(control);
-    drop(proxy);
+    drop((control, control2, proxy, proxy2));
     drop(cluster);
+}
+
+/// resourceVersion of every Switchyard object in the namespace, to notice rewrites.
+async fn resource_versions(admin: &kube::Client) -> Vec<(String, String)> {
+    let mut versions = Vec::new();
+    for resource in [
+        kube::discovery::ApiResource::erase::<InferencePool>(&()),
+        kube::discovery::ApiResource::erase::<InferenceModel>(&()),
+        kube::discovery::ApiResource::erase::<InferencePolicy>(&()),
+        kube::discovery::ApiResource::erase::<Tenant>(&()),
+    ] {
+        let api: Api<DynamicObject> = Api::namespaced_with(admin.clone(), NAMESPACE, &resource);
+        for object in api.list(&Default::default()).await.unwrap() {
+            versions.push((
+                format!(
+                    "{}/{}",
+                    resource.kind,
+                    object.metadata.name.unwrap_or_default()
+                ),
+                object.metadata.resource_version.unwrap_or_default(),
+            ));
+        }
+    }
+    versions
 }
