@@ -166,22 +166,20 @@ async fn traced_proxy(
     recorder: &Upstream,
     protocol: &str,
     service: &str,
+    extra_env: &[(&str, &str)],
 ) -> Proxy {
     let endpoint = match protocol {
         "grpc" => format!("http://127.0.0.1:{}", collector.grpc),
         _ => format!("http://127.0.0.1:{}", collector.http),
     };
-    Proxy::start_with_env(
-        &config(sim, recorder),
-        &[],
-        &[
-            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
-            ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol),
-            ("OTEL_SERVICE_NAME", service),
-            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
-        ],
-    )
-    .await
+    let mut env = vec![
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol),
+        ("OTEL_SERVICE_NAME", service),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
+    env.extend_from_slice(extra_env);
+    Proxy::start_with_env(&config(sim, recorder), &[], &env).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -189,7 +187,7 @@ async fn request_spans_reach_a_real_collector() {
     let collector = Collector::start().await;
     let sim = Sim::start(&["--workers", "3", "--time-scale", "0.001"]);
     let recorder = Upstream::start("recorder").await;
-    let proxy = traced_proxy(&collector, &sim, &recorder, "grpc", "switchyard-grpc").await;
+    let proxy = traced_proxy(&collector, &sim, &recorder, "grpc", "switchyard-grpc", &[]).await;
 
     // The caller's trace continues through the gateway to the worker.
     let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
@@ -291,6 +289,7 @@ async fn request_spans_reach_a_real_collector() {
         &recorder,
         "http/protobuf",
         "switchyard-http",
+        &[],
     )
     .await;
     chat(
@@ -308,6 +307,54 @@ async fn request_spans_reach_a_real_collector() {
     assert!(
         span["parentSpanId"].as_str().unwrap_or("").is_empty(),
         "no caller trace: a root span, not {span}"
+    );
+
+    // The chart's sampling settings: a ratio of 0 drops the gateway's own traces, and a caller's
+    // sampled trace is still followed (parent-based), with the context passed on either way.
+    let sampled = traced_proxy(
+        &collector,
+        &sim,
+        &recorder,
+        "grpc",
+        "switchyard-sampled",
+        &[
+            ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+            ("OTEL_TRACES_SAMPLER_ARG", "0.0"),
+        ],
+    )
+    .await;
+    for _ in 0..5 {
+        chat(&sampled, "rec", "unsampled", None).await;
+    }
+    let followed = "00-11111111111111111111111111111111-2222222222222222-01";
+    chat(&sampled, "rec", "sampled by the caller", Some(followed)).await;
+    let span = collector
+        .wait_span("switchyard-sampled", |s| {
+            s["traceId"] == "11111111111111111111111111111111"
+        })
+        .await;
+    assert_eq!(span["parentSpanId"], "2222222222222222");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let from_sampled = collector
+        .spans()
+        .iter()
+        .filter(|(service, _)| service == "switchyard-sampled")
+        .count();
+    assert_eq!(
+        from_sampled, 1,
+        "ratio 0 still exported the gateway's own traces"
+    );
+    let unsampled = recorder.received();
+    let unsampled = unsampled
+        .iter()
+        .rev()
+        .nth(1)
+        .and_then(|r| r.headers.get("traceparent"))
+        .and_then(|v| v.to_str().ok())
+        .unwrap();
+    assert!(
+        unsampled.ends_with("-00"),
+        "an unsampled context goes upstream: {unsampled}"
     );
 
     // Probes are not traced, and no prompt text ever reaches the collector.
