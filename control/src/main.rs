@@ -69,6 +69,10 @@ fn main() -> anyhow::Result<ExitCode> {
         if serve.kubernetes {
             return serve::run(serve, None);
         }
+        if serve.kube.read_secrets {
+            eprintln!("--read-secrets only applies with --kubernetes");
+            return Ok(ExitCode::from(2));
+        }
         return match switchyard_snapshot::load_paths(&serve.paths) {
             Ok(snapshot) => serve::run(serve, Some(snapshot)),
             Err(errors) => {
