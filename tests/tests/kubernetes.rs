@@ -190,6 +190,17 @@ impl Load {
         Load { stop, tasks }
     }
 
+    /// Stop, and check that every request was answered by an upstream.
+    async fn finish_all_answered(self, when: &str) -> Vec<Answer> {
+        let answers = self.finish().await;
+        let failures: Vec<&String> = answers
+            .iter()
+            .filter_map(|a| a.result.as_ref().err())
+            .collect();
+        assert!(failures.is_empty(), "requests failed {when}: {failures:?}");
+        answers
+    }
+
     async fn finish(self) -> Vec<Answer> {
         self.stop.store(true, Ordering::Relaxed);
         let mut all = Vec::new();
@@ -443,15 +454,7 @@ async fn control_on_a_real_api_server() {
     apply_policy(&admin, "{fallThrough: true}").await;
     proxy.wait_served_by("chat", Some(KEY), "large").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let answers = load.finish().await;
-    let failures: Vec<&String> = answers
-        .iter()
-        .filter_map(|a| a.result.as_ref().err())
-        .collect();
-    assert!(
-        failures.is_empty(),
-        "requests failed during the edit: {failures:?}"
-    );
+    let answers = load.finish_all_answered("during the edit").await;
     // The first answer from the new target, and after it every request sent later goes there
     // too (a snapshot swap is atomic; answers to requests sent before it may still arrive).
     let first_new = answers
@@ -552,15 +555,7 @@ async fn control_on_a_real_api_server() {
     );
     let control = start_control(&socket, &kubeconfig).await;
     proxy.wait_served_by("chat", Some(KEY), "large").await;
-    let answers = load.finish().await;
-    let failures: Vec<&String> = answers
-        .iter()
-        .filter_map(|a| a.result.as_ref().err())
-        .collect();
-    assert!(
-        failures.is_empty(),
-        "requests failed while the control was gone: {failures:?}"
-    );
+    let answers = load.finish_all_answered("while the control was gone").await;
     eprintln!(
         "control killed and restarted under load: {} requests, 0 failed",
         answers.len()
