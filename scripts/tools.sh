@@ -34,7 +34,7 @@ build helm "helm-$helm_version" install_helm
 
 # Versions come from the modules' go.mod; the names carry them so a bump rebuilds.
 module_version() { sed -n "s|^\t$2 \(v[^ ]*\).*|\1|p" "scripts/go/$1/go.mod" | head -1; }
-go_build() { go build -C "scripts/go/$1" -trimpath -ldflags=-s -o "$out" "$2"; }
+go_build() { go build -C "scripts/go/$1" -trimpath -buildvcs=false -ldflags=-s -o "$out" "$2"; }
 
 build kube-apiserver "kube-apiserver-$(module_version kube-apiserver k8s.io/kubernetes)" \
   go_build kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver
