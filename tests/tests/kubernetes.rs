@@ -2,12 +2,15 @@
 //! their Go modules by scripts/tools.sh), with RBAC on and the control running as the Helm
 //! chart's service account, so the chart's Role is what it gets.
 //!
-//! One scenario, in order: the rendered chart applies (CRDs, Namespace-scoped objects, RBAC);
-//! pools find their workers through pod selectors; the proxy routes as the objects say; a policy
+//! One scenario, in order: the rendered chart applies (CRDs, Namespace-scoped objects, RBAC) and
+//! the shipped examples pass server-side validation; the Role denies what it should; pools find
+//! their workers through pod selectors; tenant and provider keys come from Secrets; the proxy
+//! routes as the objects say; a second replica runs without the two rewriting status; a policy
 //! edit under load switches routing without a failed request; an invalid object gets
 //! `Accepted=False` with the reason while the proxy keeps the last good snapshot; the control is
-//! killed and restarted under load and the proxy never stops serving; a pod that stops being
-//! ready leaves its pool.
+//! killed under load, the other replica takes the status Lease over, the proxy never stops
+//! serving and follows edits again after the restart; a pod that stops being ready leaves its
+//! pool.
 
 use std::process::Command;
 use std::sync::Arc;
