@@ -357,6 +357,21 @@ async fn request_spans_reach_a_real_collector() {
         "an unsampled context goes upstream: {unsampled}"
     );
 
+    // A collector that is down costs requests nothing: export happens off the request path.
+    let nowhere = format!("http://127.0.0.1:{}", free_port());
+    let orphan = Proxy::start_with_env(
+        &config(&sim, &recorder),
+        &[],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", nowhere.as_str()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    )
+    .await;
+    for _ in 0..20 {
+        chat(&orphan, "rec", "collector down", None).await;
+    }
+
     // Probes are not traced, and no prompt text ever reaches the collector.
     reqwest::get(format!("{}/health", proxy.url()))
         .await
