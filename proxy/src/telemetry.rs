@@ -13,6 +13,7 @@
 //! `traceparent`, replacing the client's, so the worker's spans hang under the gateway's.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::SystemTime;
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
@@ -22,8 +23,9 @@ use opentelemetry::trace::{
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::{Protocol, WithExportConfig as _};
 use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
+use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, SpanData, SpanExporter};
 
 const DEFAULT_SERVICE_NAME: &str = "switchyard-proxy";
 
@@ -81,7 +83,10 @@ impl Telemetry {
             .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
             .build();
         let provider = SdkTracerProvider::builder()
-            .with_batch_exporter(exporter)
+            .with_batch_exporter(Reporting {
+                inner: exporter,
+                failing: AtomicBool::new(false),
+            })
             .with_resource(resource)
             .build();
         let tracer = provider.tracer("switchyard-proxy");
@@ -118,6 +123,47 @@ impl pingora_core::services::background::BackgroundService for Flusher {
         let _ = shutdown.changed().await;
         let provider = self.provider.clone();
         let _ = tokio::task::spawn_blocking(move || provider.force_flush()).await;
+    }
+}
+
+/// Logs when exports start failing and when they work again (once each), so a collector that is
+/// down shows in the logs without a line per batch. Spans that cannot be exported are dropped;
+/// requests never wait for them.
+#[derive(Debug)]
+struct Reporting<E> {
+    inner: E,
+    failing: AtomicBool,
+}
+
+impl<E: SpanExporter> SpanExporter for Reporting<E> {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        let spans = batch.len();
+        let result = self.inner.export(batch).await;
+        match &result {
+            Ok(()) => {
+                if self.failing.swap(false, Ordering::Relaxed) {
+                    tracing::info!("trace export works again");
+                }
+            }
+            Err(error) => {
+                if !self.failing.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(%error, spans, "cannot export traces; dropping them until the collector answers");
+                }
+            }
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(&self, timeout: std::time::Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
     }
 }
 

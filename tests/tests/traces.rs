@@ -364,6 +364,7 @@ async fn request_spans_reach_a_real_collector() {
         &[],
         &[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", nowhere.as_str()),
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "500"),
             ("OTEL_BSP_SCHEDULE_DELAY", "100"),
         ],
     )
@@ -371,6 +372,11 @@ async fn request_spans_reach_a_real_collector() {
     for _ in 0..20 {
         chat(&orphan, "rec", "collector down", None).await;
     }
+    // ... and the operator hears about it, once.
+    orphan
+        .wait_for_log("cannot export traces", Duration::from_secs(20))
+        .await;
+    assert_eq!(orphan.log().matches("cannot export traces").count(), 1);
 
     // Probes are not traced, and no prompt text ever reaches the collector.
     reqwest::get(format!("{}/health", proxy.url()))
