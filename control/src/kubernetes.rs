@@ -497,7 +497,7 @@ impl StatusWriter {
             let label = format!("{} {}/{}", kind.as_str(), self.namespace, name);
             let in_snapshot = served.get(&(*kind, name.clone())) == Some(&entry.generation);
             let (status, reason, message, version) = match by_object.get(&label) {
-                Some(problems) => ("False", "Invalid", problems.join("; "), None),
+                Some(problems) => ("False", "Invalid", bounded(problems.join("; ")), None),
                 None if errors.is_none() || in_snapshot => (
                     "True",
                     "Accepted",
@@ -539,6 +539,21 @@ impl StatusWriter {
             .await
             .map(drop)
     }
+}
+
+/// Condition messages are bounded (the API allows 32 KiB); a long list of errors is cut at a
+/// character boundary with a note.
+fn bounded(mut message: String) -> String {
+    const LIMIT: usize = 4096;
+    if message.len() > LIMIT {
+        let mut cut = LIMIT;
+        while !message.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        message.truncate(cut);
+        message.push_str(" … (more: switchyard-control check, or the control's log)");
+    }
+    message
 }
 
 /// The status an object should carry; the transition time is kept while the condition holds.
@@ -626,6 +641,15 @@ mod tests {
             None
         );
         assert_eq!(ready_address(&pod(&[], "Running", true, None), 1), None);
+    }
+
+    #[test]
+    fn long_messages_are_cut_on_a_character_boundary() {
+        let long = "é".repeat(5000);
+        let cut = bounded(long);
+        assert!(cut.len() < 4200);
+        assert!(cut.ends_with("the control's log)"));
+        assert_eq!(bounded("short".to_owned()), "short");
     }
 
     #[test]
