@@ -318,7 +318,7 @@ fn collect<K: Watched>(store: &Store<K>, namespace: &str, into: &mut BTreeMap<Ob
         let document = Document {
             origin: Origin {
                 source: format!("{SOURCE} {}/{namespace}/{name}", K::KIND.as_str()),
-                index: 1,
+                index: 0,
             },
             metadata: DocumentMeta {
                 name: name.clone(),

@@ -643,12 +643,17 @@ pub struct Document {
 pub struct Origin {
     /// File path or other source name (`<embedded default>`, `kubernetes`).
     pub source: String,
-    /// 1-based position of the document in a multi-document file.
+    /// 1-based position of the document in a multi-document file; 0 for a source that is a
+    /// single object (a Kubernetes object).
     pub index: usize,
 }
 
 impl std::fmt::Display for Origin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} (document {})", self.source, self.index)
+        match self.index {
+            // One object per source (an API object): its name says it all.
+            0 => f.write_str(&self.source),
+            index => write!(f, "{} (document {index})", self.source),
+        }
     }
 }
