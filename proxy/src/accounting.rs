@@ -242,10 +242,7 @@ struct Ledger {
 static LEDGER: LazyLock<Mutex<Ledger>> = LazyLock::new(Mutex::default);
 
 fn ledger() -> std::sync::MutexGuard<'static, Ledger> {
-    match LEDGER.lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
-    }
+    crate::lock(&LEDGER)
 }
 
 /// Bound a map's size: new keys past the cap are folded into `fold(key)`.

@@ -28,13 +28,7 @@ use tokio::task::JoinHandle;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::config::ConfigStore;
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match mutex.lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
-    }
-}
+use crate::lock;
 
 /// Counters of one worker's event stream.
 #[derive(Debug, Default)]

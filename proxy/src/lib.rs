@@ -20,3 +20,12 @@ pub mod scorer;
 pub mod telemetry;
 pub mod translate;
 pub mod translate_openai;
+
+/// Lock a mutex, taking the data even if a thread panicked while holding it: every mutex in the
+/// proxy guards counters or caches that stay usable, and serving must not stop over one panic.
+pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match mutex.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}

@@ -133,10 +133,7 @@ pub struct Admission {
 
 impl RateLimiter {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, TenantState>> {
-        match self.tenants.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
-        }
+        crate::lock(&self.tenants)
     }
 
     /// Admit a request of `tenant` with about `prompt_tokens` of prompt, or say which limit

@@ -21,10 +21,7 @@ static FALLBACKS: Mutex<BTreeMap<(String, String), u64>> = Mutex::new(BTreeMap::
 
 /// Count a move from target `from` to target `to` (labels from configuration).
 pub fn fallback(from: &str, to: &str) {
-    let mut counts = match FALLBACKS.lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
-    };
+    let mut counts = crate::lock(&FALLBACKS);
     let key = (from.to_owned(), to.to_owned());
     if !counts.contains_key(&key) && counts.len() >= MAX_RULE_LABELS {
         return;
@@ -34,10 +31,7 @@ pub fn fallback(from: &str, to: &str) {
 
 /// Count one policy decision. `rule` is `namespace/policy/rule`, or empty when no rule decided.
 pub fn policy_decision(rule: &str, outcome: &'static str) {
-    let mut counts = match POLICY_DECISIONS.lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
-    };
+    let mut counts = crate::lock(&POLICY_DECISIONS);
     let rule = if rule.is_empty() { "none" } else { rule };
     let key = (rule.to_owned(), outcome);
     if !counts.contains_key(&key) && counts.len() >= MAX_RULE_LABELS {
@@ -173,10 +167,7 @@ pub fn render(store: &ConfigStore) -> String {
     );
 
     let policy: Vec<(String, f64)> = {
-        let counts = match POLICY_DECISIONS.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let counts = crate::lock(&POLICY_DECISIONS);
         counts
             .iter()
             .map(|((rule, outcome), count)| {
@@ -188,10 +179,7 @@ pub fn render(store: &ConfigStore) -> String {
             .collect()
     };
     let fallbacks: Vec<(String, f64)> = {
-        let counts = match FALLBACKS.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let counts = crate::lock(&FALLBACKS);
         counts
             .iter()
             .map(|((from, to), count)| {

@@ -105,10 +105,7 @@ pub struct EndpointRegistry {
 impl EndpointRegistry {
     /// The state for `address`, created (and resolved) the first time it is seen.
     fn worker(&self, address: &str) -> Arc<WorkerState> {
-        let mut workers = match self.workers.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let mut workers = crate::lock(&self.workers);
         if let Some(existing) = workers.get(address)
             && existing.socket.is_some()
         {
@@ -134,10 +131,7 @@ impl EndpointRegistry {
 
     /// Forget workers no table uses any more.
     fn retain(&self, live: &[Arc<WorkerState>]) {
-        let mut workers = match self.workers.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let mut workers = crate::lock(&self.workers);
         workers.retain(|address, _| live.iter().any(|w| &w.address == address));
     }
 }
