@@ -192,7 +192,7 @@ pub async fn run(
             Err(errors) => {
                 let rendered = errors.to_string();
                 if rendered != logged_errors {
-                    crate::serve::log_errors(errors);
+                    errors.log_rejected();
                     logged_errors = rendered;
                 }
                 None

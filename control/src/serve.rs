@@ -49,35 +49,6 @@ pub(crate) fn next_version(previous: u64) -> u64 {
     now.max(previous + 1)
 }
 
-/// Digest of the files' names and bytes, to notice edits cheaply.
-fn digest(paths: &[PathBuf]) -> Vec<u8> {
-    let mut errors = Vec::new();
-    let mut out = Vec::new();
-    for file in switchyard_snapshot::parse::expand_paths(paths, &mut errors) {
-        out.extend_from_slice(file.display().to_string().as_bytes());
-        out.push(0);
-        match std::fs::read(&file) {
-            Ok(bytes) => out.extend_from_slice(&bytes),
-            Err(error) => out.extend_from_slice(error.to_string().as_bytes()),
-        }
-        out.push(0);
-    }
-    out.extend(errors.iter().flat_map(|e| e.to_string().into_bytes()));
-    out
-}
-
-pub(crate) fn log_errors(errors: &switchyard_snapshot::ConfigErrors) {
-    for error in errors.iter() {
-        tracing::error!(
-            source = %error.source_name,
-            document = %error.document,
-            field = %error.field,
-            message = %error.message,
-            "configuration rejected; keeping the last good snapshot"
-        );
-    }
-}
-
 /// `initial` is the compiled files; `None` with `--kubernetes`.
 pub fn run(args: ServeArgs, initial: Option<Snapshot>) -> anyhow::Result<std::process::ExitCode> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -174,12 +145,12 @@ async fn watch_files(
     interval: Duration,
     publish: watch::Sender<Option<Arc<Snapshot>>>,
 ) -> anyhow::Result<()> {
-    let mut last = digest(&paths);
+    let mut last = switchyard_snapshot::parse::files_digest(&paths);
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        let now = digest(&paths);
+        let now = switchyard_snapshot::parse::files_digest(&paths);
         if now == last {
             continue;
         }
@@ -196,7 +167,7 @@ async fn watch_files(
                 tracing::info!(version = snapshot.version, fingerprint = %snapshot.fingerprint, "new snapshot");
                 publish.send_replace(Some(Arc::new(snapshot)));
             }
-            Err(errors) => log_errors(&errors),
+            Err(errors) => errors.log_rejected(),
         }
     }
 }

@@ -9,7 +9,6 @@ use arc_swap::ArcSwapOption;
 use async_trait::async_trait;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
-use sha2::{Digest, Sha256};
 use switchyard_snapshot::{ConfigErrors, Snapshot};
 
 use crate::kv::KvRegistry;
@@ -72,26 +71,10 @@ impl ConfigStore {
 
 /// Reads the configuration files: returns a digest of their bytes and the compiled result.
 pub fn read_files(paths: &[PathBuf]) -> (String, Result<Snapshot, ConfigErrors>) {
-    let mut hasher = Sha256::new();
-    let mut errors = Vec::new();
-    for file in switchyard_snapshot::parse::expand_paths(paths, &mut errors) {
-        hasher.update(file.display().to_string().as_bytes());
-        match std::fs::read(&file) {
-            Ok(bytes) => hasher.update(&bytes),
-            Err(error) => hasher.update(error.to_string().as_bytes()),
-        }
-    }
-    let digest: String = hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let result = if errors.is_empty() {
-        switchyard_snapshot::load_paths(paths)
-    } else {
-        Err(ConfigErrors(errors))
-    };
-    (digest, result)
+    (
+        switchyard_snapshot::parse::files_digest(paths),
+        switchyard_snapshot::load_paths(paths),
+    )
 }
 
 /// Polls configuration files and applies each valid change; an invalid edit is reported and the
@@ -124,17 +107,7 @@ impl FileWatcher {
                     tracing::error!(%error, "configuration rejected; keeping the last good snapshot");
                 }
             },
-            Err(errors) => {
-                for error in errors.iter() {
-                    tracing::error!(
-                        source = %error.source_name,
-                        document = %error.document,
-                        field = %error.field,
-                        message = %error.message,
-                        "configuration rejected; keeping the last good snapshot"
-                    );
-                }
-            }
+            Err(errors) => errors.log_rejected(),
         }
     }
 }

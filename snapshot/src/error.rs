@@ -42,4 +42,18 @@ impl ConfigErrors {
     pub fn iter(&self) -> impl Iterator<Item = &ConfigError> {
         self.0.iter()
     }
+
+    /// Log each error as a structured line; for sources that keep serving their last good
+    /// snapshot (the proxy's file watcher, the control process).
+    pub fn log_rejected(&self) {
+        for error in self.iter() {
+            tracing::error!(
+                source = %error.source_name,
+                document = %error.document,
+                field = %error.field,
+                message = %error.message,
+                "configuration rejected; keeping the last good snapshot"
+            );
+        }
+    }
 }

@@ -88,6 +88,31 @@ pub fn parse_paths(paths: &[PathBuf]) -> Parsed {
     parsed
 }
 
+/// Lowercase hex SHA-256 of the files a set of paths stands for: their names, their bytes (or
+/// why they cannot be read) and listing errors. Watchers compare it to notice edits cheaply.
+pub fn files_digest(paths: &[PathBuf]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    let mut errors = Vec::new();
+    for file in expand_paths(paths, &mut errors) {
+        hasher.update(file.display().to_string().as_bytes());
+        hasher.update([0]);
+        match std::fs::read(&file) {
+            Ok(bytes) => hasher.update(&bytes),
+            Err(error) => hasher.update(error.to_string().as_bytes()),
+        }
+        hasher.update([0]);
+    }
+    for error in &errors {
+        hasher.update(error.to_string().as_bytes());
+    }
+    hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// The files a set of paths stands for, in a stable order.
 pub fn expand_paths(paths: &[PathBuf], errors: &mut Vec<ConfigError>) -> Vec<PathBuf> {
     let mut files = Vec::new();
