@@ -139,6 +139,16 @@ impl Proxy {
         format!("http://127.0.0.1:{}", self.port)
     }
 
+    /// The proxy's Prometheus exposition (`GET /metrics`).
+    pub async fn metrics(&self) -> String {
+        reqwest::get(format!("{}/metrics", self.url()))
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("/metrics body")
+    }
+
     /// The snapshot version `/ready` reports.
     pub async fn config_version(&self) -> u64 {
         let ready: serde_json::Value = reqwest::get(format!("{}/ready", self.url()))

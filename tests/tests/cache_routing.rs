@@ -182,12 +182,7 @@ async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after
     );
 
     // Routing decisions and index size are exported.
-    let metrics = reqwest::get(format!("{}/metrics", proxy.url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = proxy.metrics().await;
     assert!(
         metrics.contains(
             "switchyard_routing_decisions_total{pool=\"default/sim\",outcome=\"cache_hit\"}"
@@ -398,12 +393,7 @@ async fn event_gaps_are_replayed_or_cleared_and_restarts_reset_the_worker() {
         "entries from before the restart were dropped"
     );
 
-    let metrics = reqwest::get(format!("{}/metrics", proxy.url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = proxy.metrics().await;
     let value = |name: &str| -> f64 {
         metrics
             .lines()

@@ -77,12 +77,7 @@ async fn the_next_target_serves_when_one_is_unreachable_or_fails() {
     let body: Value = response.json().await.unwrap();
     assert!(body["error"]["message"].is_string(), "{body}");
 
-    let metrics = reqwest::get(format!("{}/metrics", proxy.url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = proxy.metrics().await;
     for line in [
         "switchyard_target_fallbacks_total{from=\"pool default/dead\",to=\"provider default/cloud\"} 1",
         "switchyard_target_fallbacks_total{from=\"pool default/failing\",to=\"pool default/healthy\"} 2",

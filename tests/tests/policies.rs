@@ -351,12 +351,7 @@ async fn batch_requests_only_when_the_pool_is_quiet() {
     let (status, _, _) = g.chat(Some(BATCH), ask("assistant", COMPLEX), &batch).await;
     assert_eq!(status, 200);
     assert_eq!(g.served_by().len(), 3);
-    let metrics = reqwest::get(format!("{}/metrics", g.proxy.url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = g.proxy.metrics().await;
     assert!(
         metrics.contains("switchyard_policy_decisions_total{rule=\"default/gateway/batch-only-when-quiet\",outcome=\"reject\"} 1"),
         "{metrics}"

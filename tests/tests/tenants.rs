@@ -92,12 +92,7 @@ async fn token_totals_equal_the_usage_upstreams_reported() {
     };
     let mut metrics = String::new();
     for _ in 0..100 {
-        metrics = reqwest::get(format!("{}/metrics", proxy.url()))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        metrics = proxy.metrics().await;
         if metric(
             &metrics,
             "switchyard_tenant_requests_total",
@@ -168,12 +163,7 @@ async fn token_totals_equal_the_usage_upstreams_reported() {
     // Unknown keys are counted as rejections, without inventing labels.
     let response = post(&proxy, "sk-nobody", ask(false)).await;
     assert_eq!(response.status(), 401);
-    let metrics = reqwest::get(format!("{}/metrics", proxy.url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = proxy.metrics().await;
     assert_eq!(
         metric(
             &metrics,
@@ -277,12 +267,7 @@ async fn limits_answer_429_with_retry_after_in_the_clients_format() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     assert!(admitted, "the concurrency slot was not released");
-    let metrics = reqwest::get(format!("{}/metrics", proxy.url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = proxy.metrics().await;
     assert_eq!(
         metric(
             &metrics,
@@ -333,12 +318,7 @@ async fn a_default_tenant_serves_keyless_requests_only_when_configured() {
     assert_eq!(post(&proxy, "sk-wrong", ask.clone()).await.status(), 401);
     let mut counted = 0.0;
     for _ in 0..100 {
-        let metrics = reqwest::get(format!("{}/metrics", proxy.url()))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = proxy.metrics().await;
         counted = metric(
             &metrics,
             "switchyard_tenant_requests_total",
