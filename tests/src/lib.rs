@@ -93,6 +93,12 @@ pub async fn one_worker_proxy(
     (upstream, proxy)
 }
 
+/// What a `Tenant` stores for an API key: its SHA-256 in lowercase hex.
+pub fn key_sha256(key: &str) -> String {
+    use sha2::Digest;
+    format!("{:x}", sha2::Sha256::digest(key.as_bytes()))
+}
+
 /// Which test upstream answered a chat request for `model` (the first word of its reply), or the
 /// failure with its status and body.
 pub async fn served_by(

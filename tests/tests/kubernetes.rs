@@ -24,7 +24,7 @@ use serde_json::{Value, json};
 use switchyard_crds::{InferenceModel, InferencePolicy, InferencePool, Tenant};
 use switchyard_e2e::kube::{ADMIN_TOKEN, Cluster, User, apply, apply_dry_run};
 use switchyard_e2e::process::Control;
-use switchyard_e2e::{Proxy, Upstream, workspace_root};
+use switchyard_e2e::{Proxy, Upstream, key_sha256, workspace_root};
 
 const NAMESPACE: &str = "switchyard";
 const RELEASE: &str = "gw";
@@ -35,11 +35,6 @@ const KEY: &str = "sk-kube-test-key";
 /// Held in Secrets only.
 const SECRET_KEY: &str = "sk-from-a-secret";
 const PROVIDER_KEY: &str = "provider-token-in-a-secret";
-/// sha256("sk-kube-test-key")
-fn key_sha256() -> String {
-    use sha2::Digest;
-    format!("{:x}", sha2::Sha256::digest(KEY.as_bytes()))
-}
 
 fn helm_template() -> String {
     let helm = workspace_root().join(".cache/tools/helm");
@@ -341,7 +336,7 @@ async fn control_on_a_real_api_server() {
     };
     let tenant = format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: Tenant\nmetadata: {{name: team}}\nspec: {{apiKeys: [{{sha256: {}}}]}}\n",
-        key_sha256()
+        key_sha256(KEY)
     );
     // Keys in Secrets: a tenant's (hashed by the control) and a provider's (sent to the proxy).
     let cloud = Upstream::start("cloud").await;

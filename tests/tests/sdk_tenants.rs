@@ -3,16 +3,8 @@
 
 use std::process::Command;
 
-use sha2::{Digest, Sha256};
 use switchyard_e2e::tls::TlsFront;
-use switchyard_e2e::{Proxy, Upstream, UpstreamOptions, python, workspace_root};
-
-fn sha256(key: &str) -> String {
-    Sha256::digest(key.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
+use switchyard_e2e::{Proxy, Upstream, UpstreamOptions, key_sha256, python, workspace_root};
 
 #[tokio::test]
 async fn sdks_with_tenant_keys_reach_tls_providers_in_the_other_format() {
@@ -43,8 +35,8 @@ async fn sdks_with_tenant_keys_reach_tls_providers_in_the_other_format() {
         gpt_front.addr.port(),
         gpt_front.ca_file.display(),
         key.display(),
-        sha256("sk-team"),
-        sha256("sk-limited"),
+        key_sha256("sk-team"),
+        key_sha256("sk-limited"),
     );
     let proxy = Proxy::start(&yaml, &[]).await;
     let script = workspace_root().join("tests/python/sdk_tenants.py");

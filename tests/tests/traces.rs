@@ -7,7 +7,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use switchyard_e2e::{Proxy, Sim, Upstream, default_config_for, free_port, workspace_root};
+use switchyard_e2e::{
+    Proxy, Sim, Upstream, default_config_for, free_port, key_sha256, workspace_root,
+};
 
 const KEY: &str = "sk-trace-test";
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -134,8 +136,7 @@ fn attribute(holder: &Value, key: &str) -> Option<Value> {
 
 fn config(sim: &Sim, recorder: &Upstream) -> String {
     let mut config = default_config_for(sim);
-    use sha2::Digest;
-    let key_sha256 = format!("{:x}", sha2::Sha256::digest(KEY.as_bytes()));
+    let key_sha256 = key_sha256(KEY);
     config.push_str(&format!(
         "\n---\napiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: recorder}}\nspec: {{model: rec, endpoints: [\"{}\"], loadBalancing: least-outstanding}}\n\
          ---\napiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: rec}}\nspec: {{targets: [{{pool: recorder}}]}}\n\
