@@ -54,6 +54,21 @@ async fn setup() -> Setup {
     }
 }
 
+impl Setup {
+    /// POST /v1/chat/completions and read the whole answer as text (streams included).
+    async fn chat_text(&self, body: &Value) -> String {
+        reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", self.proxy.url()))
+            .json(body)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+}
+
 fn data_events(text: &str) -> Vec<Value> {
     text.split("\n\n")
         .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
@@ -106,15 +121,7 @@ async fn openai_clients_reach_anthropic_providers() {
     // Streamed: OpenAI chunks, no usage chunk unless asked.
     let mut stream_request = request.clone();
     stream_request["stream"] = json!(true);
-    let text = client
-        .post(format!("{}/v1/chat/completions", s.proxy.url()))
-        .json(&stream_request)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = s.chat_text(&stream_request).await;
     let chunks = data_events(&text);
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     let content: String = chunks
@@ -128,15 +135,7 @@ async fn openai_clients_reach_anthropic_providers() {
         "stop"
     );
     stream_request["stream_options"] = json!({"include_usage": true});
-    let text = client
-        .post(format!("{}/v1/chat/completions", s.proxy.url()))
-        .json(&stream_request)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = s.chat_text(&stream_request).await;
     let usage: Vec<Value> = data_events(&text)
         .into_iter()
         .filter(|c| c.get("usage").is_some())
