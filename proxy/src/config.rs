@@ -90,12 +90,13 @@ pub struct FileWatcher {
 
 impl FileWatcher {
     fn poll(&self, last_digest: &mut String) {
-        let (digest, result) = read_files(&self.paths);
+        // Compile only when the files changed, not on every poll.
+        let digest = switchyard_snapshot::parse::files_digest(&self.paths);
         if &digest == last_digest {
             return;
         }
         *last_digest = digest;
-        match result {
+        match switchyard_snapshot::load_paths(&self.paths) {
             Ok(snapshot) => match self.store.apply(snapshot) {
                 Ok(Applied::Swapped { version }) => {
                     tracing::info!(version, "configuration reloaded");
