@@ -9,11 +9,11 @@ use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures_util::StreamExt;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
@@ -340,36 +340,28 @@ async fn run_conversation(
     (samples, errors)
 }
 
-/// A progress line on stderr.
+/// A progress bar on stderr, drawn only when stderr is a terminal (indicatif hides it otherwise,
+/// so a CI log or `2> file` gets no bar frames); each finished run prints one plain line instead.
 pub struct Progress {
-    label: String,
-    total: usize,
-    done: AtomicUsize,
+    bar: ProgressBar,
 }
 
 impl Progress {
-    fn new(label: String, total: usize) -> Progress {
-        Progress {
-            label,
-            total,
-            done: AtomicUsize::new(0),
+    fn new(label: &str, total: usize) -> Progress {
+        let bar = ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::stderr());
+        if let Ok(style) = ProgressStyle::with_template("{prefix:<44} [{bar:30}] {pos}/{len}") {
+            bar.set_style(style.progress_chars("#>-"));
         }
+        bar.set_prefix(label.to_owned());
+        Progress { bar }
     }
 
     fn tick(&self) {
-        let done = self.done.fetch_add(1, Ordering::Relaxed) + 1;
-        let width = 30;
-        let filled = done * width / self.total.max(1);
-        eprint!(
-            "\r{:<44} [{}{}] {done}/{}",
-            self.label,
-            "#".repeat(filled),
-            " ".repeat(width - filled.min(width)),
-            self.total
-        );
-        if done >= self.total {
-            eprintln!();
-        }
+        self.bar.inc(1);
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
     }
 }
 
@@ -413,7 +405,7 @@ pub async fn run(
         .pool_max_idle_per_host(256)
         .build()?;
     let total: usize = conversations.iter().map(|c| c.turns.len()).sum();
-    let progress = Arc::new(Progress::new(label, total));
+    let progress = Arc::new(Progress::new(&label, total));
     let scale = config.time_scale;
     let output_tokens = config.size.output_tokens;
     let started = Instant::now();
@@ -496,6 +488,14 @@ pub async fn run(
     ttfts.sort_by(f64::total_cmp);
     e2es.sort_by(f64::total_cmp);
     let cache_hit_rate = cache_hit_rate(&sim).await;
+    progress.finish();
+    println!(
+        "{label}: {} requests, {errors} errors, TTFT p50 {:.3} s p90 {:.3} s, {:.0} s wall",
+        samples.len(),
+        quantile(&ttfts, 0.5),
+        quantile(&ttfts, 0.9),
+        started.elapsed().as_secs_f64()
+    );
     Ok(RouterResult {
         router: router.name().to_owned(),
         requests: samples.len(),

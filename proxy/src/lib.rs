@@ -11,6 +11,7 @@ pub mod config;
 pub mod control;
 pub mod kv;
 pub mod limits;
+pub mod logging;
 pub mod metrics;
 pub mod prompt;
 pub mod proxy;

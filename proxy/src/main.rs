@@ -56,24 +56,9 @@ struct Args {
     control_socket: Option<PathBuf>,
 }
 
-fn init_tracing(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new("info,pingora_core=warn,pingora_proxy=warn")
-    });
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-}
-
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    init_tracing(args.log_json);
+    switchyard_proxy::logging::init(args.log_json);
 
     let store = Arc::new(ConfigStore::default());
     // With a control socket the proxy starts empty (not ready) and waits for the first snapshot.

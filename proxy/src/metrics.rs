@@ -19,6 +19,14 @@ static POLICY_DECISIONS: Mutex<BTreeMap<(String, &'static str), u64>> = Mutex::n
 /// Fallbacks from one target to the next, by (from, to).
 static FALLBACKS: Mutex<BTreeMap<(String, String), u64>> = Mutex::new(BTreeMap::new());
 
+/// Requests whose client closed the connection before the answer was complete.
+static CLIENT_DISCONNECTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Count a request ended by its client (it hung up mid-answer or sent an unreadable request).
+pub fn client_disconnected() {
+    CLIENT_DISCONNECTS.fetch_add(1, Ordering::Relaxed);
+}
+
 /// Count a move from target `from` to target `to` (labels from configuration).
 pub fn fallback(from: &str, to: &str) {
     let mut counts = crate::lock(&FALLBACKS);
@@ -164,6 +172,16 @@ pub fn render(store: &ConfigStore) -> String {
         "counter",
         "Cache-aware routing decisions by outcome.",
         decisions,
+    );
+
+    family(
+        "switchyard_client_disconnects_total",
+        "counter",
+        "Requests ended by their client: it closed the connection before the answer was complete.",
+        vec![(
+            String::new(),
+            CLIENT_DISCONNECTS.load(Ordering::Relaxed) as f64,
+        )],
     );
 
     let policy: Vec<(String, f64)> = {

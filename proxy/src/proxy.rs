@@ -1562,6 +1562,23 @@ impl ProxyHttp for Gateway {
         Ok(None)
     }
 
+    /// Pingora's own "Fail to proxy" line is replaced by the request line `logging` writes,
+    /// whose level says who failed (a client hanging up is not an error of the gateway).
+    fn suppress_error_log(&self, _session: &Session, _ctx: &RequestCtx, _error: &Error) -> bool {
+        true
+    }
+
+    /// Retries are logged where they are decided (`fail_to_connect`, `error_while_proxy`).
+    fn suppress_proxy_warn_log(
+        &self,
+        _session: &Session,
+        _ctx: &RequestCtx,
+        _error: &Error,
+        _context: pingora_proxy::ProxyWarnLogContext,
+    ) -> bool {
+        true
+    }
+
     fn fail_to_connect(
         &self,
         _session: &mut Session,
@@ -1626,6 +1643,12 @@ impl ProxyHttp for Gateway {
             route.reconnects += 1;
             route.reconnect_to = route.tried.last().copied();
             retry = route.reconnect_to.is_some();
+            tracing::debug!(
+                request_id = %ctx.request_id,
+                worker = %peer.address(),
+                error = e.etype().as_str(),
+                "pooled connection to the worker was closed; sending again on a new one"
+            );
         }
         e.set_retry(retry);
         e
@@ -1717,27 +1740,50 @@ impl ProxyHttp for Gateway {
             .and_then(|r| r.current.as_ref())
             .map(|f| f.worker().address.as_str())
             .unwrap_or("");
-        tracing::info!(
-            request_id = %ctx.request_id,
-            endpoint = ctx.endpoint.map_or("unknown", Endpoint::label),
-            model = route.map_or("", |r| r.requested_model.as_str()),
-            upstream_model = route.map_or("", |r| r.upstream_model.as_str()),
-            tenant = route.and_then(|r| r.tenant.as_deref()).unwrap_or(""),
-            policy_rule = route.and_then(|r| r.rule.as_deref()).unwrap_or(""),
-            pool = %route
-                .and_then(|r| r.pool.as_ref())
-                .map_or(String::new(), |p| p.config.id.to_string()),
-            provider = %route
-                .and_then(|r| r.provider.as_ref())
-                .map_or(String::new(), |p| p.config.id.to_string()),
-            worker,
-            attempts = route.map_or(0, |r| r.tried.len()),
-            status = ctx.status,
-            error = e.map(|e| e.etype().as_str()),
-            last_connect_error = route.and_then(|r| r.last_connect_error.as_deref()),
-            duration_ms = ctx.started.elapsed().as_millis() as u64,
-            "request"
-        );
+        let failure = e.map(|e| Failure::of(e, ctx.status));
+        if failure == Some(Failure::Client) {
+            metrics::client_disconnected();
+        }
+        // One line per request, at the level of whoever failed (see `logging.rs`).
+        macro_rules! request_line {
+            ($level:expr, $message:literal) => {
+                tracing::event!(
+                    $level,
+                    request_id = %ctx.request_id,
+                    endpoint = ctx.endpoint.map_or("unknown", Endpoint::label),
+                    model = route.map_or("", |r| r.requested_model.as_str()),
+                    upstream_model = route.map_or("", |r| r.upstream_model.as_str()),
+                    tenant = route.and_then(|r| r.tenant.as_deref()).unwrap_or(""),
+                    policy_rule = route.and_then(|r| r.rule.as_deref()).unwrap_or(""),
+                    pool = %route
+                        .and_then(|r| r.pool.as_ref())
+                        .map_or(String::new(), |p| p.config.id.to_string()),
+                    provider = %route
+                        .and_then(|r| r.provider.as_ref())
+                        .map_or(String::new(), |p| p.config.id.to_string()),
+                    worker,
+                    attempts = route.map_or(0, |r| r.tried.len()),
+                    status = ctx.status,
+                    error = e.map(|e| e.etype().as_str()),
+                    error_source = e.map(|e| e.esource().as_str()),
+                    last_connect_error = route.and_then(|r| r.last_connect_error.as_deref()),
+                    duration_ms = ctx.started.elapsed().as_millis() as u64,
+                    $message
+                )
+            };
+        }
+        match failure {
+            None => request_line!(tracing::Level::INFO, "request"),
+            Some(Failure::Client) => {
+                request_line!(tracing::Level::INFO, "request ended by the client")
+            }
+            Some(Failure::Upstream) => {
+                request_line!(tracing::Level::WARN, "request failed upstream")
+            }
+            Some(Failure::Gateway) => {
+                request_line!(tracing::Level::ERROR, "request failed in the gateway")
+            }
+        }
         if let Some(route) = route
             && let (Some(decision), Some(pool)) = (&route.decision, &route.pool)
         {
@@ -1854,4 +1900,35 @@ fn span_attributes(ctx: &RequestCtx) -> Vec<KeyValue> {
         ));
     }
     attributes
+}
+
+/// Who made a request fail, which decides the level of its log line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failure {
+    /// The client closed the connection or sent something unreadable.
+    Client,
+    /// A worker or provider failed (refused, timed out, broke the connection, answered 5xx).
+    Upstream,
+    /// The gateway itself.
+    Gateway,
+}
+
+impl Failure {
+    fn of(error: &Error, status: u16) -> Failure {
+        match error.esource() {
+            pingora_error::ErrorSource::Downstream => Failure::Client,
+            pingora_error::ErrorSource::Upstream => Failure::Upstream,
+            // Errors the gateway raises on purpose to answer a worker's status (fallbacks) carry
+            // that status; anything else unexplained is ours.
+            pingora_error::ErrorSource::Internal | pingora_error::ErrorSource::Unset => {
+                if matches!(error.etype(), ErrorType::HTTPStatus(_))
+                    || (502..=504).contains(&status)
+                {
+                    Failure::Upstream
+                } else {
+                    Failure::Gateway
+                }
+            }
+        }
+    }
 }

@@ -21,6 +21,18 @@ fn cache_aware_routing_multiplies_the_prefix_cache_hit_rate() {
         String::from_utf8_lossy(&output.stderr)
     );
     assert!(stdout.contains("quick check passed"), "{stdout}");
+    // Output that is not a terminal (a CI log, `> file`) gets plain lines, no progress frames.
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !stdout.contains('\r') && !stderr.contains('\r'),
+        "carriage returns in redirected output:\n{stdout:?}\n{stderr:?}"
+    );
+    assert!(
+        stdout
+            .lines()
+            .any(|line| line.contains("switchyard") && line.contains("48 requests, 0 errors")),
+        "no per-run line in:\n{stdout}"
+    );
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let results = report["shared-prefix"]["results"].as_array().unwrap();
     let hit = |name: &str| {
