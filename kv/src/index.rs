@@ -139,7 +139,17 @@ fn shard_of(hash: SequenceHash) -> usize {
 /// Per worker: vLLM's hash of each block it holds → our hash of it.
 #[derive(Debug, Default)]
 struct WorkerBlocks {
-    by_external: HashMap<ExternalBlockHash, SequenceHash, BuildIdentity>,
+    by_external: HashMap<ExternalBlockHash, CachedCopies, BuildIdentity>,
+}
+
+/// Our hash of a vLLM block, and how many copies of it the worker holds: vLLM does not
+/// de-duplicate identical blocks computed by two requests (`BlockHashToBlockMap`), so it stores
+/// a hash once per copy and removes it once per copy; the worker holds the block until the last
+/// copy is removed.
+#[derive(Debug, Clone, Copy)]
+struct CachedCopies {
+    ours: SequenceHash,
+    copies: u32,
 }
 
 /// Counters the proxy exports.
@@ -282,7 +292,17 @@ impl PrefixIndex {
             KvEvent::BlockStored(stored) => self.store(worker, stored),
             KvEvent::BlockRemoved(removed) => {
                 for external in &removed.block_hashes {
-                    let ours = self.with_worker(worker, |w| w.by_external.remove(external));
+                    let ours = self.with_worker(worker, |w| {
+                        let Entry::Occupied(mut entry) = w.by_external.entry(*external) else {
+                            return None;
+                        };
+                        entry.get_mut().copies -= 1;
+                        if entry.get().copies == 0 {
+                            Some(entry.remove().ours)
+                        } else {
+                            None
+                        }
+                    });
                     if let Some(ours) = ours {
                         self.drop_worker_from(ours, worker);
                         self.stats.blocks_removed.fetch_add(1, Ordering::Relaxed);
@@ -306,7 +326,7 @@ impl PrefixIndex {
         let mut parent = match stored.parent_block_hash {
             None => None,
             Some(external) => {
-                match self.with_worker(worker, |w| w.by_external.get(&external).copied()) {
+                match self.with_worker(worker, |w| w.by_external.get(&external).map(|c| c.ours)) {
                     Some(ours) => Some(ours),
                     None => {
                         self.stats
@@ -340,10 +360,31 @@ impl PrefixIndex {
                 .block_hashes
                 .iter()
                 .zip(&ours)
-                .filter_map(|(external, hash)| {
-                    w.by_external
-                        .insert(*external, *hash)
-                        .filter(|previous| previous != hash)
+                .filter_map(|(external, hash)| match w.by_external.entry(*external) {
+                    Entry::Vacant(entry) => {
+                        entry.insert(CachedCopies {
+                            ours: *hash,
+                            copies: 1,
+                        });
+                        None
+                    }
+                    // Another copy of the same block.
+                    Entry::Occupied(mut entry) if entry.get().ours == *hash => {
+                        entry.get_mut().copies += 1;
+                        None
+                    }
+                    // The same vLLM hash for other content (a restarted worker, a hash
+                    // collision): the new content replaces the old.
+                    Entry::Occupied(mut entry) => Some(
+                        std::mem::replace(
+                            entry.get_mut(),
+                            CachedCopies {
+                                ours: *hash,
+                                copies: 1,
+                            },
+                        )
+                        .ours,
+                    ),
                 })
                 .collect()
         });
@@ -361,7 +402,7 @@ impl PrefixIndex {
     /// Forget everything a worker holds (AllBlocksCleared, an unfillable gap, or the worker left).
     pub fn clear_worker(&self, worker: WorkerId) {
         let blocks = self.with_worker(worker, |w| std::mem::take(&mut w.by_external));
-        for ours in blocks.into_values() {
+        for CachedCopies { ours, .. } in blocks.into_values() {
             self.drop_worker_from(ours, worker);
         }
     }
@@ -476,6 +517,31 @@ mod tests {
         (0..workers)
             .map(|w| out.depth(WorkerId(w as u16)))
             .collect()
+    }
+
+    #[test]
+    fn a_block_cached_twice_stays_until_its_last_copy_is_removed() {
+        // vLLM stores identical blocks computed by two requests twice, under one hash, and
+        // removes each copy on its own.
+        let index = PrefixIndex::new(4);
+        let tokens: Vec<u32> = (0..8).collect();
+        let removed = |hash: u64| {
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![ExternalBlockHash(hash)],
+                ..Default::default()
+            })
+        };
+        index.apply(WorkerId(0), &stored(&[100, 101], None, &tokens));
+        index.apply(WorkerId(0), &stored(&[101], Some(100), &tokens[4..]));
+        assert_eq!(index.stored_blocks(), 2);
+        index.apply(WorkerId(0), &removed(101));
+        assert_eq!(overlap(&index, &tokens, 1), vec![2], "one copy is still cached");
+        index.apply(WorkerId(0), &removed(101));
+        assert_eq!(overlap(&index, &tokens, 1), vec![1]);
+        index.apply(WorkerId(0), &removed(101));
+        index.apply(WorkerId(0), &removed(100));
+        assert_eq!(overlap(&index, &tokens, 1), vec![0]);
+        assert_eq!(index.stored_blocks(), 0);
     }
 
     #[test]
