@@ -1,6 +1,6 @@
-"""Plot switchyard-bench compare results: TTFT CDF per router, and TTFT p90 vs load from the
-capacity sweep. Usage: plot.py RESULTS.json OUT_DIR. Needs matplotlib (scripts/test.sh installs
-it into .venv)."""
+"""Plot switchyard-bench compare results: TTFT CDF per router (every seed's requests pooled), and
+median TTFT p90 vs load from the capacity sweep. Usage: plot.py RESULTS.json OUT_DIR. Needs
+matplotlib (scripts/test.sh installs it into .venv)."""
 
 import json
 import pathlib
@@ -18,12 +18,17 @@ def main(results_path: str, out_dir: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for workload, report in results.items():
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for router in report["results"]:
-            ttfts = router["ttfts"]
+        # One entry per (seed, router) run: pool each router's seeds into one CDF.
+        pooled: dict[str, list[float]] = {}
+        for run in report["results"]:
+            pooled.setdefault(run["router"], []).extend(run["ttfts"])
+        for router, ttfts in pooled.items():
             if not ttfts:
                 continue
+            ttfts = sorted(ttfts)
             ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
-            ax.step(ttfts, ys, where="post", label=f'{router["router"]} (p50 {router["ttft_p50"]:.2f}s)')
+            p50 = ttfts[max(0, (len(ttfts) + 1) // 2 - 1)]
+            ax.step(ttfts, ys, where="post", label=f"{router} (p50 {p50:.2f}s)")
         ax.set_xscale("log")
         ax.set_xlabel("time to first token (model seconds)")
         ax.set_ylabel("fraction of requests")
@@ -43,7 +48,7 @@ def main(results_path: str, out_dir: str) -> None:
                 ax.plot([p["rate"] for p in points], [p["ttft_p90"] for p in points], marker="o",
                         label=f'{router} (capacity {sweep["capacity"]:.2f}/s)')
             ax.set_xlabel("arrival rate (requests per model second)")
-            ax.set_ylabel("TTFT p90 (model seconds)")
+            ax.set_ylabel("TTFT p90, median over seeds (model seconds)")
             ax.set_yscale("log")
             ax.set_title(f"TTFT vs load, {workload}")
             ax.grid(True, which="both", alpha=0.3)

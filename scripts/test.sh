@@ -14,18 +14,33 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
   echo "$want" > "$stamp"
 fi
 
-# vLLM's own KV-event code, straight from its wheel (no torch needed: see tests/python/vllm_kv.py).
+# vLLM's own KV-event and block-pool code, straight from its wheel (no torch needed: see
+# tests/python/vllm_kv.py and tests/python/vllm_block_pool.py).
 vllm_version=0.34.0
 vllm_src=.cache/vllm-$vllm_version
-if [ ! -f "$vllm_src/vllm/distributed/kv_events.py" ]; then
-  echo "== fetching vLLM $vllm_version's event code"
+vllm_files=(
+  vllm/distributed/kv_events.py
+  vllm/config/kv_events.py
+  vllm/v1/core/block_pool.py
+  vllm/v1/core/kv_cache_utils.py
+  vllm/utils/hashing.py
+  vllm/utils/math_utils.py
+  vllm/utils/gc_utils.py
+  vllm/envs.py
+)
+vllm_missing=0
+for file in "${vllm_files[@]}"; do
+  [ -f "$vllm_src/$file" ] || vllm_missing=1
+done
+if [ "$vllm_missing" = 1 ]; then
+  echo "== fetching vLLM $vllm_version's event and block-pool code"
   mkdir -p .cache/wheels
   .venv/bin/pip download --quiet --disable-pip-version-check --no-deps -d .cache/wheels "vllm==$vllm_version"
-  .venv/bin/python - "$vllm_src" .cache/wheels/vllm-"$vllm_version"-*.whl <<'PY'
+  .venv/bin/python - "$vllm_src" .cache/wheels/vllm-"$vllm_version"-*.whl "${vllm_files[@]}" <<'PY'
 import sys, zipfile
-target, wheel = sys.argv[1], sys.argv[2]
+target, wheel, names = sys.argv[1], sys.argv[2], sys.argv[3:]
 with zipfile.ZipFile(wheel) as archive:
-    for name in ("vllm/distributed/kv_events.py", "vllm/config/kv_events.py"):
+    for name in names:
         archive.extract(name, target)
 PY
   rm -f .cache/wheels/vllm-"$vllm_version"-*.whl

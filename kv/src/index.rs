@@ -535,7 +535,11 @@ mod tests {
         index.apply(WorkerId(0), &stored(&[101], Some(100), &tokens[4..]));
         assert_eq!(index.stored_blocks(), 2);
         index.apply(WorkerId(0), &removed(101));
-        assert_eq!(overlap(&index, &tokens, 1), vec![2], "one copy is still cached");
+        assert_eq!(
+            overlap(&index, &tokens, 1),
+            vec![2],
+            "one copy is still cached"
+        );
         index.apply(WorkerId(0), &removed(101));
         assert_eq!(overlap(&index, &tokens, 1), vec![1]);
         index.apply(WorkerId(0), &removed(101));

@@ -1,6 +1,7 @@
 //! The router comparison: the same seeded workload against fresh simulated workers behind each
-//! router in turn, measured from the client (TTFT, end-to-end latency, throughput) and from the
-//! workers (prefix-cache hit rate).
+//! router in turn, measured from the client (TTFT, end-to-end latency, throughput, prompt and
+//! output tokens from `usage`) and from the workers (prefix-cache hit rate, engine-side TTFT
+//! histogram), then summarised across seeds.
 //!
 //! Times are reported in model seconds (wall time divided by the simulator's `--time-scale`), so
 //! they read like the GPU the simulator models, whatever the speed-up.
@@ -20,6 +21,7 @@ use serde_json::Value;
 use tokio::sync::Mutex;
 
 use crate::overhead::quantile;
+use crate::sim::GpuProfile;
 use crate::workload::{Conversation, WorkloadKind, WorkloadSize};
 
 /// A router under test.
@@ -78,7 +80,11 @@ pub struct RunConfig {
     pub arrival: Arrival,
     pub time_scale: f64,
     pub workers: usize,
-    pub num_blocks: usize,
+    /// The card the simulated workers model.
+    pub gpu: GpuProfile,
+    /// KV blocks per worker (vLLM's null block included; `None`: the card's) and tokens per block.
+    pub num_blocks: Option<usize>,
+    pub block_size: usize,
     /// A `vllm-router` executable, when one was found.
     pub vllm_router: Option<PathBuf>,
 }
@@ -88,25 +94,55 @@ pub struct RunConfig {
 struct Sample {
     ttft: f64,
     e2e: f64,
+    /// `usage.prompt_tokens`: the prompt as the worker counted it, chat template included.
+    prompt_tokens: Option<u64>,
+    /// `usage.completion_tokens`.
+    output_tokens: Option<u64>,
+    /// What the request asked for.
+    requested_tokens: usize,
 }
 
-/// What one router achieved on one workload at one load.
+/// What one router achieved on one workload (one seed) at one load.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct RouterResult {
     pub router: String,
+    pub seed: u64,
     pub requests: usize,
     pub errors: usize,
+    /// Client-side TTFT: the first content chunk, router and HTTP included (model seconds).
     pub ttft_p50: f64,
     pub ttft_p90: f64,
     pub ttft_p99: f64,
+    /// Engine-side TTFT from the workers' `vllm:time_to_first_token_seconds` histograms, pooled.
+    pub engine_ttft: EngineTtft,
     pub e2e_p50: f64,
     pub e2e_p90: f64,
     /// Completed requests per model second.
     pub throughput: f64,
     /// Prompt tokens served from the workers' prefix caches / prompt tokens looked up.
     pub cache_hit_rate: f64,
+    /// Mean `usage.prompt_tokens` (chat template applied, as the workers tokenized it).
+    pub prompt_tokens_mean: f64,
+    /// Mean `usage.completion_tokens`.
+    pub output_tokens_mean: f64,
+    /// Requests whose `usage.completion_tokens` differed from the max_tokens they asked for
+    /// (requests without usage are not counted).
+    pub output_length_mismatches: usize,
     /// Every TTFT (model seconds), sorted, for CDF plots.
     pub ttfts: Vec<f64>,
+}
+
+/// Engine-side TTFT: what the workers measured from arrival to first token (model seconds), no
+/// client, router or HTTP time in it.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct EngineTtft {
+    /// Observations in the histograms.
+    pub count: u64,
+    /// sum / count.
+    pub mean: f64,
+    /// Linear interpolation inside the buckets, as Prometheus's `histogram_quantile` does.
+    pub p50: f64,
+    pub p90: f64,
 }
 
 /// A child process killed (and reaped) when dropped.
@@ -164,9 +200,18 @@ fn start_sim(config: &RunConfig) -> anyhow::Result<Sim> {
         .args([
             "--time-scale",
             &config.time_scale.to_string(),
-            "--num-blocks",
-            &config.num_blocks.to_string(),
+            "--gpu",
+            config.gpu.flag(),
+            "--block-size",
+            &config.block_size.to_string(),
         ])
+        .args(
+            config
+                .num_blocks
+                .map(|blocks| ["--num-blocks".to_owned(), blocks.to_string()])
+                .into_iter()
+                .flatten(),
+        )
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -218,9 +263,10 @@ async fn start_router(
                 })
                 .collect();
             let yaml = format!(
-                "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  loadBalancing: {policy}\n  scrapeIntervalMs: 100\n  endpoints: [{endpoints}]\n---\n\
+                "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  loadBalancing: {policy}\n  blockSize: {block_size}\n  scrapeIntervalMs: 100\n  endpoints: [{endpoints}]\n---\n\
                  apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: bench}}\nspec:\n  modelName: \"{model}\"\n  targets: [{{pool: sim}}]\n",
                 model = sim.model,
+                block_size = config.block_size,
                 endpoints = endpoints.join(", ")
             );
             let path = dir.join(format!("{}.yaml", router.name()));
@@ -263,13 +309,19 @@ async fn start_router(
     Ok((url, child))
 }
 
+/// One streamed answer as the client saw it.
+struct Streamed {
+    ttft: Duration,
+    e2e: Duration,
+    text: String,
+    /// `usage.prompt_tokens` and `usage.completion_tokens` of the final chunk.
+    prompt_tokens: Option<u64>,
+    output_tokens: Option<u64>,
+}
+
 /// Send one streamed chat request; TTFT is the first content chunk, the answer text is kept
 /// for the next turn.
-async fn stream_one(
-    client: &reqwest::Client,
-    url: &str,
-    body: &Value,
-) -> anyhow::Result<(Duration, Duration, String)> {
+async fn stream_one(client: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<Streamed> {
     let start = Instant::now();
     let response = client
         .post(format!("{url}/v1/chat/completions"))
@@ -281,6 +333,7 @@ async fn stream_one(
     }
     let mut stream = response.bytes_stream();
     let (mut ttft, mut text, mut pending) = (None, String::new(), String::new());
+    let (mut prompt_tokens, mut output_tokens) = (None, None);
     while let Some(chunk) = stream.next().await {
         pending.push_str(&String::from_utf8_lossy(&chunk?));
         while let Some(end) = pending.find("\n\n") {
@@ -292,6 +345,10 @@ async fn stream_one(
                 let Ok(chunk) = serde_json::from_str::<Value>(data) else {
                     continue;
                 };
+                if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
+                    prompt_tokens = usage.get("prompt_tokens").and_then(Value::as_u64);
+                    output_tokens = usage.get("completion_tokens").and_then(Value::as_u64);
+                }
                 if let Some(content) = chunk
                     .pointer("/choices/0/delta/content")
                     .and_then(Value::as_str)
@@ -304,31 +361,44 @@ async fn stream_one(
         }
     }
     let ttft = ttft.context("no content in the stream")?;
-    Ok((ttft, start.elapsed(), text))
+    Ok(Streamed {
+        ttft,
+        e2e: start.elapsed(),
+        text,
+        prompt_tokens,
+        output_tokens,
+    })
 }
 
-/// Run a conversation's turns in order; one sample per turn.
+/// Run a conversation's turns in order, the user thinking before each later turn; one sample
+/// per turn.
 async fn run_conversation(
     client: &reqwest::Client,
     url: &str,
     model: &str,
     conversation: &Conversation,
-    output_tokens: usize,
     scale: f64,
     progress: &Progress,
 ) -> (Vec<Sample>, usize) {
     let mut answers = Vec::new();
     let mut samples = Vec::new();
     let mut errors = 0;
-    for turn in 0..conversation.turns.len() {
-        let body = conversation.request(model, turn, &answers, output_tokens);
+    for (index, turn) in conversation.turns.iter().enumerate() {
+        if turn.think_s > 0.0 {
+            // Model seconds of think time, slept in wall time like everything else.
+            tokio::time::sleep(Duration::from_secs_f64(turn.think_s * scale)).await;
+        }
+        let body = conversation.request(model, index, &answers);
         match stream_one(client, url, &body).await {
-            Ok((ttft, e2e, text)) => {
+            Ok(streamed) => {
                 samples.push(Sample {
-                    ttft: ttft.as_secs_f64() / scale,
-                    e2e: e2e.as_secs_f64() / scale,
+                    ttft: streamed.ttft.as_secs_f64() / scale,
+                    e2e: streamed.e2e.as_secs_f64() / scale,
+                    prompt_tokens: streamed.prompt_tokens,
+                    output_tokens: streamed.output_tokens,
+                    requested_tokens: turn.output_tokens,
                 });
-                answers.push(text);
+                answers.push(streamed.text);
             }
             Err(_) => {
                 errors += 1;
@@ -365,29 +435,128 @@ impl Progress {
     }
 }
 
-async fn cache_hit_rate(sim: &Sim) -> f64 {
-    let (mut hits, mut queries) = (0.0, 0.0);
+/// The histogram the workers expose for engine-side TTFT.
+const TTFT_HISTOGRAM: &str = "vllm:time_to_first_token_seconds";
+
+/// What the workers' `/metrics` say after a run, summed over workers and label sets.
+#[derive(Debug, Clone, Default)]
+pub struct Scraped {
+    pub prefix_hits: f64,
+    pub prefix_queries: f64,
+    /// Cumulative TTFT bucket counts by upper bound (`le`, +Inf as infinity).
+    pub ttft_buckets: Vec<(f64, f64)>,
+    pub ttft_sum: f64,
+    pub ttft_count: f64,
+}
+
+/// The value of label `name` in a sample line's `{...}` label set.
+fn label<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    let labels = line.split_once('{')?.1.rsplit_once('}')?.0;
+    let start = labels.find(&format!("{name}=\""))? + name.len() + 2;
+    let rest = labels.get(start..)?;
+    rest.get(..rest.find('"')?)
+}
+
+impl Scraped {
+    /// Add one Prometheus text exposition (one worker's `/metrics`).
+    pub fn add(&mut self, text: &str) {
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some(value) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) else {
+                continue;
+            };
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            match name.strip_prefix(TTFT_HISTOGRAM) {
+                Some("_bucket") => {
+                    let Some(bound) = label(line, "le").and_then(|le| match le {
+                        "+Inf" => Some(f64::INFINITY),
+                        le => le.parse::<f64>().ok(),
+                    }) else {
+                        continue;
+                    };
+                    // Workers share vLLM's bucket bounds; pool counts per bound.
+                    match self.ttft_buckets.iter_mut().find(|(b, _)| *b == bound) {
+                        Some((_, count)) => *count += value,
+                        None => self.ttft_buckets.push((bound, value)),
+                    }
+                }
+                Some("_sum") => self.ttft_sum += value,
+                Some("_count") => self.ttft_count += value,
+                _ => match name {
+                    "vllm:prefix_cache_hits_total" => self.prefix_hits += value,
+                    "vllm:prefix_cache_queries_total" => self.prefix_queries += value,
+                    _ => {}
+                },
+            }
+        }
+        self.ttft_buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+
+    pub fn cache_hit_rate(&self) -> f64 {
+        if self.prefix_queries > 0.0 {
+            self.prefix_hits / self.prefix_queries
+        } else {
+            0.0
+        }
+    }
+
+    /// Quantile `q` of the pooled histogram by linear interpolation inside its bucket (the first
+    /// bucket starts at 0; a rank in the +Inf bucket reads as the highest finite bound).
+    pub fn ttft_quantile(&self, q: f64) -> f64 {
+        let total = self.ttft_count.max(
+            self.ttft_buckets
+                .iter()
+                .map(|(_, count)| *count)
+                .fold(0.0, f64::max),
+        );
+        if total <= 0.0 {
+            return 0.0;
+        }
+        let rank = q.clamp(0.0, 1.0) * total;
+        let (mut lower, mut below) = (0.0, 0.0);
+        for (bound, cumulative) in &self.ttft_buckets {
+            if *cumulative >= rank {
+                if bound.is_infinite() {
+                    return lower;
+                }
+                let inside = cumulative - below;
+                if inside <= 0.0 {
+                    return *bound;
+                }
+                return lower + (bound - lower) * (rank - below) / inside;
+            }
+            if bound.is_finite() {
+                lower = *bound;
+            }
+            below = *cumulative;
+        }
+        lower
+    }
+
+    pub fn engine_ttft(&self) -> EngineTtft {
+        EngineTtft {
+            count: self.ttft_count as u64,
+            mean: if self.ttft_count > 0.0 {
+                self.ttft_sum / self.ttft_count
+            } else {
+                0.0
+            },
+            p50: self.ttft_quantile(0.5),
+            p90: self.ttft_quantile(0.9),
+        }
+    }
+}
+
+async fn scrape(sim: &Sim) -> Scraped {
+    let mut scraped = Scraped::default();
     for (http, _, _) in &sim.workers {
         let Ok(response) = reqwest::get(format!("http://{http}/metrics")).await else {
             continue;
         };
-        let Ok(text) = response.text().await else {
-            continue;
-        };
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
-            let value = line
-                .rsplit(' ')
-                .next()
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or(0.0);
-            if line.starts_with("vllm:prefix_cache_hits_total") {
-                hits += value;
-            } else if line.starts_with("vllm:prefix_cache_queries_total") {
-                queries += value;
-            }
+        if let Ok(text) = response.text().await {
+            scraped.add(&text);
         }
     }
-    if queries > 0.0 { hits / queries } else { 0.0 }
+    scraped
 }
 
 /// Run the workload through one router against a fresh simulator.
@@ -404,10 +573,9 @@ pub async fn run(
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(256)
         .build()?;
-    let total: usize = conversations.iter().map(|c| c.turns.len()).sum();
+    let total: usize = conversations.iter().map(Conversation::requests).sum();
     let progress = Arc::new(Progress::new(&label, total));
     let scale = config.time_scale;
-    let output_tokens = config.size.output_tokens;
     let started = Instant::now();
     let mut tasks = Vec::new();
     match config.arrival {
@@ -434,7 +602,6 @@ pub async fn run(
                             &url,
                             &model,
                             &conversation,
-                            output_tokens,
                             scale,
                             &progress,
                         )
@@ -462,16 +629,7 @@ pub async fn run(
                 );
                 tasks.push(tokio::spawn(async move {
                     tokio::time::sleep_until(start.into()).await;
-                    run_conversation(
-                        &client,
-                        &url,
-                        &model,
-                        &conversation,
-                        output_tokens,
-                        scale,
-                        &progress,
-                    )
-                    .await
+                    run_conversation(&client, &url, &model, &conversation, scale, &progress).await
                 }));
             }
         }
@@ -487,39 +645,174 @@ pub async fn run(
     let mut e2es: Vec<f64> = samples.iter().map(|s| s.e2e).collect();
     ttfts.sort_by(f64::total_cmp);
     e2es.sort_by(f64::total_cmp);
-    let cache_hit_rate = cache_hit_rate(&sim).await;
+    let scraped = scrape(&sim).await;
     progress.finish();
+    let mean = |values: &mut dyn Iterator<Item = u64>| {
+        let (sum, n) = values.fold((0u64, 0u64), |(sum, n), v| (sum + v, n + 1));
+        if n > 0 { sum as f64 / n as f64 } else { 0.0 }
+    };
+    let prompt_tokens_mean = mean(&mut samples.iter().filter_map(|s| s.prompt_tokens));
+    let output_tokens_mean = mean(&mut samples.iter().filter_map(|s| s.output_tokens));
+    let output_length_mismatches = samples
+        .iter()
+        .filter(|s| {
+            s.output_tokens
+                .is_some_and(|n| n != s.requested_tokens as u64)
+        })
+        .count();
+    let engine_ttft = scraped.engine_ttft();
     println!(
-        "{label}: {} requests, {errors} errors, TTFT p50 {:.3} s p90 {:.3} s, {:.0} s wall",
+        "{label}: {} requests, {errors} errors, TTFT p50 {:.3} s p90 {:.3} s (engine p50 {:.3} s), {:.0} s wall",
         samples.len(),
         quantile(&ttfts, 0.5),
         quantile(&ttfts, 0.9),
+        engine_ttft.p50,
         started.elapsed().as_secs_f64()
     );
+    if output_length_mismatches > 0 {
+        println!(
+            "{label}: {output_length_mismatches} answers did not have the requested length (usage.completion_tokens != max_tokens)"
+        );
+    }
     Ok(RouterResult {
         router: router.name().to_owned(),
+        seed: config.seed,
         requests: samples.len(),
         errors,
         ttft_p50: quantile(&ttfts, 0.5),
         ttft_p90: quantile(&ttfts, 0.9),
         ttft_p99: quantile(&ttfts, 0.99),
+        engine_ttft,
         e2e_p50: quantile(&e2es, 0.5),
         e2e_p90: quantile(&e2es, 0.9),
         throughput: samples.len() as f64 / model_seconds.max(f64::MIN_POSITIVE),
-        cache_hit_rate,
+        cache_hit_rate: scraped.cache_hit_rate(),
+        prompt_tokens_mean,
+        output_tokens_mean,
+        output_length_mismatches,
         ttfts,
     })
 }
 
-/// Print one workload's table with ratios against random routing.
-pub fn print_table(title: &str, results: &[RouterResult]) {
+/// The median of a statistic across seeds, and its range.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    pub fn of(values: impl IntoIterator<Item = f64>) -> Spread {
+        let mut values: Vec<f64> = values.into_iter().collect();
+        values.sort_by(f64::total_cmp);
+        let n = values.len();
+        let at = |i: usize| values.get(i).copied().unwrap_or(0.0);
+        let median = match n {
+            0 => 0.0,
+            n if n % 2 == 1 => at(n / 2),
+            n => (at(n / 2 - 1) + at(n / 2)) / 2.0,
+        };
+        Spread {
+            median,
+            min: at(0),
+            max: at(n.saturating_sub(1)),
+        }
+    }
+}
+
+/// One router on one workload across seeds: medians and ranges of the per-seed results.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RouterSummary {
+    pub router: String,
+    pub seeds: Vec<u64>,
+    /// Requests and errors over all seeds.
+    pub requests: usize,
+    pub errors: usize,
+    pub ttft_p50: Spread,
+    pub ttft_p90: Spread,
+    pub ttft_p99: Spread,
+    pub engine_ttft_mean: Spread,
+    pub engine_ttft_p50: Spread,
+    pub engine_ttft_p90: Spread,
+    pub e2e_p50: Spread,
+    pub throughput: Spread,
+    pub cache_hit_rate: Spread,
+    /// random's median TTFT / this router's median TTFT (higher is better; NaN without random).
+    pub ttft_p50_vs_random: f64,
+    pub ttft_p90_vs_random: f64,
+}
+
+/// Per-router summaries of per-seed results, routers in the order they first appear.
+pub fn summarize(results: &[RouterResult]) -> Vec<RouterSummary> {
+    let mut routers: Vec<&str> = Vec::new();
+    for result in results {
+        if !routers.contains(&result.router.as_str()) {
+            routers.push(&result.router);
+        }
+    }
+    let mut summaries: Vec<RouterSummary> = routers
+        .iter()
+        .map(|router| {
+            let runs: Vec<&RouterResult> = results.iter().filter(|r| r.router == *router).collect();
+            let spread = |f: fn(&RouterResult) -> f64| Spread::of(runs.iter().map(|r| f(r)));
+            RouterSummary {
+                router: (*router).to_owned(),
+                seeds: runs.iter().map(|r| r.seed).collect(),
+                requests: runs.iter().map(|r| r.requests).sum(),
+                errors: runs.iter().map(|r| r.errors).sum(),
+                ttft_p50: spread(|r| r.ttft_p50),
+                ttft_p90: spread(|r| r.ttft_p90),
+                ttft_p99: spread(|r| r.ttft_p99),
+                engine_ttft_mean: spread(|r| r.engine_ttft.mean),
+                engine_ttft_p50: spread(|r| r.engine_ttft.p50),
+                engine_ttft_p90: spread(|r| r.engine_ttft.p90),
+                e2e_p50: spread(|r| r.e2e_p50),
+                throughput: spread(|r| r.throughput),
+                cache_hit_rate: spread(|r| r.cache_hit_rate),
+                ttft_p50_vs_random: f64::NAN,
+                ttft_p90_vs_random: f64::NAN,
+            }
+        })
+        .collect();
+    let random = summaries
+        .iter()
+        .find(|s| s.router == RouterKind::Random.name())
+        .map(|s| (s.ttft_p50.median, s.ttft_p90.median));
+    for summary in &mut summaries {
+        let ratio = |theirs: f64, ours: f64| if ours > 0.0 { theirs / ours } else { f64::NAN };
+        if let Some((p50, p90)) = random {
+            summary.ttft_p50_vs_random = ratio(p50, summary.ttft_p50.median);
+            summary.ttft_p90_vs_random = ratio(p90, summary.ttft_p90.median);
+        }
+    }
+    summaries
+}
+
+/// "median (min-max)", or just the median for one seed.
+fn spread_cell(spread: &Spread, seeds: usize) -> String {
+    if seeds > 1 {
+        format!("{:.3} ({:.2}-{:.2})", spread.median, spread.min, spread.max)
+    } else {
+        format!("{:.3}", spread.median)
+    }
+}
+
+/// Print one workload's table: client-side TTFT medians across seeds with their range, the
+/// engine-side TTFT next to it, and ratios against random routing computed on the medians.
+pub fn print_table(title: &str, summaries: &[RouterSummary]) {
+    let seeds = summaries.iter().map(|s| s.seeds.len()).max().unwrap_or(1);
+    let width = if seeds > 1 { 19 } else { 8 };
     println!("\n{title}");
     println!(
-        "{:<18} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>9}",
+        "{:<18} {:>width$} {:>width$} {:>width$} | {:>8} {:>7} {:>7} | {:>8} {:>7} {:>8} {:>7} {:>7} {:>6}",
         "router",
         "TTFT p50",
         "p90",
         "p99",
+        "eng mean",
+        "p50",
+        "p90",
         "e2e p50",
         "req/s",
         "hit rate",
@@ -527,28 +820,33 @@ pub fn print_table(title: &str, results: &[RouterResult]) {
         "p90 x",
         "errors"
     );
-    let random = results
-        .iter()
-        .find(|r| r.router == RouterKind::Random.name());
-    for result in results {
-        let ratio = |ours: f64, theirs: Option<f64>| {
-            theirs.filter(|_| ours > 0.0).map_or(f64::NAN, |t| t / ours)
-        };
+    for summary in summaries {
         println!(
-            "{:<18} {:>7.3}s {:>7.3}s {:>7.3}s {:>7.3}s {:>9.2} {:>7.1}% {:>8.2}x {:>8.2}x {:>9}",
-            result.router,
-            result.ttft_p50,
-            result.ttft_p90,
-            result.ttft_p99,
-            result.e2e_p50,
-            result.throughput,
-            result.cache_hit_rate * 100.0,
-            ratio(result.ttft_p50, random.map(|r| r.ttft_p50)),
-            ratio(result.ttft_p90, random.map(|r| r.ttft_p90)),
-            result.errors
+            "{:<18} {:>width$} {:>width$} {:>width$} | {:>8.3} {:>7.3} {:>7.3} | {:>8.3} {:>7.2} {:>7.1}% {:>6.2}x {:>6.2}x {:>6}",
+            summary.router,
+            spread_cell(&summary.ttft_p50, seeds),
+            spread_cell(&summary.ttft_p90, seeds),
+            spread_cell(&summary.ttft_p99, seeds),
+            summary.engine_ttft_mean.median,
+            summary.engine_ttft_p50.median,
+            summary.engine_ttft_p90.median,
+            summary.e2e_p50.median,
+            summary.throughput.median,
+            summary.cache_hit_rate.median * 100.0,
+            summary.ttft_p50_vs_random,
+            summary.ttft_p90_vs_random,
+            summary.errors
         );
     }
-    println!("(times in model seconds; \"x\" = random's TTFT / this router's: higher is better)");
+    let across = if seeds > 1 {
+        format!("medians over {seeds} seeds, (min-max) across seeds; ")
+    } else {
+        String::new()
+    };
+    println!(
+        "({across}times in model seconds; TTFT = client side, first content chunk; eng = the workers' \
+         own TTFT histogram, no router or HTTP in it; \"x\" = random's TTFT / this router's: higher is better)"
+    );
 }
 
 /// Start vllm-router on 127.0.0.1:`port` in front of `worker_urls` with `policy` (it waits for
@@ -594,4 +892,106 @@ pub fn find_vllm_router(root: &Path) -> Option<PathBuf> {
             .map(|dir| dir.join("vllm-router"))
             .find(|candidate| candidate.exists())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two workers' histograms as the simulator writes them (cumulative buckets, vLLM's labels).
+    fn worker(counts: &[(&str, u64)], sum: f64, count: u64) -> String {
+        let labels = r#"model_name="m",engine="0""#;
+        let mut text = String::from(
+            "# HELP vllm:time_to_first_token_seconds x\n# TYPE vllm:time_to_first_token_seconds histogram\n",
+        );
+        for (le, n) in counts {
+            text.push_str(&format!(
+                "vllm:time_to_first_token_seconds_bucket{{{labels},le=\"{le}\"}} {n}\n"
+            ));
+        }
+        text.push_str(&format!(
+            "vllm:time_to_first_token_seconds_sum{{{labels}}} {sum}\nvllm:time_to_first_token_seconds_count{{{labels}}} {count}\n"
+        ));
+        text.push_str(&format!(
+            "vllm:prefix_cache_queries_total{{{labels}}} 100\nvllm:prefix_cache_hits_total{{{labels}}} 25\n"
+        ));
+        text.push_str(&format!(
+            "vllm:e2e_request_latency_seconds_bucket{{{labels},le=\"1.0\"}} 99\n"
+        ));
+        text
+    }
+
+    #[test]
+    fn engine_ttft_pools_workers_and_interpolates_in_buckets() {
+        let mut scraped = Scraped::default();
+        // Worker 0: 4 requests at or under 0.1 s, 6 more by 0.5 s. Worker 1: 10 by 0.5 s.
+        scraped.add(&worker(
+            &[("0.1", 4), ("0.5", 10), ("1.0", 10), ("+Inf", 10)],
+            2.0,
+            10,
+        ));
+        scraped.add(&worker(
+            &[("0.1", 0), ("0.5", 10), ("1.0", 10), ("+Inf", 10)],
+            4.0,
+            10,
+        ));
+        assert_eq!(scraped.ttft_count, 20.0);
+        assert!((scraped.cache_hit_rate() - 0.25).abs() < 1e-9);
+        let engine = scraped.engine_ttft();
+        assert_eq!(engine.count, 20);
+        assert!((engine.mean - 0.3).abs() < 1e-9);
+        // Rank 10 of 20: 4 below 0.1, so 6 of the 16 inside (0.1, 0.5].
+        assert!(
+            (engine.p50 - (0.1 + 0.4 * 6.0 / 16.0)).abs() < 1e-9,
+            "{engine:?}"
+        );
+        // Rank 18: 14 of the 16.
+        assert!(
+            (engine.p90 - (0.1 + 0.4 * 14.0 / 16.0)).abs() < 1e-9,
+            "{engine:?}"
+        );
+    }
+
+    #[test]
+    fn engine_ttft_in_the_open_bucket_reads_as_the_highest_bound() {
+        let mut scraped = Scraped::default();
+        scraped.add(&worker(&[("1.0", 2), ("2.0", 2), ("+Inf", 4)], 9.0, 4));
+        assert_eq!(scraped.ttft_quantile(0.9), 2.0);
+        // Within the first bucket, interpolation starts at 0.
+        assert!((scraped.ttft_quantile(0.25) - 0.5).abs() < 1e-9);
+        assert_eq!(Scraped::default().engine_ttft().p50, 0.0);
+    }
+
+    #[test]
+    fn summaries_take_medians_over_seeds_and_ratios_on_medians() {
+        let run = |router: &str, seed: u64, p50: f64| RouterResult {
+            router: router.into(),
+            seed,
+            requests: 10,
+            ttft_p50: p50,
+            ttft_p90: 2.0 * p50,
+            ..RouterResult::default()
+        };
+        let results = [
+            run("random", 1, 1.0),
+            run("switchyard", 1, 0.2),
+            run("random", 2, 3.0),
+            run("switchyard", 2, 0.5),
+            run("random", 3, 2.0),
+            run("switchyard", 3, 0.25),
+        ];
+        let summaries = summarize(&results);
+        assert_eq!(summaries.len(), 2);
+        let ours = &summaries[1];
+        assert_eq!(ours.router, "switchyard");
+        assert_eq!(ours.seeds, [1, 2, 3]);
+        assert_eq!(ours.requests, 30);
+        assert_eq!(
+            (ours.ttft_p50.median, ours.ttft_p50.min, ours.ttft_p50.max),
+            (0.25, 0.2, 0.5)
+        );
+        assert!((ours.ttft_p50_vs_random - 8.0).abs() < 1e-9);
+        assert!((summaries[0].ttft_p90_vs_random - 1.0).abs() < 1e-9);
+        assert_eq!(Spread::of([4.0, 1.0]).median, 2.5);
+    }
 }

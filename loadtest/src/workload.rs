@@ -1,15 +1,26 @@
-//! Seeded benchmark workloads: what the published cache-aware vs random comparison ran.
+//! Seeded benchmark workloads, sized in tokens of the shipped tokenizer: what the published
+//! cache-aware vs random comparison ran.
 //!
 //! - shared-prefix: groups of requests that share a long system prompt, each with a short unique
 //!   question;
-//! - multi-turn: conversations whose history grows turn by turn (a turn is sent only after the
-//!   previous answer arrived);
+//! - multi-turn: conversations that all open with one product-style system prompt and whose
+//!   history grows turn by turn (a turn is sent only after the previous answer arrived and the
+//!   user's think time passed);
 //! - no-shared: unique prompts.
+//!
+//! Every size is counted in content tokens (the message text alone, before the chat template adds
+//! its role markers) with the tokenizer the simulator and the proxy use, so "2000 tokens" means
+//! 2000 tokens to the workers. Output lengths are drawn per request from a lognormal around the
+//! requested mean, and each request asks for exactly its length.
 
+use std::collections::HashMap;
+
+use anyhow::Context;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
+use switchyard_kv::tokenize::PromptTokenizer;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -29,20 +40,28 @@ impl WorkloadKind {
     }
 }
 
-/// Sizes of a workload, in words (the shipped tokenizer makes ~1.3 tokens of each).
+/// Sizes of a workload. Text sizes are content tokens of the shipped tokenizer.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct WorkloadSize {
     pub requests: usize,
     /// shared-prefix: groups of requests sharing one system prompt.
     pub groups: usize,
-    /// Words of a shared system prompt (shared-prefix) or of a whole prompt (no-shared).
-    pub prompt_words: usize,
-    /// Words of each unique question / user turn.
-    pub question_words: usize,
+    /// Tokens of a group's system prompt (shared-prefix) or of a whole prompt (no-shared).
+    pub prompt_tokens: usize,
+    /// shared-prefix: tokens of each request's unique question.
+    pub question_tokens: usize,
+    /// multi-turn: tokens of the one system prompt every conversation opens with.
+    pub system_prompt_tokens: usize,
+    /// multi-turn: tokens of each user turn.
+    pub turn_tokens: usize,
     /// multi-turn: turns per conversation (requests / turns conversations).
     pub turns: usize,
-    /// Tokens generated per request.
+    /// Mean tokens generated per request.
     pub output_tokens: usize,
+    /// Sigma of the normal under the lognormal output length (0: every request gets the mean).
+    pub output_sigma: f64,
+    /// multi-turn: mean think time before each later turn, in model seconds (exponential).
+    pub think_time_s: f64,
 }
 
 const WORDS: &[&str] = &[
@@ -52,17 +71,138 @@ const WORDS: &[&str] = &[
     "vector", "kernel", "summer", "copper",
 ];
 
-fn words(rng: &mut StdRng, count: usize) -> String {
-    (0..count)
-        .map(|_| {
-            let word = WORDS
-                .get(rng.random_range(0..WORDS.len()))
-                .copied()
-                .unwrap_or("word");
-            format!("{word}{}", rng.random_range(0..1000))
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
+fn pick(rng: &mut StdRng) -> &'static str {
+    WORDS
+        .get(rng.random_range(0..WORDS.len()))
+        .copied()
+        .unwrap_or("word")
+}
+
+/// Text of an exact number of tokens: random numbered words (the numbers keep prompts from
+/// sharing prefixes by chance), each costed with the tokenizer.
+pub struct TextGenerator<'a> {
+    tokenizer: &'a PromptTokenizer,
+    /// Tokens of each piece seen so far ("word123" or " word123"): there are only a few thousand.
+    costs: HashMap<String, usize>,
+}
+
+impl<'a> TextGenerator<'a> {
+    pub fn new(tokenizer: &'a PromptTokenizer) -> TextGenerator<'a> {
+        TextGenerator {
+            tokenizer,
+            costs: HashMap::new(),
+        }
+    }
+
+    /// Content tokens of `text`.
+    pub fn count(&self, text: &str) -> anyhow::Result<usize> {
+        Ok(self
+            .tokenizer
+            .encode(text)
+            .context("tokenizing a workload prompt")?
+            .len())
+    }
+
+    fn cost(&mut self, piece: &str) -> anyhow::Result<usize> {
+        if let Some(cost) = self.costs.get(piece) {
+            return Ok(*cost);
+        }
+        let cost = self.count(piece)?;
+        self.costs.insert(piece.to_owned(), cost);
+        Ok(cost)
+    }
+
+    /// Random text of `target` tokens. Pieces are costed one at a time, which is exact for the
+    /// shipped tokenizer (it pre-splits on spaces and isolates digits, so tokens never span two
+    /// pieces); the whole text is then counted, and trimmed or extended should another tokenizer
+    /// merge across pieces.
+    pub fn text(&mut self, rng: &mut StdRng, target: usize) -> anyhow::Result<String> {
+        let mut pieces: Vec<String> = Vec::new();
+        let mut count = 0;
+        while count < target {
+            let remaining = target - count;
+            let space = if pieces.is_empty() { "" } else { " " };
+            let piece = format!("{space}{}{}", pick(rng), rng.random_range(0..1000));
+            let cost = self.cost(&piece)?;
+            if cost <= remaining {
+                pieces.push(piece);
+                count += cost;
+                continue;
+            }
+            // The last token or two: a bare word (one token each for the shipped tokenizer).
+            let start = rng.random_range(0..WORDS.len());
+            let mut fitted = false;
+            for offset in 0..WORDS.len() {
+                let word = WORDS.get((start + offset) % WORDS.len()).copied();
+                let bare = format!("{space}{}", word.unwrap_or("word"));
+                let cost = self.cost(&bare)?;
+                if cost > 0 && cost <= remaining {
+                    pieces.push(bare);
+                    count += cost;
+                    fitted = true;
+                    break;
+                }
+            }
+            if !fitted {
+                break;
+            }
+        }
+        let mut text = pieces.concat();
+        let mut actual = self.count(&text)?;
+        // Only a tokenizer that merges across pieces gets here; a bounded walk towards the target.
+        for _ in 0..64 {
+            if actual == target {
+                break;
+            }
+            if actual > target {
+                if pieces.pop().is_none() {
+                    break;
+                }
+            } else {
+                let space = if pieces.is_empty() { "" } else { " " };
+                pieces.push(format!("{space}{}", pick(rng)));
+            }
+            text = pieces.concat();
+            actual = self.count(&text)?;
+        }
+        Ok(text)
+    }
+}
+
+/// A standard normal draw (Box-Muller: `rand` alone has no normal distribution).
+fn standard_normal(rng: &mut StdRng) -> f64 {
+    // 1 - [0, 1) is (0, 1], so the logarithm is finite.
+    let radius = (-2.0 * (1.0 - rng.random::<f64>()).ln()).sqrt();
+    radius * (std::f64::consts::TAU * rng.random::<f64>()).cos()
+}
+
+/// One output length: lognormal with mean `mean` (mu = ln(mean) - sigma^2 / 2), rounded and
+/// clamped to [1, 8 × mean] so a rare draw cannot blow past the model's context.
+pub fn output_length(rng: &mut StdRng, mean: usize, sigma: f64) -> usize {
+    let mean = mean.max(1) as f64;
+    let sigma = sigma.max(0.0);
+    let mu = mean.ln() - sigma * sigma / 2.0;
+    let draw = (mu + sigma * standard_normal(rng)).exp().round();
+    draw.clamp(1.0, 8.0 * mean) as usize
+}
+
+/// An exponential draw with mean `mean` (0 when the mean is 0).
+fn exponential(rng: &mut StdRng, mean: f64) -> f64 {
+    if mean <= 0.0 {
+        return 0.0;
+    }
+    -(1.0 - rng.random::<f64>()).ln() * mean
+}
+
+/// One user turn and what the client does around it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Turn {
+    pub user: String,
+    /// Tokens the request asks for, exactly.
+    pub output_tokens: usize,
+    /// Model seconds the user thinks after the previous answer before sending this turn (0 for
+    /// the first turn).
+    pub think_s: f64,
 }
 
 /// One conversation: the turns' user messages, sent one after another with the history growing.
@@ -70,103 +210,215 @@ fn words(rng: &mut StdRng, count: usize) -> String {
 #[derive(Debug, Clone)]
 pub struct Conversation {
     pub system: Option<String>,
-    pub turns: Vec<String>,
+    pub turns: Vec<Turn>,
 }
 
 impl Conversation {
     /// The chat body of turn `turn`, given the answers to the earlier turns.
-    pub fn request(
-        &self,
-        model: &str,
-        turn: usize,
-        answers: &[String],
-        output_tokens: usize,
-    ) -> Value {
+    pub fn request(&self, model: &str, turn: usize, answers: &[String]) -> Value {
         let mut messages = Vec::new();
         if let Some(system) = &self.system {
             messages.push(json!({"role": "system", "content": system}));
         }
         for (index, user) in self.turns.iter().take(turn + 1).enumerate() {
-            messages.push(json!({"role": "user", "content": user}));
+            messages.push(json!({"role": "user", "content": user.user}));
             if index < turn {
                 messages.push(json!({"role": "assistant", "content": answers.get(index).cloned().unwrap_or_default()}));
             }
         }
+        let output_tokens = self.turns.get(turn).map_or(1, |t| t.output_tokens.max(1));
+        // vLLM stops early at an end-of-sequence token unless told otherwise: ignore_eos and
+        // min_tokens (both vLLM sampling parameters) make it generate exactly max_tokens, so the
+        // drawn length is what the workers decode.
         json!({
             "model": model,
             "messages": messages,
             "max_tokens": output_tokens,
+            "min_tokens": output_tokens,
+            "ignore_eos": true,
             "stream": true,
             "stream_options": {"include_usage": true},
         })
     }
+
+    /// Requests this conversation sends.
+    pub fn requests(&self) -> usize {
+        self.turns.len()
+    }
 }
 
 /// Conversations in the order they start.
-pub fn generate(kind: WorkloadKind, size: WorkloadSize, seed: u64) -> Vec<Conversation> {
+pub fn generate(
+    kind: WorkloadKind,
+    size: WorkloadSize,
+    seed: u64,
+    tokenizer: &PromptTokenizer,
+) -> anyhow::Result<Vec<Conversation>> {
     let mut rng = StdRng::seed_from_u64(seed);
-    match kind {
+    let mut text = TextGenerator::new(tokenizer);
+    let single = |rng: &mut StdRng, user: String| Turn {
+        user,
+        output_tokens: output_length(rng, size.output_tokens, size.output_sigma),
+        think_s: 0.0,
+    };
+    Ok(match kind {
         WorkloadKind::SharedPrefix => {
-            let systems: Vec<String> = (0..size.groups.max(1))
-                .map(|_| words(&mut rng, size.prompt_words))
-                .collect();
-            let mut conversations: Vec<Conversation> = (0..size.requests)
-                .map(|i| Conversation {
+            let systems = (0..size.groups.max(1))
+                .map(|_| text.text(&mut rng, size.prompt_tokens))
+                .collect::<anyhow::Result<Vec<String>>>()?;
+            let mut conversations = Vec::with_capacity(size.requests);
+            for i in 0..size.requests {
+                let question = text.text(&mut rng, size.question_tokens)?;
+                conversations.push(Conversation {
                     system: systems.get(i % systems.len()).cloned(),
-                    turns: vec![words(&mut rng, size.question_words)],
-                })
-                .collect();
+                    turns: vec![single(&mut rng, question)],
+                });
+            }
             conversations.shuffle(&mut rng);
             conversations
         }
         WorkloadKind::MultiTurn => {
             let turns = size.turns.max(1);
-            (0..size.requests.div_ceil(turns))
-                .map(|_| Conversation {
-                    system: Some(words(&mut rng, size.question_words)),
-                    turns: (0..turns)
-                        .map(|_| words(&mut rng, size.question_words * 4))
-                        .collect(),
-                })
-                .collect()
+            // One system prompt for every conversation, as one product's assistant would have.
+            let system = text.text(&mut rng, size.system_prompt_tokens)?;
+            let mut conversations = Vec::new();
+            for _ in 0..size.requests.div_ceil(turns) {
+                let mut conversation = Conversation {
+                    system: Some(system.clone()),
+                    turns: Vec::with_capacity(turns),
+                };
+                for turn in 0..turns {
+                    let user = text.text(&mut rng, size.turn_tokens)?;
+                    let output_tokens =
+                        output_length(&mut rng, size.output_tokens, size.output_sigma);
+                    let think_s = if turn == 0 {
+                        0.0
+                    } else {
+                        exponential(&mut rng, size.think_time_s)
+                    };
+                    conversation.turns.push(Turn {
+                        user,
+                        output_tokens,
+                        think_s,
+                    });
+                }
+                conversations.push(conversation);
+            }
+            conversations
         }
-        WorkloadKind::NoShared => (0..size.requests)
-            .map(|_| Conversation {
-                system: None,
-                turns: vec![words(&mut rng, size.prompt_words)],
-            })
-            .collect(),
-    }
+        WorkloadKind::NoShared => {
+            let mut conversations = Vec::with_capacity(size.requests);
+            for _ in 0..size.requests {
+                let prompt = text.text(&mut rng, size.prompt_tokens)?;
+                conversations.push(Conversation {
+                    system: None,
+                    turns: vec![single(&mut rng, prompt)],
+                });
+            }
+            conversations
+        }
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::OnceLock;
+
+    fn tokenizer() -> &'static PromptTokenizer {
+        static TOKENIZER: OnceLock<PromptTokenizer> = OnceLock::new();
+        TOKENIZER.get_or_init(|| PromptTokenizer::shipped().unwrap())
+    }
 
     fn size() -> WorkloadSize {
         WorkloadSize {
             requests: 12,
             groups: 3,
-            prompt_words: 50,
-            question_words: 5,
+            prompt_tokens: 50,
+            question_tokens: 5,
+            system_prompt_tokens: 40,
+            turn_tokens: 20,
             turns: 4,
             output_tokens: 8,
+            output_sigma: 0.5,
+            think_time_s: 2.0,
+        }
+    }
+
+    fn tokens(text: &str) -> usize {
+        tokenizer().encode(text).unwrap().len()
+    }
+
+    #[test]
+    fn generated_text_has_exactly_the_target_tokens() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let mut generator = TextGenerator::new(tokenizer());
+        for target in [0, 1, 2, 3, 7, 30, 129, 1000, 2000] {
+            let text = generator.text(&mut rng, target).unwrap();
+            assert_eq!(tokens(&text), target, "{target}: {text:?}");
         }
     }
 
     #[test]
+    fn every_workload_text_is_sized_in_tokens() {
+        let shared = generate(WorkloadKind::SharedPrefix, size(), 5, tokenizer()).unwrap();
+        for conversation in &shared {
+            assert_eq!(tokens(conversation.system.as_deref().unwrap()), 50);
+            assert_eq!(tokens(&conversation.turns[0].user), 5);
+        }
+        let multi = generate(WorkloadKind::MultiTurn, size(), 5, tokenizer()).unwrap();
+        for conversation in &multi {
+            assert_eq!(tokens(conversation.system.as_deref().unwrap()), 40);
+            assert!(conversation.turns.iter().all(|t| tokens(&t.user) == 20));
+        }
+        let unique = generate(WorkloadKind::NoShared, size(), 5, tokenizer()).unwrap();
+        assert!(unique.iter().all(|c| tokens(&c.turns[0].user) == 50));
+    }
+
+    #[test]
+    fn lognormal_output_lengths_keep_their_mean_and_bounds() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let draws: Vec<usize> = (0..2000)
+            .map(|_| output_length(&mut rng, 32, 0.5))
+            .collect();
+        let mean = draws.iter().sum::<usize>() as f64 / draws.len() as f64;
+        assert!((mean - 32.0).abs() < 3.2, "mean {mean}");
+        assert!(draws.iter().all(|d| (1..=256).contains(d)));
+        // Spread out, not a constant.
+        assert!(draws.iter().any(|d| *d < 20) && draws.iter().any(|d| *d > 50));
+        // Sigma 0 is a fixed length; the clamp holds even for an absurd sigma.
+        assert!((0..100).all(|_| output_length(&mut rng, 32, 0.0) == 32));
+        assert!((0..500).all(|_| (1..=24).contains(&output_length(&mut rng, 3, 5.0))));
+    }
+
+    #[test]
+    fn requests_ask_for_exactly_their_drawn_length() {
+        let shared = generate(WorkloadKind::SharedPrefix, size(), 7, tokenizer()).unwrap();
+        let lengths: std::collections::HashSet<usize> =
+            shared.iter().map(|c| c.turns[0].output_tokens).collect();
+        assert!(lengths.len() > 1, "{lengths:?}");
+        let body = shared[0].request("m", 0, &[]);
+        let n = shared[0].turns[0].output_tokens as u64;
+        assert_eq!(body["max_tokens"], n);
+        assert_eq!(body["min_tokens"], n);
+        assert_eq!(body["ignore_eos"], true);
+    }
+
+    #[test]
     fn workloads_are_seeded_and_shaped() {
-        let shared = generate(WorkloadKind::SharedPrefix, size(), 7);
+        let shared = generate(WorkloadKind::SharedPrefix, size(), 7, tokenizer()).unwrap();
         assert_eq!(shared.len(), 12);
         let systems: std::collections::HashSet<_> =
             shared.iter().map(|c| c.system.clone()).collect();
         assert_eq!(systems.len(), 3);
-        let again = generate(WorkloadKind::SharedPrefix, size(), 7);
+        let again = generate(WorkloadKind::SharedPrefix, size(), 7, tokenizer()).unwrap();
         assert_eq!(shared[0].turns, again[0].turns);
+        let other = generate(WorkloadKind::SharedPrefix, size(), 8, tokenizer()).unwrap();
+        assert_ne!(shared[0].turns, other[0].turns);
 
-        let multi = generate(WorkloadKind::MultiTurn, size(), 7);
+        let multi = generate(WorkloadKind::MultiTurn, size(), 7, tokenizer()).unwrap();
         assert_eq!(multi.len(), 3);
-        let third = multi[0].request("m", 2, &["a0".into(), "a1".into()], 8);
+        let third = multi[0].request("m", 2, &["a0".into(), "a1".into()]);
         let roles: Vec<&str> = third["messages"]
             .as_array()
             .unwrap()
@@ -178,11 +430,41 @@ mod tests {
             ["system", "user", "assistant", "user", "assistant", "user"]
         );
 
-        let unique = generate(WorkloadKind::NoShared, size(), 7);
+        let unique = generate(WorkloadKind::NoShared, size(), 7, tokenizer()).unwrap();
         assert!(
             unique
                 .iter()
                 .all(|c| c.system.is_none() && c.turns.len() == 1)
+        );
+    }
+
+    #[test]
+    fn multi_turn_shares_one_system_prompt_and_thinks_between_turns() {
+        let mut size = size();
+        size.requests = 400;
+        let multi = generate(WorkloadKind::MultiTurn, size, 9, tokenizer()).unwrap();
+        assert_eq!(multi.len(), 100);
+        let systems: std::collections::HashSet<_> =
+            multi.iter().map(|c| c.system.clone()).collect();
+        assert_eq!(systems.len(), 1);
+        // Distinct conversations otherwise.
+        assert_ne!(multi[0].turns[0].user, multi[1].turns[0].user);
+        assert!(multi.iter().all(|c| c.turns[0].think_s == 0.0));
+        let thinks: Vec<f64> = multi
+            .iter()
+            .flat_map(|c| c.turns.iter().skip(1).map(|t| t.think_s))
+            .collect();
+        assert_eq!(thinks.len(), 300);
+        let mean = thinks.iter().sum::<f64>() / thinks.len() as f64;
+        assert!((mean - 2.0).abs() < 0.4, "mean think {mean}");
+        assert!(thinks.iter().all(|t| *t >= 0.0));
+        size.think_time_s = 0.0;
+        let eager = generate(WorkloadKind::MultiTurn, size, 9, tokenizer()).unwrap();
+        assert!(
+            eager
+                .iter()
+                .flat_map(|c| &c.turns)
+                .all(|t| t.think_s == 0.0)
         );
     }
 }

@@ -189,7 +189,7 @@ pub struct InferencePoolSpec {
     /// How many workers one request may be tried on when connecting fails (1 = no retry).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
-    /// Tokens per KV block (vLLM `--block-size`, default 16).
+    /// Tokens per KV block (vLLM `--block-size`, default 64 as in vLLM).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
     /// KV-event sockets of every worker (per-endpoint sockets override).

@@ -56,7 +56,7 @@ mod tests {
         let addresses: Vec<&str> = pool.endpoints.iter().map(|e| e.address.as_str()).collect();
         assert_eq!(addresses, ["10.0.0.1:8000", "10.0.0.2:8000"]);
         assert_eq!(pool.load_balancing, snapshot::LoadBalancing::CacheAware);
-        assert_eq!(pool.block_size, 16);
+        assert_eq!(pool.block_size, 64);
         assert_eq!(pool.endpoints[0].kv_events, None);
         assert_eq!(pool.max_attempts, snapshot::DEFAULT_MAX_ATTEMPTS);
         let alias = &snapshot.models["Org/Alias"];

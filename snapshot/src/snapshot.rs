@@ -14,8 +14,8 @@ pub use crate::documents::{
 pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 2_000;
 /// Default number of workers one request may be tried on when connecting fails.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
-/// vLLM's default block size.
-pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+/// vLLM's own default (`CacheConfig.DEFAULT_BLOCK_SIZE`, 64 since the 0.2x releases; 0.34 has it).
+pub const DEFAULT_BLOCK_SIZE: u32 = 64;
 pub const DEFAULT_METRICS_PATH: &str = "/metrics";
 pub const DEFAULT_SCRAPE_INTERVAL_MS: u64 = 250;
 

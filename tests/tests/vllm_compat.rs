@@ -329,7 +329,16 @@ async fn simulator_events_decode_with_vllm_classes_field_by_field() {
 
 #[tokio::test]
 async fn simulator_metrics_parse_with_prometheus_client() {
-    let sim = Sim::start(&["--workers", "1", "--time-scale", "0.001", "--no-kv-events"]);
+    // Blocks of 16 so the short prompt below fills some (vLLM's default is 64).
+    let sim = Sim::start(&[
+        "--workers",
+        "1",
+        "--block-size",
+        "16",
+        "--time-scale",
+        "0.001",
+        "--no-kv-events",
+    ]);
     let worker = &sim.workers[0];
     let client = reqwest::Client::new();
     for _ in 0..2 {

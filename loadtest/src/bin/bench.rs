@@ -10,11 +10,19 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use serde_json::json;
+use switchyard_kv::tokenize::PromptTokenizer;
 use switchyard_loadtest::compare::{
-    self, Arrival, Killed, RouterKind, RouterResult, RunConfig, free_port, wait_ready,
+    self, Arrival, Killed, RouterKind, RouterResult, RunConfig, Spread, free_port, wait_ready,
 };
 use switchyard_loadtest::overhead::{self, LoadResult};
-use switchyard_loadtest::workload::{self, WorkloadKind, WorkloadSize};
+use switchyard_loadtest::sim::GpuProfile;
+use switchyard_loadtest::workload::{self, Conversation, WorkloadKind, WorkloadSize};
+
+/// `--quick` sizes: six 1,000-token system prompts overflow one worker of 40 usable 64-token
+/// blocks (2,560 tokens) but fit across three, so routing decides the hit rate.
+const QUICK_PROMPT_TOKENS: usize = 1000;
+const QUICK_QUESTION_TOKENS: usize = 16;
+const QUICK_NUM_BLOCKS: usize = 41;
 
 #[derive(Parser, Debug)]
 #[command(name = "switchyard-bench", version, about = "Switchyard benchmarks")]
@@ -26,7 +34,7 @@ struct Args {
 #[derive(Subcommand, Debug)]
 enum Bench {
     /// Routers side by side on the same workloads against fresh simulated vLLM workers.
-    Compare(CompareArgs),
+    Compare(Box<CompareArgs>),
     /// Proxy overhead: direct vs through switchyard-proxy, same load, interleaved rounds.
     Overhead {
         /// Concurrent closed-loop clients.
@@ -53,22 +61,39 @@ struct CompareArgs {
     workloads: Vec<WorkloadKind>,
     #[arg(long, value_enum, num_args = 1.., default_values_t = [RouterKind::Random, RouterKind::RoundRobin, RouterKind::LeastOutstanding, RouterKind::Switchyard, RouterKind::VllmRouter])]
     routers: Vec<RouterKind>,
-    /// Requests per workload.
+    /// Requests per workload (per seed).
     #[arg(long, default_value_t = 128)]
     requests: usize,
     /// shared-prefix: distinct system prompts.
     #[arg(long, default_value_t = 16)]
     groups: usize,
-    /// Words per shared system prompt (shared-prefix) or per prompt (no-shared).
-    #[arg(long, default_value_t = 1500)]
-    prompt_words: usize,
-    #[arg(long, default_value_t = 20)]
-    question_words: usize,
+    /// Tokens per shared system prompt (shared-prefix) or per prompt (no-shared). All text sizes
+    /// are content tokens of the shipped tokenizer (conf/tokenizer), before the chat template.
+    #[arg(long, default_value_t = 2000)]
+    prompt_tokens: usize,
+    /// shared-prefix: tokens of each request's unique question.
+    #[arg(long, default_value_t = 30)]
+    question_tokens: usize,
+    /// multi-turn: tokens of the system prompt every conversation opens with.
+    #[arg(long, default_value_t = 1000)]
+    system_prompt_tokens: usize,
+    /// multi-turn: tokens of each user turn.
+    #[arg(long, default_value_t = 150)]
+    turn_tokens: usize,
     /// multi-turn: turns per conversation.
     #[arg(long, default_value_t = 6)]
     turns: usize,
+    /// multi-turn: mean think time between an answer and the next turn, model seconds
+    /// (exponential).
+    #[arg(long, default_value_t = 2.0)]
+    think_time_s: f64,
+    /// Mean output tokens per request: lengths are lognormal around it, clamped to [1, 8 x mean],
+    /// and each request asks for exactly its length (max_tokens = min_tokens, ignore_eos).
     #[arg(long, default_value_t = 32)]
     output_tokens: usize,
+    /// Sigma of the normal under the lognormal output length (0: every request gets the mean).
+    #[arg(long, default_value_t = 0.5)]
+    output_sigma: f64,
     /// Poisson arrivals at this many requests per model second (default: closed loop).
     #[arg(long)]
     rate: Option<f64>,
@@ -85,19 +110,30 @@ struct CompareArgs {
     /// by it too: on a small machine keep it at 0.2 or above or they distort the model's times.
     #[arg(long, default_value_t = 0.2)]
     time_scale: f64,
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
+    /// Seeds: every comparison runs once per seed, and the table shows medians across them.
+    #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [1, 2, 3])]
+    seeds: Vec<u64>,
+    /// One seed only (shorthand for --seeds N).
+    #[arg(long, conflicts_with = "seeds")]
+    seed: Option<u64>,
     #[arg(long, default_value_t = 3)]
     workers: usize,
-    /// KV blocks per simulated worker (the default makes 16 shared prompts overflow one worker
-    /// but fit across three, where routing decides the hit rate).
-    #[arg(long, default_value_t = 1500)]
-    num_blocks: usize,
+    /// The card each simulated worker models (vLLM's budgets, KV blocks and step costs there).
+    #[arg(long, value_enum, default_value_t = GpuProfile::L40s48gb)]
+    gpu: GpuProfile,
+    /// KV blocks per simulated worker, vLLM's null block included (default: what vLLM would
+    /// have on the card: 904 on an L40S, ~58k tokens).
+    #[arg(long)]
+    num_blocks: Option<usize>,
+    /// Tokens per KV block, given to the simulator and to the pool (`blockSize`) so their block
+    /// hashes agree (64 is vLLM's default and the pool's).
+    #[arg(long, default_value_t = 64)]
+    block_size: usize,
     /// Results as JSON.
     #[arg(long, default_value = "bench-results/compare.json")]
     json: PathBuf,
-    /// CI mode: a small shared-prefix run of random vs switchyard, well under a minute; fails
-    /// unless switchyard's prefix-cache hit rate is at least 1.5x random's.
+    /// CI mode: a small shared-prefix run of random vs switchyard on one seed, well under a
+    /// minute; fails unless switchyard's prefix-cache hit rate is at least 1.5x random's.
     #[arg(long)]
     quick: bool,
 }
@@ -300,21 +336,29 @@ fn plot(root: &std::path::Path, json: &std::path::Path) {
 }
 
 async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
+    if let Some(seed) = args.seed {
+        args.seeds = vec![seed];
+    }
+    if args.seeds.is_empty() {
+        args.seeds = vec![1];
+    }
     if args.quick {
         args.workloads = vec![WorkloadKind::SharedPrefix];
         args.routers = vec![RouterKind::Random, RouterKind::Switchyard];
+        args.seeds.truncate(1);
         (
             args.requests,
             args.groups,
-            args.prompt_words,
-            args.question_words,
-        ) = (48, 6, 500, 8);
+            args.prompt_tokens,
+            args.question_tokens,
+        ) = (48, 6, QUICK_PROMPT_TOKENS, QUICK_QUESTION_TOKENS);
         (
             args.output_tokens,
             args.concurrency,
             args.num_blocks,
             args.time_scale,
-        ) = (8, 6, 160, 0.1);
+        ) = (8, 6, Some(QUICK_NUM_BLOCKS), 0.1);
+        args.block_size = 64;
         args.sweep_rates.clear();
     }
     let bin_dir = std::env::current_exe()?
@@ -329,13 +373,19 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
         );
         args.routers.retain(|r| *r != RouterKind::VllmRouter);
     }
+    // The tokenizer the simulator and the proxy use, so workload sizes are their token counts.
+    let tokenizer = PromptTokenizer::shipped().context("loading the shipped tokenizer")?;
     let size = WorkloadSize {
         requests: args.requests,
         groups: args.groups,
-        prompt_words: args.prompt_words,
-        question_words: args.question_words,
+        prompt_tokens: args.prompt_tokens,
+        question_tokens: args.question_tokens,
+        system_prompt_tokens: args.system_prompt_tokens,
+        turn_tokens: args.turn_tokens,
         turns: args.turns,
         output_tokens: args.output_tokens,
+        output_sigma: args.output_sigma,
+        think_time_s: args.think_time_s,
     };
     let arrival = match args.rate {
         Some(rate) => Arrival::Poisson { rate },
@@ -343,50 +393,73 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
             clients: args.concurrency,
         },
     };
+    let seeds_text = args
+        .seeds
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
     let mut report = serde_json::Map::new();
     let mut quick_failure = None;
     for kind in &args.workloads {
-        let conversations = workload::generate(*kind, size, args.seed);
-        let config = RunConfig {
-            bin_dir: bin_dir.clone(),
-            workload: *kind,
-            size,
-            seed: args.seed,
-            arrival,
-            time_scale: args.time_scale,
-            workers: args.workers,
-            num_blocks: args.num_blocks,
-            vllm_router: vllm_router.clone(),
-        };
-        let mut results: Vec<RouterResult> = Vec::new();
-        for (index, router) in args.routers.iter().enumerate() {
-            let label = format!(
-                "{} [{}/{}] {}",
-                kind.name(),
-                index + 1,
-                args.routers.len(),
-                router.name()
-            );
-            results.push(compare::run(&config, *router, &conversations, label).await?);
+        let mut runs: Vec<(RunConfig, Vec<Conversation>)> = Vec::new();
+        for seed in &args.seeds {
+            let conversations = workload::generate(*kind, size, *seed, &tokenizer)?;
+            let config = RunConfig {
+                bin_dir: bin_dir.clone(),
+                workload: *kind,
+                size,
+                seed: *seed,
+                arrival,
+                time_scale: args.time_scale,
+                workers: args.workers,
+                gpu: args.gpu,
+                num_blocks: args.num_blocks,
+                block_size: args.block_size,
+                vllm_router: vllm_router.clone(),
+            };
+            runs.push((config, conversations));
         }
+        let mut results: Vec<RouterResult> = Vec::new();
+        for (config, conversations) in &runs {
+            for (index, router) in args.routers.iter().enumerate() {
+                let label = format!(
+                    "{} seed {} [{}/{}] {}",
+                    kind.name(),
+                    config.seed,
+                    index + 1,
+                    args.routers.len(),
+                    router.name()
+                );
+                results.push(compare::run(config, *router, conversations, label).await?);
+            }
+        }
+        let summaries = compare::summarize(&results);
         let arrival_text = match arrival {
             Arrival::Poisson { rate } => format!("Poisson {rate} req/s"),
             Arrival::Concurrency { clients } => format!("{clients} concurrent clients"),
         };
+        // Every router sees the same prompts; pooled over all runs, weighted by requests.
+        let weighted = |f: fn(&RouterResult) -> f64| {
+            let requests: usize = results.iter().map(|r| r.requests).sum();
+            let total: f64 = results.iter().map(|r| f(r) * r.requests as f64).sum();
+            total / requests.max(1) as f64
+        };
+        let prompt_tokens_mean = weighted(|r| r.prompt_tokens_mean);
+        let output_tokens_mean = weighted(|r| r.output_tokens_mean);
         compare::print_table(
             &format!(
-                "{} ({} requests, {arrival_text}, {} workers, seed {})",
+                "{} ({} requests, {arrival_text}, {} workers, seeds {seeds_text}; prompts {prompt_tokens_mean:.0} tokens on average with the chat template (usage.prompt_tokens), outputs {output_tokens_mean:.1})",
                 kind.name(),
                 args.requests,
                 args.workers,
-                args.seed
             ),
-            &results,
+            &summaries,
         );
         let mut capacity = serde_json::Map::new();
         if !args.sweep_rates.is_empty() {
             println!(
-                "capacity ({}): highest rate with TTFT p90 <= {} s",
+                "capacity ({}): highest rate with median TTFT p90 over seeds <= {} s",
                 kind.name(),
                 args.slo_p90_s
             );
@@ -395,16 +468,31 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 let mut best = 0.0f64;
                 let mut points = Vec::new();
                 for rate in &args.sweep_rates {
-                    let swept = RunConfig {
-                        arrival: Arrival::Poisson { rate: *rate },
-                        ..config.clone()
-                    };
-                    let label = format!("{} sweep {} @ {rate}/s", kind.name(), router.name());
-                    let result = compare::run(&swept, *router, &conversations, label).await?;
-                    if result.ttft_p90 <= args.slo_p90_s && result.errors == 0 {
+                    let mut per_seed = Vec::new();
+                    for (config, conversations) in &runs {
+                        let swept = RunConfig {
+                            arrival: Arrival::Poisson { rate: *rate },
+                            ..config.clone()
+                        };
+                        let label = format!(
+                            "{} sweep {} @ {rate}/s seed {}",
+                            kind.name(),
+                            router.name(),
+                            config.seed
+                        );
+                        per_seed.push(compare::run(&swept, *router, conversations, label).await?);
+                    }
+                    let p90 = Spread::of(per_seed.iter().map(|r| r.ttft_p90));
+                    let p50 = Spread::of(per_seed.iter().map(|r| r.ttft_p50));
+                    let errors: usize = per_seed.iter().map(|r| r.errors).sum();
+                    if p90.median <= args.slo_p90_s && errors == 0 {
                         best = best.max(*rate);
                     }
-                    points.push(serde_json::json!({"rate": rate, "ttft_p90": result.ttft_p90, "ttft_p50": result.ttft_p50}));
+                    let seeds: Vec<serde_json::Value> = per_seed
+                        .iter()
+                        .map(|r| json!({"seed": r.seed, "ttft_p50": r.ttft_p50, "ttft_p90": r.ttft_p90, "errors": r.errors}))
+                        .collect();
+                    points.push(json!({"rate": rate, "ttft_p90": p90.median, "ttft_p50": p50.median, "ttft_p90_spread": p90, "errors": errors, "seeds": seeds}));
                 }
                 if *router == RouterKind::Random {
                     random_capacity = Some(best);
@@ -418,16 +506,16 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 );
                 capacity.insert(
                     router.name().to_owned(),
-                    serde_json::json!({"capacity": best, "points": points}),
+                    json!({"capacity": best, "points": points}),
                 );
             }
         }
         if args.quick {
             let rate = |name: &str| {
-                results
+                summaries
                     .iter()
                     .find(|r| r.router == name)
-                    .map_or(0.0, |r| r.cache_hit_rate)
+                    .map_or(0.0, |r| r.cache_hit_rate.median)
             };
             let (random, ours) = (rate("random"), rate("switchyard"));
             if ours < random * 1.5 {
@@ -438,9 +526,19 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 println!("quick check passed: switchyard hit rate {ours:.2} vs random {random:.2}");
             }
         }
+        // `results` keeps every (seed, router) run; `summary` is what the table printed.
         report.insert(
             kind.name().to_owned(),
-            serde_json::json!({"size": size, "arrival": arrival, "results": results, "capacity": capacity}),
+            json!({
+                "size": size,
+                "arrival": arrival,
+                "seeds": args.seeds,
+                "prompt_tokens_mean": prompt_tokens_mean,
+                "output_tokens_mean": output_tokens_mean,
+                "results": results,
+                "summary": summaries,
+                "capacity": capacity,
+            }),
         );
     }
     if let Some(parent) = args.json.parent() {
@@ -462,7 +560,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     match args.command {
-        Bench::Compare(compare_args) => compare_bench(compare_args).await,
+        Bench::Compare(compare_args) => compare_bench(*compare_args).await,
         Bench::Overhead {
             concurrency,
             seconds,

@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::{Parser, ValueEnum};
 use switchyard_kv::events::{HashEncoding, WireFormat};
 use switchyard_kv::tokenize::PromptTokenizer;
-use switchyard_loadtest::sim::{self, EngineConfig, LatencyModel, PublisherConfig, WorkerConfig};
+use switchyard_loadtest::sim::{self, EngineConfig, GpuProfile, PublisherConfig, WorkerConfig};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum EventFormat {
@@ -71,26 +71,37 @@ struct Args {
     /// Wall seconds per simulated second (0.01: a hundred times faster than the modelled GPU).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
-    /// KV cache capacity per worker, in blocks.
-    #[arg(long, default_value_t = EngineConfig::default().num_blocks)]
-    num_blocks: usize,
-    #[arg(long, default_value_t = EngineConfig::default().block_size)]
-    block_size: usize,
-    #[arg(long, default_value_t = EngineConfig::default().max_num_seqs)]
-    max_num_seqs: usize,
-    #[arg(long, default_value_t = EngineConfig::default().max_num_batched_tokens)]
-    max_num_batched_tokens: usize,
+    /// The card each worker models: scheduler budgets, KV blocks and step costs as vLLM 0.34
+    /// would have them there (the flags below override single figures).
+    #[arg(long, value_enum, default_value_t = GpuProfile::L40s48gb)]
+    gpu: GpuProfile,
+    /// KV cache capacity per worker, in blocks (vLLM's null block included; default: the card's).
+    #[arg(long)]
+    num_blocks: Option<usize>,
+    /// Tokens per KV block (default: vLLM's 64).
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// Default: the card's (256 on an L40S, 1,024 on H100/H200).
+    #[arg(long)]
+    max_num_seqs: Option<usize>,
+    /// Default: the card's (2,048 on an L40S, 8,192 on H100/H200).
+    #[arg(long)]
+    max_num_batched_tokens: Option<usize>,
     #[arg(long, default_value_t = 32_768)]
     max_model_len: usize,
     /// Tokens generated when a request sets no max_tokens.
     #[arg(long, default_value_t = 64)]
     default_max_tokens: usize,
-    /// Seconds of prefill per uncached prompt token.
-    #[arg(long, default_value_t = LatencyModel::default().prefill_s_per_token)]
-    prefill_s_per_token: f64,
-    /// Seconds per decode step before batch and context costs.
-    #[arg(long, default_value_t = LatencyModel::default().decode_base_s)]
-    decode_base_s: f64,
+    /// Seconds of weight GEMMs per batched token (default: the card's).
+    #[arg(long)]
+    prefill_s_per_token: Option<f64>,
+    /// Seconds to read the weights once, the floor of every step (default: the card's).
+    #[arg(long)]
+    decode_base_s: Option<f64>,
+    /// Step-time multiplier per worker, comma-separated (1.5: that worker is 1.5x slower); the
+    /// last value repeats for the remaining workers. A heterogeneous fleet: `--worker-speed 1,1,1.5`.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    worker_speed: Vec<f64>,
     /// Seed of the simulated vLLM block hashes (vLLM's own hashes depend on its seed too).
     #[arg(long, default_value_t = 0)]
     hash_seed: u64,
@@ -125,9 +136,38 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     anyhow::ensure!(args.time_scale > 0.0, "--time-scale must be positive");
+    let mut engine = args.gpu.engine_config();
+    engine.time_scale = args.time_scale;
+    engine.hash_seed = args.hash_seed;
+    if let Some(num_blocks) = args.num_blocks {
+        engine.num_blocks = num_blocks;
+    }
+    if let Some(block_size) = args.block_size {
+        engine.block_size = block_size;
+    }
+    if let Some(max_num_seqs) = args.max_num_seqs {
+        engine.max_num_seqs = max_num_seqs;
+    }
+    if let Some(max_num_batched_tokens) = args.max_num_batched_tokens {
+        engine.max_num_batched_tokens = max_num_batched_tokens;
+    }
+    if let Some(prefill_s_per_token) = args.prefill_s_per_token {
+        engine.latency.prefill_s_per_token = prefill_s_per_token;
+    }
+    if let Some(decode_base_s) = args.decode_base_s {
+        engine.latency.decode_base_s = decode_base_s;
+    }
     anyhow::ensure!(
-        args.block_size > 0 && args.num_blocks > 0,
-        "--block-size and --num-blocks must be positive"
+        engine.block_size > 0 && engine.num_blocks > 1,
+        "--block-size must be positive and --num-blocks above 1 (one is vLLM's null block)"
+    );
+    anyhow::ensure!(
+        engine.max_num_seqs > 0 && engine.max_num_batched_tokens > 0,
+        "--max-num-seqs and --max-num-batched-tokens must be positive"
+    );
+    anyhow::ensure!(
+        args.worker_speed.iter().all(|s| *s > 0.0),
+        "--worker-speed values must be positive"
     );
 
     let tokenizer_path = args
@@ -142,11 +182,6 @@ async fn main() -> anyhow::Result<()> {
         PromptTokenizer::from_files(&tokenizer_path, &template_path)
             .context("loading the tokenizer")?,
     );
-    let latency = LatencyModel {
-        prefill_s_per_token: args.prefill_s_per_token,
-        decode_base_s: args.decode_base_s,
-        ..LatencyModel::default()
-    };
     let mut workers = Vec::with_capacity(args.workers);
     let mut engines = Vec::with_capacity(args.workers);
     for index in 0..args.workers {
@@ -172,13 +207,13 @@ async fn main() -> anyhow::Result<()> {
             model: args.model.clone(),
             listen: SocketAddr::new(args.host, port(args.port, index)),
             engine: EngineConfig {
-                num_blocks: args.num_blocks,
-                block_size: args.block_size,
-                max_num_seqs: args.max_num_seqs,
-                max_num_batched_tokens: args.max_num_batched_tokens,
-                latency,
-                time_scale: args.time_scale,
-                hash_seed: args.hash_seed,
+                step_time_multiplier: args
+                    .worker_speed
+                    .get(index)
+                    .or(args.worker_speed.last())
+                    .copied()
+                    .unwrap_or(1.0),
+                ..engine.clone()
             },
             events,
             max_model_len: args.max_model_len,

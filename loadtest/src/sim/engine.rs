@@ -1,72 +1,110 @@
-//! The simulated engine: vLLM-style continuous batching over a paged KV cache, with step times
-//! from a latency model instead of a GPU.
+//! The simulated engine: vLLM v1's scheduler over vLLM's block pool, with step times from a
+//! latency model instead of a GPU.
 //!
-//! Each step schedules running requests first (decode: one token; prefill: a chunk), then admits
-//! waiting requests first-come-first-served while the token budget, `max_num_seqs` and the KV cache
-//! allow, reusing cached prefix blocks. The step takes `LatencyModel::step_seconds` of model time,
-//! scaled by `time_scale` into wall time. TTFT therefore comes out of queueing and uncached
-//! prefill work, exactly as the model predicts; nothing is drawn at random.
+//! One step follows `Scheduler.schedule` and `update_from_output` (vLLM 0.34,
+//! `v1/core/sched/scheduler.py`, FCFS policy, chunked prefill and prefix caching on):
+//! 1. Running requests first, in order: each gets `min(tokens left, budget)` new tokens and the
+//!    blocks for just that chunk (`KVCacheManager.allocate_slots`); when the pool is out of
+//!    blocks the last running request is preempted (blocks freed, progress dropped, back to the
+//!    front of the waiting queue) until the allocation fits or the request preempted itself.
+//! 2. Only if nobody was preempted, waiting requests are admitted first come first served while
+//!    `max_num_seqs` and the token budget allow: the longest cached prefix is looked up (never
+//!    the last prompt token: `get_max_cache_hit_length`), and the request is admitted only if its
+//!    whole sequence fits in the free blocks (`scheduler_reserve_full_isl`); the first that does
+//!    not fit stops admission.
+//! 3. Blocks whose tokens are all scheduled enter the prefix cache at once (`cache_blocks`
+//!    inside `allocate_slots`), before the step runs, so a request admitted later in the same
+//!    step already hits them. The step's KV events are published when it starts, as vLLM's
+//!    default async scheduling publishes them (events of step N+1 go out when step N's output
+//!    is processed).
+//! 4. After the step, every request whose prompt is now computed samples one token; the first
+//!    one is when the HTTP layer sends its first chunk (vLLM's serving layer only yields once an
+//!    engine output carries a token). Finished requests free their blocks tail first.
+//!
+//! The step takes `LatencyModel::step_seconds` of model time, times the worker's
+//! `step_time_multiplier`, scaled by `time_scale` into wall time. Nothing is drawn at random.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use switchyard_kv::events::{BlockRemoved, BlockStored, ExternalBlockHash, KvEvent, KvEventBatch};
+use switchyard_kv::events::{ExternalBlockHash, KvEvent, KvEventBatch};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use super::gpu::GpuProfile;
 use super::kv_cache::{BlockId, KvCache};
 use super::metrics::EngineStats;
 
-/// Step cost in model seconds. Defaults describe one NVIDIA L40S (48 GB, 864 GB/s, 362 dense FP8
-/// TFLOPS) serving a ~27B dense model in FP8 with vLLM; see `loadtest/README.md` for the derivation.
+/// Step cost in model seconds: a roofline of one forward pass (see `gpu.rs` for where each
+/// figure comes from).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LatencyModel {
     /// Scheduling, sampling and launch overhead of every step.
     pub step_overhead_s: f64,
-    /// Prefill compute per uncached prompt token (2 × 27e9 FLOP at ~50% of 362 TFLOPS ≈ 0.3 ms).
+    /// Weight GEMMs per token in the batch (2 × parameters FLOP at the card's FP8 rate).
     pub prefill_s_per_token: f64,
-    /// Reading the weights once per decode step (27 GB at 864 GB/s ≈ 31 ms).
+    /// Attention per (query, key) pair of a prefill chunk: a chunk of n tokens after c tokens
+    /// of context costs n × c + n(n+1)/2 pairs, so a long cached prefix still costs something.
+    pub attention_s_per_token_pair: f64,
+    /// Reading every weight once: the floor of any forward pass.
     pub decode_base_s: f64,
-    /// Extra compute per sequence in a decode batch.
+    /// Extra work per decoding sequence (sampling, bookkeeping).
     pub decode_s_per_seq: f64,
-    /// Reading one token of KV cache per decode step (~256 KB at 864 GB/s ≈ 0.3 µs).
+    /// Reading one token of a decoding sequence's KV cache.
     pub decode_s_per_context_token: f64,
 }
 
 impl Default for LatencyModel {
     fn default() -> LatencyModel {
-        LatencyModel {
-            step_overhead_s: 0.003,
-            prefill_s_per_token: 0.000_3,
-            decode_base_s: 0.032,
-            decode_s_per_seq: 0.000_05,
-            decode_s_per_context_token: 0.000_000_3,
-        }
+        GpuProfile::L40s48gb.latency(&super::gpu::ModelShape::DENSE_27B)
+    }
+}
+
+/// What one step computes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepShape {
+    /// Prompt tokens computed (all prefill chunks).
+    pub prefill_tokens: usize,
+    /// (query, key) pairs of the prefill chunks' attention.
+    pub prefill_attention_pairs: usize,
+    /// Sequences decoding one token each.
+    pub decode_seqs: usize,
+    /// Context tokens those sequences read.
+    pub decode_context_tokens: usize,
+}
+
+impl StepShape {
+    /// Add a prefill chunk of `tokens` after `context` tokens already computed.
+    pub fn add_prefill(&mut self, context: usize, tokens: usize) {
+        self.prefill_tokens += tokens;
+        self.prefill_attention_pairs += tokens * context + tokens * (tokens + 1) / 2;
+    }
+
+    pub fn add_decode(&mut self, context: usize) {
+        self.decode_seqs += 1;
+        self.decode_context_tokens += context;
     }
 }
 
 impl LatencyModel {
-    /// Model time of one step with `prefill_tokens` of prefill and `decode_seqs` decoding
-    /// sequences holding `decode_context_tokens` tokens of context between them.
-    pub fn step_seconds(
-        &self,
-        prefill_tokens: usize,
-        decode_seqs: usize,
-        decode_context_tokens: usize,
-    ) -> f64 {
-        let mut seconds = self.step_overhead_s + prefill_tokens as f64 * self.prefill_s_per_token;
-        if decode_seqs > 0 {
-            seconds += self.decode_base_s
-                + decode_seqs as f64 * self.decode_s_per_seq
-                + decode_context_tokens as f64 * self.decode_s_per_context_token;
-        }
-        seconds
+    /// Model time of one step: the longer of reading the weights and the batch's GEMMs, plus
+    /// attention, per-sequence work and KV reads.
+    pub fn step_seconds(&self, shape: &StepShape) -> f64 {
+        let batch_tokens = (shape.prefill_tokens + shape.decode_seqs) as f64;
+        self.step_overhead_s
+            + self
+                .decode_base_s
+                .max(batch_tokens * self.prefill_s_per_token)
+            + shape.prefill_attention_pairs as f64 * self.attention_s_per_token_pair
+            + shape.decode_seqs as f64 * self.decode_s_per_seq
+            + shape.decode_context_tokens as f64 * self.decode_s_per_context_token
     }
 }
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
+    /// KV blocks, vLLM's null block included.
     pub num_blocks: usize,
     pub block_size: usize,
     pub max_num_seqs: usize,
@@ -75,27 +113,23 @@ pub struct EngineConfig {
     /// Wall seconds per model second (0.01 runs 100× faster than the modelled GPU).
     pub time_scale: f64,
     pub hash_seed: u64,
+    /// This worker's step time relative to the latency model (1.5: a card 1.5× slower), so a
+    /// fleet can be heterogeneous.
+    pub step_time_multiplier: f64,
 }
 
 impl Default for EngineConfig {
+    /// One L40S as vLLM 0.34 configures it (`GpuProfile::L40s48gb`).
     fn default() -> EngineConfig {
-        EngineConfig {
-            // ~14 GB of KV at ~256 KB per token (64 layers, 8 KV heads × 128, bf16) ≈ 53k tokens.
-            num_blocks: 3_300,
-            block_size: 16,
-            max_num_seqs: 128,
-            max_num_batched_tokens: 8_192,
-            latency: LatencyModel::default(),
-            time_scale: 1.0,
-            hash_seed: 0,
-        }
+        GpuProfile::L40s48gb.engine_config()
     }
 }
 
 /// What the engine tells the HTTP layer about one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Output {
-    /// Admitted; this many prompt tokens came from the prefix cache.
+    /// Sent with the first token, just before it: this many prompt tokens came from the prefix
+    /// cache when the request was first scheduled (vLLM's `num_cached_tokens`).
     Started {
         cached_tokens: usize,
     },
@@ -164,14 +198,18 @@ struct Sequence {
     prompt_len: usize,
     output_tokens: Vec<u32>,
     generated: usize,
-    /// Tokens whose KV is computed.
+    /// Tokens whose KV is computed (vLLM's `num_computed_tokens`).
     computed: usize,
     blocks: Vec<BlockId>,
-    /// Chained hash of each full computed block.
+    /// Chained hash of every full block of `tokens` (vLLM's `request.block_hashes`).
     block_hashes: Vec<ExternalBlockHash>,
+    /// Leading blocks already in the prefix cache (the manager's `num_cached_block`).
+    cached_blocks: usize,
+    /// Prefix-cache hit when first scheduled (vLLM's `num_cached_tokens`).
+    cached_tokens: Option<usize>,
+    preemptions: usize,
     output: mpsc::UnboundedSender<Output>,
     arrived: Instant,
-    started: bool,
     first_token_at: Option<Instant>,
 }
 
@@ -189,10 +227,25 @@ impl Sequence {
             computed: 0,
             blocks: Vec::new(),
             block_hashes: Vec::new(),
+            cached_blocks: 0,
+            cached_tokens: None,
+            preemptions: 0,
             output,
             arrived: Instant::now(),
-            started: false,
             first_token_at: None,
+        }
+    }
+
+    /// Hash the blocks that became full since the last call.
+    fn update_hashes(&mut self, cache: &KvCache) {
+        let size = cache.block_size();
+        for block in self.block_hashes.len()..self.tokens.len() / size {
+            let tokens = self
+                .tokens
+                .get(block * size..(block + 1) * size)
+                .unwrap_or(&[]);
+            let hash = cache.block_hash(self.block_hashes.last().copied(), tokens);
+            self.block_hashes.push(hash);
         }
     }
 }
@@ -204,18 +257,18 @@ pub fn spawn(
 ) -> EngineHandle {
     let (commands, rx) = mpsc::unbounded_channel();
     let stats = Arc::new(EngineStats::default());
+    let cache = KvCache::new(config.num_blocks, config.block_size, config.hash_seed);
     let handle = EngineHandle {
         commands,
-        capacity_blocks: config.num_blocks,
+        capacity_blocks: cache.capacity(),
         block_size: config.block_size,
         stats: stats.clone(),
     };
     let engine = Engine {
-        cache: KvCache::new(config.num_blocks, config.block_size, config.hash_seed),
+        cache,
         config,
         waiting: VecDeque::new(),
         running: Vec::new(),
-        pending_events: Vec::new(),
         events,
         stats,
     };
@@ -228,7 +281,6 @@ struct Engine {
     cache: KvCache,
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
-    pending_events: Vec<KvEvent>,
     events: Option<mpsc::UnboundedSender<KvEventBatch>>,
     stats: Arc<EngineStats>,
 }
@@ -255,23 +307,21 @@ impl Engine {
                 }
             }
             let plan = self.schedule();
-            self.update_gauges();
+            self.publish_events();
             if plan.is_empty() {
                 // Nothing fits (every request is waiting on blocks held by nobody): wait for news.
+                self.update_gauges();
                 match commands.recv().await {
                     Some(command) => self.handle(command),
                     None => return,
                 }
                 continue;
             }
-            let (prefill, decode_seqs, context) = self.step_shape(&plan);
-            let seconds = self
-                .config
-                .latency
-                .step_seconds(prefill, decode_seqs, context);
+            let seconds = self.config.latency.step_seconds(&self.step_shape(&plan))
+                * self.config.step_time_multiplier;
             tokio::time::sleep(Duration::from_secs_f64(seconds * self.config.time_scale)).await;
             self.apply(&plan);
-            self.flush_events();
+            self.publish_events();
             self.update_gauges();
         }
     }
@@ -284,78 +334,73 @@ impl Engine {
 
     fn handle(&mut self, command: Command) {
         match command {
-            Command::Submit(sequence) => self.waiting.push_back(sequence),
+            Command::Submit(mut sequence) => {
+                sequence.update_hashes(&self.cache);
+                self.waiting.push_back(sequence);
+            }
             Command::Reset(reply) => {
                 let done = self.cache.reset();
-                if done {
-                    self.pending_events.push(KvEvent::AllBlocksCleared);
-                    self.flush_events();
-                }
+                self.publish_events();
                 let _ = reply.send(done);
             }
         }
     }
 
-    fn step_shape(&self, plan: &[Scheduled]) -> (usize, usize, usize) {
-        let (mut prefill, mut decode_seqs, mut context) = (0, 0, 0);
+    fn step_shape(&self, plan: &[Scheduled]) -> StepShape {
+        let mut shape = StepShape::default();
         for item in plan {
             let Some(sequence) = self.running.get(item.index) else {
                 continue;
             };
             // Decode: the one token left is the last one sampled.
-            if sequence.generated > 0 && sequence.tokens.len() - sequence.computed == 1 {
-                decode_seqs += 1;
-                context += sequence.computed;
+            if sequence.generated > 0 && item.tokens == 1 {
+                shape.add_decode(sequence.computed);
             } else {
-                prefill += item.tokens;
+                shape.add_prefill(sequence.computed, item.tokens);
             }
         }
-        (prefill, decode_seqs, context)
+        shape
     }
 
     fn schedule(&mut self) -> Vec<Scheduled> {
-        // Requests whose clients went away free their blocks now.
-        let mut gone = Vec::new();
-        self.running.retain(|s| {
-            let keep = !s.output.is_closed();
-            if !keep {
-                gone.extend(s.blocks.iter().copied());
+        // Requests whose clients went away free their blocks now (vLLM aborts them).
+        let mut index = 0;
+        while index < self.running.len() {
+            if self
+                .running
+                .get(index)
+                .is_some_and(|s| s.output.is_closed())
+            {
+                let gone = self.running.remove(index);
+                self.cache.free_blocks(gone.blocks.iter().rev().copied());
+            } else {
+                index += 1;
             }
-            keep
-        });
-        self.cache.release(&gone);
+        }
         self.waiting.retain(|s| !s.output.is_closed());
 
         let mut budget = self.config.max_num_batched_tokens;
         let mut plan = Vec::new();
+        let mut preempted_any = false;
         let mut index = 0;
-        while index < self.running.len() && budget > 0 {
+        'running: while index < self.running.len() && budget > 0 {
             let Some(sequence) = self.running.get(index) else {
                 break;
             };
             let tokens = (sequence.tokens.len() - sequence.computed).min(budget);
-            let needed = (sequence.computed + tokens).div_ceil(self.config.block_size);
-            let missing = needed.saturating_sub(sequence.blocks.len());
-            if missing > 0 {
-                match self.cache.allocate(missing) {
-                    Some(allocation) => {
-                        self.note_evictions(allocation.evicted);
-                        if let Some(sequence) = self.running.get_mut(index) {
-                            sequence.blocks.extend(allocation.blocks);
-                        }
-                    }
-                    None => {
-                        // Out of blocks: preempt the newest request (recompute later), as vLLM does.
-                        let victim = if self.running.len() > index + 1 {
-                            self.running.pop()
-                        } else {
-                            Some(self.running.remove(index))
-                        };
-                        if let Some(victim) = victim {
-                            self.preempt(victim);
-                        }
-                        continue;
-                    }
+            loop {
+                if self.allocate_chunk(index, tokens) {
+                    break;
+                }
+                // Out of blocks: preempt the last running request (FCFS's lowest priority).
+                let Some(victim) = self.running.pop() else {
+                    break 'running;
+                };
+                preempted_any = true;
+                let preempted_itself = self.running.len() == index;
+                self.preempt(victim);
+                if preempted_itself {
+                    break 'running;
                 }
             }
             plan.push(Scheduled { index, tokens });
@@ -363,114 +408,105 @@ impl Engine {
             index += 1;
         }
 
-        while budget > 0 && self.running.len() < self.config.max_num_seqs {
+        // vLLM admits nobody in a step that had to preempt.
+        while !preempted_any && budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(sequence) = self.waiting.front() else {
+                break;
+            };
+            let size = self.config.block_size;
+            // The last prompt token is always recomputed (`get_max_cache_hit_length`).
+            let max_hit_blocks = (sequence.tokens.len() - 1) / size;
+            let hit = self.cache.longest_cache_hit(
+                sequence
+                    .block_hashes
+                    .get(..max_hit_blocks.min(sequence.block_hashes.len()))
+                    .unwrap_or(&[]),
+            );
+            let hit_tokens = hit.len() * size;
+            // The whole sequence must fit: blocks beyond the hit, plus hit blocks that sit in
+            // the free queue (touching them takes them out of it).
+            let free_hits = hit.iter().filter(|&&id| self.cache.is_free(id)).count();
+            let needed = sequence.tokens.len().div_ceil(size) - hit.len() + free_hits;
+            if needed > self.cache.num_free() {
+                break;
+            }
             let Some(mut sequence) = self.waiting.pop_front() else {
                 break;
             };
-            let hashes = self.cache.hashes_of(&sequence.tokens);
-            // The last prompt token is always recomputed, so a fully cached prompt still prefills one token.
-            let cacheable = (sequence.tokens.len().saturating_sub(1)) / self.config.block_size;
-            let cached_blocks = self
-                .cache
-                .cached_prefix(hashes.get(..cacheable.min(hashes.len())).unwrap_or(&[]));
-            let prefix = hashes.get(..cached_blocks).unwrap_or(&[]);
-            let acquired = self.cache.acquire_cached(prefix);
-            let total_blocks = sequence.tokens.len().div_ceil(self.config.block_size);
-            let Some(allocation) = self.cache.allocate(total_blocks - acquired.len()) else {
-                self.cache.release(&acquired);
-                self.waiting.push_front(sequence);
-                break;
-            };
-            self.note_evictions(allocation.evicted);
-            let cached_tokens = acquired.len() * self.config.block_size;
-            sequence.block_hashes = prefix.to_vec();
-            sequence.blocks = acquired;
-            sequence.blocks.extend(allocation.blocks);
-            sequence.computed = cached_tokens;
-            self.stats
-                .record_prefix_lookup(sequence.tokens.len(), cached_tokens);
-            if !sequence.started {
-                sequence.started = true;
-                let _ = sequence.output.send(Output::Started { cached_tokens });
+            let tokens = (sequence.tokens.len() - hit_tokens).min(budget);
+            self.cache.touch(&hit);
+            sequence.cached_blocks = hit.len();
+            sequence.blocks = hit;
+            sequence.computed = hit_tokens;
+            // Lookups of resumed (preempted) requests are not in vLLM's prefix-cache counters.
+            if sequence.preemptions == 0 {
+                self.stats
+                    .record_prefix_lookup(sequence.tokens.len(), hit_tokens);
             }
-            let tokens = (sequence.tokens.len() - sequence.computed).min(budget);
-            budget -= tokens;
-            plan.push(Scheduled {
-                index: self.running.len(),
-                tokens,
-            });
+            sequence.cached_tokens.get_or_insert(hit_tokens);
             self.running.push(sequence);
+            let index = self.running.len() - 1;
+            // Fits by the check above.
+            if !self.allocate_chunk(index, tokens) {
+                break;
+            }
+            plan.push(Scheduled { index, tokens });
+            budget -= tokens;
         }
         plan
     }
 
+    /// Blocks for `tokens` more tokens of `running[index]`, then cache the blocks those tokens
+    /// fill (`allocate_slots` → `cache_blocks`). False, with nothing changed, when the pool has
+    /// too few free blocks.
+    fn allocate_chunk(&mut self, index: usize, tokens: usize) -> bool {
+        let size = self.config.block_size;
+        let Some(sequence) = self.running.get_mut(index) else {
+            return false;
+        };
+        let needed = (sequence.computed + tokens)
+            .div_ceil(size)
+            .saturating_sub(sequence.blocks.len());
+        if needed > 0 {
+            let Some(blocks) = self.cache.get_new_blocks(needed) else {
+                return false;
+            };
+            sequence.blocks.extend(blocks);
+        }
+        let full = ((sequence.computed + tokens).min(sequence.tokens.len()) / size)
+            .min(sequence.block_hashes.len());
+        self.cache.cache_full_blocks(
+            &sequence.blocks,
+            &sequence.block_hashes,
+            &sequence.tokens,
+            sequence.cached_blocks,
+            full,
+        );
+        sequence.cached_blocks = sequence.cached_blocks.max(full);
+        true
+    }
+
     fn preempt(&mut self, mut sequence: Sequence) {
-        self.cache.release(&sequence.blocks);
+        self.cache
+            .free_blocks(sequence.blocks.iter().rev().copied());
         sequence.blocks.clear();
-        sequence.block_hashes.clear();
+        sequence.cached_blocks = 0;
         sequence.computed = 0;
+        sequence.preemptions += 1;
         self.stats.record_preemption();
         self.waiting.push_front(sequence);
     }
 
-    fn note_evictions(&mut self, evicted: Vec<ExternalBlockHash>) {
-        if !evicted.is_empty() {
-            self.pending_events
-                .push(KvEvent::BlockRemoved(BlockRemoved {
-                    block_hashes: evicted,
-                    medium: Some("GPU".into()),
-                    group_idx: None,
-                }));
-        }
-    }
-
     fn apply(&mut self, plan: &[Scheduled]) {
         let now = Instant::now();
-        let block_size = self.config.block_size;
         let mut finished = Vec::new();
         for item in plan {
             let Some(sequence) = self.running.get_mut(item.index) else {
                 continue;
             };
             sequence.computed += item.tokens;
-
-            // Blocks that just became full enter the prefix cache (vLLM's BlockStored).
-            let full = sequence.computed / block_size;
-            let mut stored: Option<BlockStored> = None;
-            for block in sequence.block_hashes.len()..full {
-                let tokens = sequence
-                    .tokens
-                    .get(block * block_size..(block + 1) * block_size)
-                    .unwrap_or(&[]);
-                let parent = sequence.block_hashes.last().copied();
-                let hash = self.cache.block_hash(parent, tokens);
-                sequence.block_hashes.push(hash);
-                let registered = sequence
-                    .blocks
-                    .get(block)
-                    .is_some_and(|id| self.cache.register(*id, hash));
-                if !registered {
-                    // A duplicate of a block another request cached first: close the current run.
-                    if let Some(run) = stored.take() {
-                        self.pending_events.push(KvEvent::BlockStored(run));
-                    }
-                    continue;
-                }
-                let run = stored.get_or_insert_with(|| BlockStored {
-                    parent_block_hash: parent,
-                    block_size: block_size as u32,
-                    medium: Some("GPU".into()),
-                    ..Default::default()
-                });
-                run.block_hashes.push(hash);
-                run.token_ids.extend_from_slice(tokens);
-            }
-            if let Some(run) = stored {
-                self.pending_events.push(KvEvent::BlockStored(run));
-            }
-
             if sequence.computed < sequence.tokens.len() {
-                continue; // mid-prefill
+                continue; // mid-prefill: no output yet
             }
             let Some(&token) = sequence.output_tokens.get(sequence.generated) else {
                 finished.push(item.index);
@@ -478,8 +514,12 @@ impl Engine {
             };
             sequence.tokens.push(token);
             sequence.generated += 1;
+            sequence.update_hashes(&self.cache);
             if sequence.first_token_at.is_none() {
                 sequence.first_token_at = Some(now);
+                let _ = sequence.output.send(Output::Started {
+                    cached_tokens: sequence.cached_tokens.unwrap_or(0),
+                });
             }
             let _ = sequence.output.send(Output::Token(token));
             if sequence.generated >= sequence.output_tokens.len() {
@@ -492,7 +532,8 @@ impl Engine {
                 continue;
             }
             let sequence = self.running.remove(index);
-            self.cache.release(&sequence.blocks);
+            self.cache
+                .free_blocks(sequence.blocks.iter().rev().copied());
             let _ = sequence.output.send(Output::Finished);
             let ttft = sequence
                 .first_token_at
@@ -503,11 +544,12 @@ impl Engine {
         }
     }
 
-    fn flush_events(&mut self) {
-        if self.pending_events.is_empty() {
+    /// Send the pool's queued events as one batch (`take_events` → publisher).
+    fn publish_events(&mut self) {
+        let events: Vec<KvEvent> = self.cache.take_events();
+        if events.is_empty() {
             return;
         }
-        let events = std::mem::take(&mut self.pending_events);
         if let Some(sender) = &self.events {
             let ts = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -530,18 +572,28 @@ impl Engine {
 mod tests {
     use super::*;
 
-    /// Submit and wait: (cached tokens, time to first token, generated tokens).
-    async fn run_one(
-        engine: &EngineHandle,
-        prompt: Vec<u32>,
-        output: Vec<u32>,
-    ) -> (usize, Duration, Vec<u32>) {
+    /// What one request saw, with times measured from its submission.
+    struct Seen {
+        cached: usize,
+        started_at: Duration,
+        ttft: Duration,
+        tokens: Vec<u32>,
+    }
+
+    async fn run_one(engine: &EngineHandle, prompt: Vec<u32>, output: Vec<u32>) -> Seen {
         let start = Instant::now();
-        let mut outputs = engine.submit(prompt, output).unwrap();
-        let (mut cached, mut ttft, mut tokens) = (0, None, Vec::new());
+        let outputs = engine.submit(prompt, output).unwrap();
+        collect(start, outputs).await
+    }
+
+    async fn collect(start: Instant, mut outputs: mpsc::UnboundedReceiver<Output>) -> Seen {
+        let (mut cached, mut started_at, mut ttft, mut tokens) = (0, None, None, Vec::new());
         while let Some(output) = outputs.recv().await {
             match output {
-                Output::Started { cached_tokens } => cached = cached_tokens,
+                Output::Started { cached_tokens } => {
+                    cached = cached_tokens;
+                    started_at = Some(start.elapsed());
+                }
                 Output::Token(token) => {
                     ttft.get_or_insert_with(|| start.elapsed());
                     tokens.push(token);
@@ -549,7 +601,12 @@ mod tests {
                 Output::Finished => break,
             }
         }
-        (cached, ttft.unwrap(), tokens)
+        Seen {
+            cached,
+            started_at: started_at.unwrap(),
+            ttft: ttft.unwrap(),
+            tokens,
+        }
     }
 
     fn assert_close(measured: Duration, predicted_seconds: f64, steps: u32) {
@@ -561,34 +618,73 @@ mod tests {
         );
     }
 
+    fn prefill(context: usize, tokens: usize) -> StepShape {
+        let mut shape = StepShape::default();
+        shape.add_prefill(context, tokens);
+        shape
+    }
+
+    fn stored(batch: &KvEventBatch) -> Vec<(Option<ExternalBlockHash>, Vec<ExternalBlockHash>)> {
+        batch
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockStored(s) => Some((s.parent_block_hash, s.block_hashes.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn removed(batch: &KvEventBatch) -> Vec<ExternalBlockHash> {
+        batch
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockRemoved(r) => Some(r.block_hashes.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    #[test]
+    fn prefill_costs_more_after_a_long_cached_prefix_and_never_less_than_a_weight_read() {
+        let latency = LatencyModel::default();
+        let cold = latency.step_seconds(&prefill(0, 40));
+        let after_prefix = latency.step_seconds(&prefill(8_000, 40));
+        assert!(after_prefix > cold, "{after_prefix} <= {cold}");
+        // A tiny prefill still reads every weight once.
+        assert!(cold >= latency.decode_base_s + latency.step_overhead_s);
+        // Big prefills are compute bound.
+        let big = latency.step_seconds(&prefill(0, 2_000));
+        assert!(big > 2_000.0 * latency.prefill_s_per_token);
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn prefix_reuse_lowers_ttft_by_exactly_the_prefill_it_saves() {
+    async fn prefix_reuse_lowers_ttft_and_the_first_chunk_waits_for_the_first_token() {
         let config = EngineConfig::default();
         let latency = config.latency;
         let engine = spawn(config, None);
-        let prompt: Vec<u32> = (0..1000).collect();
-        let (cached, cold, tokens) = run_one(&engine, prompt.clone(), vec![7, 8, 9]).await;
-        assert_eq!((cached, tokens), (0, vec![7, 8, 9]));
-        assert_close(cold, latency.step_seconds(1000, 0, 0), 1);
+        let prompt: Vec<u32> = (0..1024).collect();
+        let cold = run_one(&engine, prompt.clone(), vec![7, 8, 9]).await;
+        assert_eq!((cold.cached, cold.tokens), (0, vec![7, 8, 9]));
+        assert_close(cold.ttft, latency.step_seconds(&prefill(0, 1024)), 1);
+        // vLLM sends nothing before the first engine output.
+        assert_eq!(cold.started_at, cold.ttft);
 
-        // Same first 960 tokens (60 full blocks), different tail.
+        // Same first 960 tokens (15 blocks of 64), different tail.
         let mut shared = prompt.clone();
         for token in shared.iter_mut().skip(960) {
             *token += 5000;
         }
-        let (cached, warm, _) = run_one(&engine, shared, vec![1]).await;
-        assert_eq!(cached, 960);
-        assert_close(warm, latency.step_seconds(40, 0, 0), 1);
-        let saved = cold.as_secs_f64() - warm.as_secs_f64();
-        assert!(
-            (saved - 960.0 * latency.prefill_s_per_token).abs() <= 0.002,
-            "saved {saved}s"
-        );
+        let warm = run_one(&engine, shared, vec![1]).await;
+        assert_eq!(warm.cached, 960);
+        assert_close(warm.ttft, latency.step_seconds(&prefill(960, 64)), 1);
 
-        // An identical prompt still recomputes its last block (vLLM never caches the last token).
-        let (cached, _, _) = run_one(&engine, prompt, vec![1]).await;
-        assert_eq!(cached, 992);
-        assert_eq!(engine.stats.prefix_hits(), 960 + 992);
+        // An identical prompt of whole blocks still recomputes its last block.
+        let again = run_one(&engine, prompt, vec![1]).await;
+        assert_eq!(again.cached, 960);
+        assert_eq!(engine.stats.prefix_hits(), 960 + 960);
     }
 
     #[tokio::test(start_paused = true)]
@@ -608,63 +704,146 @@ mod tests {
         let second = run_one(&engine, (5000..5100).collect(), vec![1]).await;
         let first = first.await.unwrap();
         // 1000 tokens in chunks of 512: two prefill steps, the second samples the first token.
-        assert_close(
-            first.1,
-            latency.step_seconds(512, 0, 0) + latency.step_seconds(488, 0, 0),
-            2,
-        );
+        let prefill_steps =
+            latency.step_seconds(&prefill(0, 512)) + latency.step_seconds(&prefill(512, 488));
+        assert_close(first.ttft, prefill_steps, 2);
         // The second request waits for the first to finish (one decode step after its prefill).
-        let predicted = latency.step_seconds(512, 0, 0)
-            + latency.step_seconds(488, 0, 0)
-            + latency.step_seconds(0, 1, 1001)
-            + latency.step_seconds(100, 0, 0);
-        assert_close(second.1, predicted, 4);
+        let mut decode = StepShape::default();
+        decode.add_decode(1000);
+        let predicted =
+            prefill_steps + latency.step_seconds(&decode) + latency.step_seconds(&prefill(0, 100));
+        assert_close(second.ttft, predicted, 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn blocks_are_allocated_per_scheduled_chunk() {
+        let config = EngineConfig {
+            max_num_batched_tokens: 512,
+            ..EngineConfig::default()
+        };
+        let latency = config.latency;
+        let capacity = (config.num_blocks - 1) as f64;
+        let engine = spawn(config, None);
+        let _outputs = engine.submit((0..1000).collect(), vec![1]).unwrap();
+        // Just after the first chunk: 8 blocks held for 512 tokens, not 16 for the prompt.
+        let first_step = latency.step_seconds(&prefill(0, 512));
+        tokio::time::sleep(Duration::from_secs_f64(first_step + 0.000_5)).await;
+        let held = (engine.stats.kv_usage() * capacity).round();
+        assert_eq!(held, 8.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn blocks_are_stored_when_scheduled_and_published_before_the_step_ends() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let config = EngineConfig::default();
+        let cache = KvCache::new(config.num_blocks, config.block_size, config.hash_seed);
+        let engine = spawn(config, Some(tx));
+        let prompt: Vec<u32> = (0..200).collect();
+        let mut outputs = engine.submit(prompt.clone(), vec![1]).unwrap();
+        let batch = rx.recv().await.unwrap();
+        // Published as the step starts: no output exists yet.
+        assert!(outputs.try_recv().is_err());
+        let hashes = cache.hashes_of(&prompt);
+        assert_eq!(stored(&batch), vec![(None, hashes.clone())]);
+        let KvEvent::BlockStored(event) = &batch.events[0] else {
+            panic!("{batch:?}")
+        };
+        assert_eq!(event.token_ids, prompt[..192].to_vec());
+        assert_eq!((event.block_size, event.group_idx), (64, Some(0)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_admitted_in_the_same_step_hits_blocks_scheduled_before_it() {
+        let engine = spawn(EngineConfig::default(), None);
+        let start = Instant::now();
+        let shared: Vec<u32> = (0..128).collect();
+        let a = engine
+            .submit([shared.clone(), (1000..1050).collect()].concat(), vec![1])
+            .unwrap();
+        let b = engine
+            .submit([shared, (2000..2050).collect()].concat(), vec![1])
+            .unwrap();
+        let (a, b) = tokio::join!(collect(start, a), collect(start, b));
+        assert_eq!(a.cached, 0);
+        assert_eq!(
+            b.cached, 128,
+            "vLLM caches scheduled blocks before computing them"
+        );
+        assert_eq!(a.ttft, b.ttft, "both were admitted in one step");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn identical_blocks_computed_twice_are_stored_and_removed_once_per_copy() {
+        let config = EngineConfig {
+            num_blocks: 9,
+            block_size: 4,
+            ..EngineConfig::default()
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let cache = KvCache::new(9, 4, config.hash_seed);
+        let engine = spawn(config, Some(tx));
+        let start = Instant::now();
+        // Two identical prompts of two whole blocks in one step: the second hits the first
+        // block and recomputes the last one, a second copy of the same content.
+        let prompt: Vec<u32> = (0..8).collect();
+        let hashes = cache.hashes_of(&prompt);
+        let a = engine.submit(prompt.clone(), vec![1]).unwrap();
+        let b = engine.submit(prompt.clone(), vec![1]).unwrap();
+        let (_, b) = tokio::join!(collect(start, a), collect(start, b));
+        assert_eq!(b.cached, 4);
+        let batch = rx.recv().await.unwrap();
+        assert_eq!(
+            stored(&batch),
+            vec![(None, hashes.clone()), (Some(hashes[0]), vec![hashes[1]])]
+        );
+        // Seven blocks of other content: both copies of the second block are evicted, each
+        // reported, while the first block (freed last) survives.
+        run_one(&engine, (100..128).collect(), vec![1]).await;
+        let mut gone = Vec::new();
+        while let Ok(batch) = rx.try_recv() {
+            gone.extend(removed(&batch));
+        }
+        assert_eq!(gone, vec![hashes[1], hashes[1]]);
+        assert_eq!(run_one(&engine, prompt, vec![1]).await.cached, 4);
     }
 
     #[tokio::test(start_paused = true)]
     async fn eviction_publishes_block_removed_for_the_least_recently_used_blocks() {
         let config = EngineConfig {
-            num_blocks: 8,
+            num_blocks: 9,
             block_size: 4,
             ..EngineConfig::default()
         };
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let cache = KvCache::new(8, 4, config.hash_seed);
+        let cache = KvCache::new(9, 4, config.hash_seed);
         let engine = spawn(config, Some(tx));
         let a: Vec<u32> = (0..16).collect();
         let a_hashes = cache.hashes_of(&a);
         run_one(&engine, a.clone(), vec![1]).await;
-        let stored = rx.recv().await.unwrap();
-        assert_eq!(stored.data_parallel_rank, Some(0));
-        let [KvEvent::BlockStored(stored)] = stored.events.as_slice() else {
-            panic!("{stored:?}")
+        let batch = rx.recv().await.unwrap();
+        assert_eq!(batch.data_parallel_rank, Some(0));
+        // All four prompt blocks are full once the prompt is scheduled: stored at once.
+        let KvEvent::BlockStored(event) = &batch.events[0] else {
+            panic!("{batch:?}")
         };
-        assert_eq!(stored.block_hashes, a_hashes);
-        assert_eq!(stored.parent_block_hash, None);
-        assert_eq!(stored.token_ids, a);
-        assert_eq!(stored.block_size, 4);
+        assert_eq!(event.block_hashes, a_hashes);
+        assert_eq!(event.parent_block_hash, None);
+        assert_eq!(event.token_ids, a);
+        assert_eq!(event.block_size, 4);
 
         // 7 new blocks: 4 never used, then 3 of A's, evicted tail first (A's prefix lives longest).
         let b: Vec<u32> = (100..128).collect();
         run_one(&engine, b.clone(), vec![1]).await;
         let batch = rx.recv().await.unwrap();
-        let removed: Vec<_> = batch
-            .events
-            .iter()
-            .filter_map(|e| match e {
-                KvEvent::BlockRemoved(r) => Some(r.block_hashes.clone()),
-                _ => None,
-            })
-            .flatten()
-            .collect();
-        assert_eq!(removed, vec![a_hashes[3], a_hashes[2], a_hashes[1]]);
-        assert!(batch.events.iter().any(
-            |e| matches!(e, KvEvent::BlockStored(s) if s.block_hashes == cache.hashes_of(&b))
-        ));
+        assert_eq!(removed(&batch), vec![a_hashes[3], a_hashes[2], a_hashes[1]]);
+        assert!(
+            stored(&batch)
+                .iter()
+                .any(|(_, hashes)| *hashes == cache.hashes_of(&b))
+        );
 
         // Only A's first block is still cached.
-        let (cached, _, _) = run_one(&engine, a, vec![1]).await;
-        assert_eq!(cached, 4);
+        assert_eq!(run_one(&engine, a, vec![1]).await.cached, 4);
         assert!(engine.reset_prefix_cache().await);
         let cleared = loop {
             let batch = rx.recv().await.unwrap();
@@ -678,7 +857,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn running_out_of_blocks_preempts_and_still_finishes_everything() {
         let config = EngineConfig {
-            num_blocks: 6,
+            num_blocks: 7,
             block_size: 4,
             ..EngineConfig::default()
         };
@@ -694,13 +873,25 @@ mod tests {
             })
             .collect();
         for job in jobs {
-            assert_eq!(job.await.unwrap().2, long_answer);
+            assert_eq!(job.await.unwrap().tokens, long_answer);
         }
         let metrics = engine.stats.render("m");
         assert!(
             !metrics.contains("vllm:num_preemptions_total{model_name=\"m\",engine=\"0\"} 0"),
             "{metrics}"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slower_worker_takes_proportionally_longer() {
+        let config = EngineConfig {
+            step_time_multiplier: 1.5,
+            ..EngineConfig::default()
+        };
+        let step = config.latency.step_seconds(&prefill(0, 300));
+        let engine = spawn(config, None);
+        let seen = run_one(&engine, (0..300).collect(), vec![1]).await;
+        assert_close(seen.ttft, 1.5 * step, 1);
     }
 
     #[test]
@@ -712,7 +903,7 @@ mod tests {
         runtime.block_on(async {
             let engine = spawn(
                 EngineConfig {
-                    num_blocks: 2,
+                    num_blocks: 3,
                     block_size: 4,
                     ..EngineConfig::default()
                 },

@@ -5,6 +5,7 @@
 //! binary starts several.
 
 pub mod engine;
+pub mod gpu;
 pub mod http;
 pub mod kv_cache;
 pub mod metrics;
@@ -16,7 +17,8 @@ use std::sync::Arc;
 use switchyard_kv::tokenize::PromptTokenizer;
 use tokio::sync::mpsc;
 
-pub use engine::{EngineConfig, EngineHandle, LatencyModel, Output};
+pub use engine::{EngineConfig, EngineHandle, LatencyModel, Output, StepShape};
+pub use gpu::GpuProfile;
 pub use publisher::PublisherConfig;
 
 /// Everything one simulated worker needs.
