@@ -636,15 +636,21 @@ mod tests {
     }
 
     fn removed(batch: &KvEventBatch) -> Vec<ExternalBlockHash> {
-        batch
-            .events
-            .iter()
-            .filter_map(|e| match e {
-                KvEvent::BlockRemoved(r) => Some(r.block_hashes.clone()),
-                _ => None,
-            })
-            .flatten()
-            .collect()
+        crate::sim::kv_cache::tests::removed(&batch.events)
+    }
+
+    /// An engine of 8 usable blocks of 4 tokens publishing events, and a cache that hashes as
+    /// it does.
+    fn small_engine_with_events() -> (EngineHandle, mpsc::UnboundedReceiver<KvEventBatch>, KvCache)
+    {
+        let config = EngineConfig {
+            num_blocks: 9,
+            block_size: 4,
+            ..EngineConfig::default()
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let cache = KvCache::new(9, 4, config.hash_seed);
+        (spawn(config, Some(tx)), rx, cache)
     }
 
     #[test]
@@ -774,14 +780,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn identical_blocks_computed_twice_are_stored_and_removed_once_per_copy() {
-        let config = EngineConfig {
-            num_blocks: 9,
-            block_size: 4,
-            ..EngineConfig::default()
-        };
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let cache = KvCache::new(9, 4, config.hash_seed);
-        let engine = spawn(config, Some(tx));
+        let (engine, mut rx, cache) = small_engine_with_events();
         let start = Instant::now();
         // Two identical prompts of two whole blocks in one step: the second hits the first
         // block and recomputes the last one, a second copy of the same content.
@@ -809,14 +808,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn eviction_publishes_block_removed_for_the_least_recently_used_blocks() {
-        let config = EngineConfig {
-            num_blocks: 9,
-            block_size: 4,
-            ..EngineConfig::default()
-        };
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let cache = KvCache::new(9, 4, config.hash_seed);
-        let engine = spawn(config, Some(tx));
+        let (engine, mut rx, cache) = small_engine_with_events();
         let a: Vec<u32> = (0..16).collect();
         let a_hashes = cache.hashes_of(&a);
         run_one(&engine, a.clone(), vec![1]).await;

@@ -387,7 +387,7 @@ impl KvCache {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Allocate and cache every full block of `tokens`, as one prefill would.
@@ -398,7 +398,8 @@ mod tests {
         blocks
     }
 
-    fn removed(events: &[KvEvent]) -> Vec<ExternalBlockHash> {
+    /// The hashes of every `BlockRemoved` in `events`, in order.
+    pub(crate) fn removed(events: &[KvEvent]) -> Vec<ExternalBlockHash> {
         events
             .iter()
             .filter_map(|e| match e {
