@@ -147,6 +147,10 @@ pub fn with_stream_usage(body: Bytes) -> Result<(Bytes, bool), ApiError> {
     let options = request
         .entry("stream_options")
         .or_insert_with(|| serde_json::Value::Object(serde_json::Map::new()));
+    // `"stream_options": null` is what several client libraries send; vLLM takes it as absent.
+    if options.is_null() {
+        *options = serde_json::Value::Object(serde_json::Map::new());
+    }
     let Some(options) = options.as_object_mut() else {
         return Err(ApiError::invalid(
             "stream_options",
@@ -282,6 +286,14 @@ mod tests {
             serde_json::json!({"include_usage": true, "x": 1})
         );
         assert!(with_stream_usage(Bytes::from_static(br#"{"stream_options":3}"#)).is_err());
+        // A null stream_options is no stream_options, as vLLM reads it.
+        let (body, added) = with_stream_usage(Bytes::from_static(
+            br#"{"stream":true,"stream_options":null}"#,
+        ))
+        .unwrap();
+        assert!(added);
+        let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(value["stream_options"]["include_usage"], true);
     }
 
     #[test]

@@ -262,3 +262,22 @@ async fn http2_cleartext_clients_are_served() {
     assert_eq!(response.status(), 200);
     assert_eq!(worker.received().len(), 1);
 }
+
+#[tokio::test]
+async fn a_null_stream_options_is_taken_as_absent_as_vllm_does() {
+    let (upstream, proxy) = switchyard_e2e::one_worker_proxy("w1", "m", &["m"], &[]).await;
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .json(
+            &json!({"model": "m", "stream": true, "stream_options": null,
+                      "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let _ = response.text().await.unwrap();
+    let sent = upstream.received().pop().unwrap().json();
+    // The gateway asks for usage on the client's behalf, as it does when the field is missing.
+    assert_eq!(sent["stream_options"]["include_usage"], true);
+}
