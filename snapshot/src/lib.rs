@@ -20,8 +20,24 @@ pub use snapshot::{Model, ModelTarget, Pool, PoolId, Snapshot};
 
 /// Parse and compile in one go: what `switchyard-control check` and the proxy's file loader run.
 /// Every error is reported: those of reading and those of compiling the documents that could be read.
+///
+/// Files must define at least one `InferenceModel`: a set that serves no model (a file cut at a
+/// document boundary, a directory emptied by mistake) would answer every request 404, so it is
+/// an error here, and watchers keep the last good configuration instead.
 pub fn load_paths(paths: &[std::path::PathBuf]) -> Result<Snapshot, ConfigErrors> {
-    compile::compile_parsed(parse_paths(paths))
+    let snapshot = compile::compile_parsed(parse_paths(paths))?;
+    if snapshot.models.is_empty() {
+        let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+        return Err(ConfigErrors(vec![ConfigError {
+            source_name: names.join(", "),
+            document: "configuration".to_owned(),
+            field: String::new(),
+            message: "defines no InferenceModel, so every request would be answered 404 \
+                      (a cut or emptied file?)"
+                .to_owned(),
+        }]));
+    }
+    Ok(snapshot)
 }
 
 /// Parse and compile one YAML text.
@@ -162,6 +178,41 @@ mod tests {
             missing.contains("nope.yaml") && missing.contains("cannot read"),
             "{missing}"
         );
+    }
+
+    #[test]
+    fn empty_files_and_configurations_that_serve_no_model_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("gateway.yaml");
+        let good = format!("{POOL}{}", model("a", "{targets: [{pool: p}]}"));
+        std::fs::write(&file, &good).unwrap();
+        assert!(load_paths(std::slice::from_ref(&file)).is_ok());
+        // `> gateway.yaml`, or only comments left.
+        for empty in ["", "\n\n", "# being edited\n", "---\n"] {
+            std::fs::write(&file, empty).unwrap();
+            let error = load_paths(std::slice::from_ref(&file))
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains("holds no documents"), "{empty:?}: {error}");
+        }
+        // Cut at a document boundary: the pool is left, the model is gone.
+        std::fs::write(&file, POOL).unwrap();
+        let error = load_paths(std::slice::from_ref(&file))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("defines no InferenceModel"), "{error}");
+        // One empty file next to good ones is still an error, named by its path.
+        std::fs::write(&file, &good).unwrap();
+        std::fs::write(dir.path().join("extra.yaml"), "").unwrap();
+        let error = load_paths(&[dir.path().to_path_buf()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("extra.yaml") && error.contains("holds no documents"),
+            "{error}"
+        );
+        // Text compiled on its own (the embedded default, tests) is not a file set.
+        assert!(load_str("text", POOL).is_ok());
     }
 
     #[test]

@@ -76,7 +76,22 @@ pub fn parse_paths(paths: &[PathBuf]) -> Parsed {
     for file in expand_paths(paths, &mut parsed.errors) {
         let source = file.display().to_string();
         match std::fs::read_to_string(&file) {
-            Ok(text) => parsed.append(parse_str(&source, &text)),
+            Ok(text) => {
+                let file_parsed = parse_str(&source, &text);
+                // A file of nothing is what `> file` or an editor's unfinished write leaves:
+                // never a configuration anyone meant.
+                if file_parsed.documents.is_empty() && file_parsed.errors.is_empty() {
+                    parsed.errors.push(ConfigError {
+                        source_name: source,
+                        document: "file".to_owned(),
+                        field: String::new(),
+                        message: "holds no documents (empty, or a write that has not finished)"
+                            .to_owned(),
+                    });
+                } else {
+                    parsed.append(file_parsed);
+                }
+            }
             Err(error) => parsed.errors.push(ConfigError {
                 source_name: source,
                 document: "file".to_owned(),

@@ -248,7 +248,8 @@ fn a_tokenizer_that_cannot_be_loaded_is_reported_by_check() {
     std::fs::write(
         &path,
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {name: p}\n\
-         spec: {model: m, endpoints: [\"127.0.0.1:9\"], tokenizer: {path: /nonexistent/tokenizer.json, chatTemplate: /nonexistent/t.jinja}}\n",
+         spec: {model: m, endpoints: [\"127.0.0.1:9\"], tokenizer: {path: /nonexistent/tokenizer.json, chatTemplate: /nonexistent/t.jinja}}\n\
+         ---\napiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {name: m}\nspec: {targets: [{pool: p}]}\n",
     )
     .unwrap();
     let output = std::process::Command::new(switchyard_e2e::process::binary("switchyard-proxy"))

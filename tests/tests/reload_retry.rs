@@ -92,6 +92,51 @@ async fn config_edits_apply_live_and_a_broken_edit_keeps_the_last_good_one() {
 }
 
 #[tokio::test]
+async fn an_emptied_or_cut_config_file_keeps_the_last_good_config() {
+    let a = Upstream::start("worker-a").await;
+    let b = Upstream::start("worker-b").await;
+    let good = two_pools(&a, &b, "pool-a");
+    let proxy = Proxy::start(&good, &["--reload-interval-ms", "50"]).await;
+    let version = proxy.config_version().await;
+    // `> file` truncates in place (no atomic rename), then a cut at a document boundary that
+    // leaves the pools but no model.
+    let cut = good
+        .split("\n---\n")
+        .filter(|document| !document.contains("kind: InferenceModel"))
+        .collect::<Vec<_>>()
+        .join("\n---\n");
+    for (broken, reason) in [
+        ("", "holds no documents"),
+        (cut.as_str(), "defines no InferenceModel"),
+    ] {
+        std::fs::write(&proxy.config_path, broken).unwrap();
+        proxy.wait_for_log(reason, Duration::from_secs(10)).await;
+        for _ in 0..5 {
+            let (status, who) = served_by(&proxy).await;
+            assert_eq!(status, 200, "requests must keep being served");
+            assert!(who.starts_with("worker-a"), "{who}");
+        }
+        assert_eq!(proxy.config_version().await, version);
+        let ready = reqwest::get(format!("{}/ready", proxy.url()))
+            .await
+            .unwrap();
+        assert_eq!(ready.status(), 200);
+    }
+    // `--check` refuses both, with the reason.
+    let check = std::process::Command::new(switchyard_e2e::process::binary("switchyard-proxy"))
+        .args(["--check", "--config"])
+        .arg(&proxy.config_path)
+        .output()
+        .unwrap();
+    assert!(!check.status.success());
+    assert!(
+        String::from_utf8_lossy(&check.stderr).contains("defines no InferenceModel"),
+        "{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+}
+
+#[tokio::test]
 async fn a_dead_worker_is_skipped_by_retrying_on_another() {
     let live = Upstream::start("live").await;
     let dead = format!("127.0.0.1:{}", free_port());
