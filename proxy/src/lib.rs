@@ -9,6 +9,7 @@ pub mod accounting;
 pub mod api;
 pub mod config;
 pub mod control;
+pub mod headers;
 pub mod kv;
 pub mod limits;
 pub mod logging;

@@ -25,6 +25,7 @@ use switchyard_snapshot::snapshot::AnthropicMessages;
 use crate::accounting::{self, Finished, UsageTap};
 use crate::api::{ApiError, ClientFormat, Endpoint, ErrorKind, client_format_for_path};
 use crate::config::ConfigStore;
+use crate::headers;
 use crate::kv::Prediction;
 use crate::limits::{self, Admission, RateLimiter};
 use crate::metrics;
@@ -1378,6 +1379,9 @@ impl ProxyHttp for Gateway {
         let Some(route) = &ctx.route else {
             return Ok(());
         };
+        if let Some(provider) = &route.provider {
+            headers::keep_for_provider(upstream_request, &provider.config.forward_headers);
+        }
         if let Some(path) = &route.upstream_path {
             let uri = http::Uri::try_from(path.as_str())
                 .map_err(|_| Error::explain(ErrorType::InternalError, "invalid upstream path"))?;
@@ -1448,6 +1452,9 @@ impl ProxyHttp for Gateway {
             ));
         }
         ctx.status = status;
+        if ctx.route.as_ref().is_some_and(|r| r.provider.is_some()) {
+            headers::keep_from_provider(upstream_response);
+        }
         upstream_response.insert_header("x-request-id", ctx.request_id.as_str())?;
         let Some(route) = ctx.route.as_mut() else {
             return Ok(());

@@ -546,6 +546,24 @@ type Providers<'a> = (
     BTreeMap<ProviderId, &'a Document>,
 );
 
+/// Headers the gateway sets on a provider request itself: a client cannot have them forwarded.
+const GATEWAY_OWNED_HEADERS: &[&str] = &[
+    "authorization",
+    "x-api-key",
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "x-request-id",
+    "traceparent",
+    "tracestate",
+];
+
+/// RFC 9110 token characters, as header names use them.
+fn is_header_name_byte(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&byte)
+}
+
 fn compile_providers<'a>(
     documents: &'a [Document],
     errors: &mut Vec<ConfigError>,
@@ -625,6 +643,26 @@ fn compile_providers<'a>(
                 errors.push(error_at(document, field, "must be greater than 0".into()));
             }
         }
+        let mut forward_headers = Vec::with_capacity(spec.forward_headers.len());
+        for (index, header) in spec.forward_headers.iter().enumerate() {
+            let name = header.trim().to_ascii_lowercase();
+            let field = format!("spec.forwardHeaders[{index}]");
+            if name.is_empty() || !name.bytes().all(is_header_name_byte) {
+                errors.push(error_at(
+                    document,
+                    &field,
+                    format!("'{header}' is not an HTTP header name"),
+                ));
+            } else if GATEWAY_OWNED_HEADERS.contains(&name.as_str()) {
+                errors.push(error_at(
+                    document,
+                    &field,
+                    format!("'{name}' is set by the gateway and cannot be forwarded"),
+                ));
+            } else if !forward_headers.contains(&name) {
+                forward_headers.push(name);
+            }
+        }
         if errors.len() > before {
             continue;
         }
@@ -637,6 +675,7 @@ fn compile_providers<'a>(
                 credentials,
                 models: spec.models.iter().map(|m| m.trim().to_owned()).collect(),
                 ca_file: spec.ca_file.as_ref().map(|f| f.trim().to_owned()),
+                forward_headers,
                 connect_timeout_ms: spec
                     .connect_timeout_ms
                     .unwrap_or(DEFAULT_PROVIDER_CONNECT_TIMEOUT_MS),

@@ -363,6 +363,11 @@ pub struct ExternalProviderSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub read_timeout_ms: Option<u64>,
+    /// Client request headers passed on to this provider (e.g. `anthropic-beta`,
+    /// `openai-organization`). By default none are: the provider gets the body, the API's
+    /// content headers, `anthropic-version`, and what the gateway sets (its key, host, request id).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub forward_headers: Vec<String>,
 }
 
 /// A numeric comparison; every bound given must hold.

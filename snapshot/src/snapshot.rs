@@ -174,6 +174,9 @@ pub struct Provider {
     pub ca_file: Option<String>,
     pub connect_timeout_ms: u64,
     pub read_timeout_ms: u64,
+    /// Client request headers (lowercase) passed on besides the API's own.
+    #[serde(default)]
+    pub forward_headers: Vec<String>,
 }
 
 /// Where a provider's key is read (by the proxy, when it builds its tables; never logged).

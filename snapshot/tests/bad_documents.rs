@@ -112,6 +112,26 @@ fn cases() -> Vec<(String, &'static str, &'static str, &'static str)> {
             "exactly one of",
         ),
         (
+            document(
+                "ExternalProvider",
+                "bad",
+                "{baseUrl: \"https://x\", format: openai, forwardHeaders: [anthropic-beta, \"bad header\"]}",
+            ),
+            "ExternalProvider default/bad",
+            "spec.forwardHeaders[1]",
+            "not an HTTP header name",
+        ),
+        (
+            document(
+                "ExternalProvider",
+                "bad",
+                "{baseUrl: \"https://x\", format: openai, forwardHeaders: [Authorization]}",
+            ),
+            "ExternalProvider default/bad",
+            "spec.forwardHeaders[0]",
+            "set by the gateway",
+        ),
+        (
             document("Tenant", "t2", "{apiKeys: [{sha256: sk-live-123}]}"),
             "Tenant default/t2",
             "spec.apiKeys[0].sha256",

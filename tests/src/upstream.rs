@@ -38,7 +38,17 @@ pub struct UpstreamOptions {
     pub anthropic_native: bool,
     /// Answer every inference request with this status (an OpenAI error body).
     pub fail_with: Option<u16>,
+    /// Answer with the headers a public provider adds ([`PROVIDER_RESPONSE_HEADERS`]).
+    pub provider_headers: bool,
 }
+
+/// What a public provider's answers carry besides the content: its own business, not a client's.
+pub const PROVIDER_RESPONSE_HEADERS: &[(&str, &str)] = &[
+    ("server", "provider-edge/1.2"),
+    ("openai-organization", "org-gateway-account"),
+    ("x-ratelimit-remaining-requests", "42"),
+    ("set-cookie", "__cf_bm=provider-secret"),
+];
 
 struct Shared {
     name: String,
@@ -168,6 +178,25 @@ fn sse(events: Vec<String>, shared: Arc<Shared>) -> Response {
 
 async fn handle(
     State(shared): State<Arc<Shared>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let provider_headers = shared.options.provider_headers;
+    let mut response = answer(shared, method, uri, headers, body).await;
+    if provider_headers {
+        for (name, value) in PROVIDER_RESPONSE_HEADERS {
+            response
+                .headers_mut()
+                .insert(*name, axum::http::HeaderValue::from_static(value));
+        }
+    }
+    response
+}
+
+async fn answer(
+    shared: Arc<Shared>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,

@@ -296,3 +296,75 @@ async fn a_silent_provider_times_out_by_its_own_read_timeout() {
     assert_eq!(body["error"]["code"], "upstream_timeout");
     holder.abort();
 }
+
+#[tokio::test]
+async fn providers_see_only_the_apis_headers_and_clients_none_of_the_providers() {
+    use switchyard_e2e::upstream::PROVIDER_RESPONSE_HEADERS;
+    let options = || UpstreamOptions {
+        provider_headers: true,
+        ..Default::default()
+    };
+    let strict = Upstream::start_with("strict", options()).await;
+    let listed = Upstream::start_with("listed", options()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, PROVIDER_KEY).unwrap();
+    let yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: ExternalProvider\nmetadata: {{name: strict}}\nspec: {{baseUrl: \"http://{}/v1\", format: openai, credentials: {{file: \"{}\"}}}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: ExternalProvider\nmetadata: {{name: listed}}\nspec: {{baseUrl: \"http://{}/v1\", format: openai, credentials: {{file: \"{}\"}}, forwardHeaders: [OpenAI-Organization]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: strict}}\nspec: {{targets: [{{provider: strict, model: gpt}}]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: listed}}\nspec: {{targets: [{{provider: listed, model: gpt}}]}}\n",
+        strict.endpoint(),
+        key.display(),
+        listed.endpoint(),
+        key.display()
+    );
+    let proxy = Proxy::start(&yaml, &[]).await;
+    for (model, upstream) in [("strict", &strict), ("listed", &listed)] {
+        for stream in [false, true] {
+            let response = reqwest::Client::new()
+                .post(format!("{}/v1/chat/completions", proxy.url()))
+                .header("cookie", "session=client-secret")
+                .header("openai-organization", "org-client")
+                .header("openai-project", "proj-client")
+                .header("anthropic-beta", "tools-2024")
+                .header("x-internal-auth", "client-secret")
+                .json(&json!({"model": model, "stream": stream,
+                              "messages": [{"role": "user", "content": "hi"}]}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 200);
+            for (name, _) in PROVIDER_RESPONSE_HEADERS {
+                assert!(
+                    response.headers().get(*name).is_none(),
+                    "{model}: the provider's {name} reached the client"
+                );
+            }
+            assert!(response.headers().get("x-request-id").is_some());
+            let _ = response.text().await.unwrap();
+            let received = upstream.received().pop().unwrap();
+            let sent = |name: &str| {
+                received
+                    .headers
+                    .get(name)
+                    .map(|v| v.to_str().unwrap().to_owned())
+            };
+            for name in [
+                "cookie",
+                "openai-project",
+                "anthropic-beta",
+                "x-internal-auth",
+            ] {
+                assert_eq!(sent(name), None, "{model} received the client's {name}");
+            }
+            let organization = (model == "listed").then(|| "org-client".to_owned());
+            assert_eq!(sent("openai-organization"), organization, "{model}");
+            assert_eq!(
+                sent("authorization"),
+                Some(format!("Bearer {PROVIDER_KEY}"))
+            );
+            assert_eq!(sent("content-type").as_deref(), Some("application/json"));
+        }
+    }
+}
