@@ -228,12 +228,18 @@ impl ApiError {
         self.kind.status()
     }
 
+    /// The message as it is sent and logged: escaped and bounded, whatever it quotes.
+    pub fn shown_message(&self) -> String {
+        bounded(&self.message, MESSAGE_CHARS)
+    }
+
     /// The JSON body in the client's format.
     pub fn body(&self, format: ClientFormat) -> Bytes {
+        let message = self.shown_message();
         let value = match format {
             ClientFormat::OpenAi => json!({
                 "error": {
-                    "message": self.message,
+                    "message": message,
                     "type": self.kind.openai_type(),
                     "param": self.param,
                     "code": self.code,
@@ -243,12 +249,46 @@ impl ApiError {
                 "type": "error",
                 "error": {
                     "type": self.kind.anthropic_type(),
-                    "message": self.message,
+                    "message": message,
                 }
             }),
         };
         Bytes::from(value.to_string())
     }
+}
+
+/// Longest client-supplied text echoed in an error message or a log line, in characters.
+const CLIENT_TEXT_CHARS: usize = 128;
+/// Longest error message sent or logged, in characters (parser messages can quote a whole value).
+const MESSAGE_CHARS: usize = 1_024;
+
+/// A client-supplied string (a model name, a field value) as it may appear in an error message
+/// or a log line: control and invisible characters escaped so it cannot forge lines, and cut to
+/// [`CLIENT_TEXT_CHARS`] characters with the full length said.
+pub fn client_text(text: &str) -> String {
+    bounded(text, CLIENT_TEXT_CHARS)
+}
+
+/// `text` with control and invisible characters escaped, cut to `max_chars` characters.
+fn bounded(text: &str, max_chars: usize) -> String {
+    let mut out = String::new();
+    let mut chars = text.chars();
+    for c in chars.by_ref().take(max_chars) {
+        if c.is_control()
+            || matches!(
+                c,
+                '\u{200b}'..='\u{200f}' | '\u{2028}' | '\u{2029}' | '\u{feff}'
+            )
+        {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    if chars.next().is_some() {
+        out.push_str(&format!("… ({} bytes)", text.len()));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -295,6 +335,37 @@ mod tests {
         assert_eq!(
             client_format_for_path("/v1/completions"),
             ClientFormat::OpenAi
+        );
+    }
+
+    #[test]
+    fn client_text_is_escaped_and_bounded() {
+        assert_eq!(client_text("default"), "default");
+        assert_eq!(
+            client_text("m\nINFO forged line\r"),
+            "m\\u{a}INFO forged line\\u{d}"
+        );
+        let long = "x".repeat(1_000_000);
+        let shown = client_text(&long);
+        assert!(shown.len() < 200, "{}", shown.len());
+        assert!(shown.ends_with("… (1000000 bytes)"), "{shown}");
+        let quoted = ApiError::invalid("body", format!("bad value {long}"));
+        assert!(quoted.shown_message().len() < 1_100);
+        let body: serde_json::Value =
+            serde_json::from_slice(&quoted.body(ClientFormat::Anthropic)).unwrap();
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .ends_with("bytes)")
+        );
+        // Cut on a character boundary.
+        assert_eq!(
+            client_text(&"é".repeat(200))
+                .chars()
+                .filter(|c| *c == 'é')
+                .count(),
+            128
         );
     }
 }

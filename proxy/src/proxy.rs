@@ -170,7 +170,7 @@ impl Route {
             ) {
                 Ok(prepared) => prepared,
                 Err(error) => {
-                    tracing::debug!(target = %target.backend, reason = %error.message, "fallback target skipped");
+                    tracing::debug!(target = %target.backend, reason = %error.shown_message(), "fallback target skipped");
                     continue;
                 }
             };
@@ -639,7 +639,7 @@ impl Gateway {
             request_id = %ctx.request_id,
             status = error.status(),
             code = error.code,
-            reason = %error.message,
+            reason = %error.shown_message(),
             "request rejected"
         );
         let body = error.body(ctx.format);
@@ -786,7 +786,7 @@ impl Gateway {
                 param: Some("model"),
                 message: format!(
                     "the model '{}' does not exist; GET /v1/models lists the models you can use",
-                    parsed.model
+                    crate::api::client_text(&parsed.model)
                 ),
                 retry_after: None,
             }
@@ -806,7 +806,7 @@ impl Gateway {
                 param: Some("model"),
                 message: format!(
                     "your API key may not use the model '{}'; GET /v1/models lists the models you can use",
-                    parsed.model
+                    crate::api::client_text(&parsed.model)
                 ),
                 retry_after: None,
             });

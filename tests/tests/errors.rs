@@ -262,3 +262,53 @@ fn a_tokenizer_that_cannot_be_loaded_is_reported_by_check() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("/nonexistent/tokenizer.json"), "{stderr}");
 }
+
+#[tokio::test]
+async fn client_strings_are_escaped_and_bounded_in_errors_and_logs() {
+    let (_upstream, proxy) = one_worker_proxy("w1", "m", &["m"], &[]).await;
+    let forged = "m\n2026-12-03T00:00:00.000000Z ERROR switchyard_proxy: forged line";
+    let huge = "x".repeat(1_000_000);
+    for (path, model) in [
+        ("/v1/chat/completions", forged),
+        ("/v1/messages", forged),
+        ("/v1/chat/completions", huge.as_str()),
+    ] {
+        let body = json!({"model": model, "max_tokens": 4,
+                          "messages": [{"role": "user", "content": "hi"}]});
+        let answer = send(
+            &proxy,
+            reqwest::Method::POST,
+            path,
+            Some(body.to_string().as_bytes()),
+        )
+        .await;
+        assert_eq!(answer.status, 404);
+        let message = answer.body["error"]["message"].as_str().unwrap();
+        assert!(message.len() < 400, "{} bytes echoed", message.len());
+        assert!(!message.contains('\n'), "{message}");
+    }
+    // Also a 1 MB value quoted by the parser.
+    let body = json!({"model": "m", "max_tokens": huge,
+                      "messages": [{"role": "user", "content": "hi"}]});
+    let answer = send(
+        &proxy,
+        reqwest::Method::POST,
+        "/v1/chat/completions",
+        Some(body.to_string().as_bytes()),
+    )
+    .await;
+    assert_eq!(answer.status, 400);
+    assert!(answer.body["error"]["message"].as_str().unwrap().len() < 1_200);
+    proxy
+        .wait_for_log("request rejected", std::time::Duration::from_secs(5))
+        .await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let log = proxy.log();
+    assert!(
+        !log.lines()
+            .any(|line| line.contains("forged line") && !line.contains("request_id")),
+        "a client string forged a log line:\n{log}"
+    );
+    let longest = log.lines().map(str::len).max().unwrap_or(0);
+    assert!(longest < 4_096, "a {longest}-byte log line");
+}
