@@ -2,11 +2,13 @@
 //!
 //! Each limit is a token bucket that refills continuously (a full minute's allowance at most),
 //! so bursts up to the per-minute figure pass and sustained traffic is held to the rate.
-//! Prompt tokens are taken when a request is admitted (estimated from its size, or counted by
-//! the tokenizer when the pool has one); completion tokens are taken when the answer's usage is
-//! known, which may drive the bucket below zero: the next requests then wait until it refills.
-//! Limits are per proxy process (see the README on several replicas). Time is tokio's, so tests
-//! drive it with a paused clock.
+//! Tokens are reserved when a request is admitted, at the most it can cost: the prompt estimated
+//! from the body's size plus its `max_tokens` (or [`DEFAULT_RESERVED_COMPLETION_TOKENS`] when it
+//! sets none), so concurrent requests cannot overshoot the limit together. When the answer's usage
+//! is known the reservation is settled to what was really used; a request that ends without
+//! usage gives its completion reservation back and keeps its prompt estimate charged (the
+//! upstream may have computed it). Limits are per proxy process (see the README on several
+//! replicas). Time is tokio's, so tests drive it with a paused clock.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -121,13 +123,40 @@ pub struct RateLimiter {
     tenants: Mutex<HashMap<String, TenantState>>,
 }
 
-/// An admitted request: holds its concurrency slot, and settles its tokens when done.
+/// Completion tokens reserved for a request that sets no `max_tokens`.
+pub const DEFAULT_RESERVED_COMPLETION_TOKENS: u64 = 1_024;
+
+/// The most a request can cost, reserved when it is admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reservation {
+    /// Estimated from the body (see [`estimate_prompt_tokens`]).
+    pub prompt_tokens: u64,
+    /// `max_tokens`, or [`DEFAULT_RESERVED_COMPLETION_TOKENS`].
+    pub completion_tokens: u64,
+}
+
+impl Reservation {
+    pub fn for_request(body_len: usize, max_tokens: Option<u64>) -> Reservation {
+        Reservation {
+            prompt_tokens: estimate_prompt_tokens(body_len),
+            completion_tokens: max_tokens.unwrap_or(DEFAULT_RESERVED_COMPLETION_TOKENS),
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.completion_tokens)
+    }
+}
+
+/// An admitted request: holds its concurrency slot and its token reservation until settled.
 #[derive(Debug)]
 pub struct Admission {
     limiter: Arc<RateLimiter>,
     tenant: String,
     limits: RateLimits,
-    counted_prompt_tokens: u64,
+    /// What is charged to the tokens bucket for this request now.
+    charged: Reservation,
+    settled: bool,
     holds_slot: bool,
 }
 
@@ -136,13 +165,13 @@ impl RateLimiter {
         crate::lock(&self.tenants)
     }
 
-    /// Admit a request of `tenant` with about `prompt_tokens` of prompt, or say which limit
-    /// refuses it and for how long. Nothing is taken from any bucket on refusal.
+    /// Admit a request of `tenant` reserving `reservation`, or say which limit refuses it and
+    /// for how long. Nothing is taken from any bucket on refusal.
     pub fn admit(
         self: &Arc<Self>,
         tenant: &str,
         limits: RateLimits,
-        prompt_tokens: u64,
+        reservation: Reservation,
     ) -> Result<Admission, Refusal> {
         let now = Instant::now();
         let mut tenants = self.lock();
@@ -173,8 +202,8 @@ impl RateLimiter {
             }
         }
         if let Some(bucket) = &state.tokens {
-            // A prompt larger than the whole allowance waits for a full bucket, not forever.
-            let wait = bucket.wait_for(prompt_tokens.max(1) as f64);
+            // A request larger than the whole allowance waits for a full bucket, not forever.
+            let wait = bucket.wait_for(reservation.total().max(1) as f64);
             if !wait.is_zero() {
                 return Err(Refusal {
                     limit: Limit::TokensPerMinute,
@@ -187,7 +216,7 @@ impl RateLimiter {
             bucket.available -= 1.0;
         }
         if let Some(bucket) = &mut state.tokens {
-            bucket.available -= prompt_tokens as f64;
+            bucket.available -= reservation.total() as f64;
         }
         let holds_slot = limits.concurrency.is_some();
         if holds_slot {
@@ -197,7 +226,8 @@ impl RateLimiter {
             limiter: self.clone(),
             tenant: tenant.to_owned(),
             limits,
-            counted_prompt_tokens: prompt_tokens,
+            charged: reservation,
+            settled: false,
             holds_slot,
         })
     }
@@ -217,28 +247,43 @@ fn sync_bucket(bucket: &mut Option<Bucket>, limit: Option<u64>, now: Instant) {
 }
 
 impl Admission {
-    /// Settle the tokens the answer really used: the prompt as the upstream counted it replaces
-    /// the estimate, and the completion is taken.
+    /// Settle the tokens the answer really used: the prompt as the upstream counted it and the
+    /// completion replace the reservation.
     pub fn settle(&mut self, prompt_tokens: u64, completion_tokens: u64) {
-        if self.limits.tokens_per_minute.is_none() {
-            return;
+        self.recharge(Reservation {
+            prompt_tokens,
+            completion_tokens,
+        });
+        self.settled = true;
+    }
+
+    /// Charge `now` instead of what is charged.
+    fn recharge(&mut self, now: Reservation) {
+        if self.limits.tokens_per_minute.is_some() {
+            let mut tenants = self.limiter.lock();
+            if let Some(bucket) = tenants
+                .get_mut(&self.tenant)
+                .and_then(|state| state.tokens.as_mut())
+            {
+                bucket.refill(Instant::now());
+                bucket.available += self.charged.total() as f64;
+                bucket.available -= now.total() as f64;
+            }
         }
-        let now = Instant::now();
-        let mut tenants = self.limiter.lock();
-        if let Some(bucket) = tenants
-            .get_mut(&self.tenant)
-            .and_then(|state| state.tokens.as_mut())
-        {
-            bucket.refill(now);
-            bucket.available += self.counted_prompt_tokens as f64;
-            bucket.available -= (prompt_tokens + completion_tokens) as f64;
-        }
-        self.counted_prompt_tokens = prompt_tokens + completion_tokens;
+        self.charged = now;
     }
 }
 
 impl Drop for Admission {
     fn drop(&mut self) {
+        if !self.settled && self.charged.completion_tokens > 0 {
+            // Ended without usage (an error, a cancelled request): nothing was generated that
+            // we know of; the prompt estimate stays charged.
+            self.recharge(Reservation {
+                completion_tokens: 0,
+                ..self.charged
+            });
+        }
         if !self.holds_slot {
             return;
         }
@@ -259,6 +304,14 @@ pub fn estimate_prompt_tokens(body_len: usize) -> u64 {
 mod tests {
     use super::*;
 
+    /// A request whose whole cost is its prompt (no completion reserved).
+    fn prompt(tokens: u64) -> Reservation {
+        Reservation {
+            prompt_tokens: tokens,
+            completion_tokens: 0,
+        }
+    }
+
     fn limits(rpm: Option<u32>, tpm: Option<u64>, concurrency: Option<u32>) -> RateLimits {
         RateLimits {
             requests_per_minute: rpm,
@@ -272,47 +325,47 @@ mod tests {
         let limiter = Arc::new(RateLimiter::default());
         let l = limits(Some(60), None, None);
         let admitted: Vec<_> = (0..60)
-            .map(|_| limiter.admit("t", l, 10).unwrap())
+            .map(|_| limiter.admit("t", l, prompt(10)).unwrap())
             .collect();
-        let refusal = limiter.admit("t", l, 10).unwrap_err();
+        let refusal = limiter.admit("t", l, prompt(10)).unwrap_err();
         assert_eq!(refusal.limit, Limit::RequestsPerMinute);
         assert_eq!(refusal.retry_after, Duration::from_secs(1));
         assert_eq!(refusal.retry_after_secs(), 1);
         tokio::time::advance(Duration::from_millis(999)).await;
-        assert!(limiter.admit("t", l, 10).is_err());
+        assert!(limiter.admit("t", l, prompt(10)).is_err());
         tokio::time::advance(Duration::from_millis(1)).await;
-        assert!(limiter.admit("t", l, 10).is_ok());
-        assert!(limiter.admit("t", l, 10).is_err());
+        assert!(limiter.admit("t", l, prompt(10)).is_ok());
+        assert!(limiter.admit("t", l, prompt(10)).is_err());
         // Other tenants have their own buckets.
-        assert!(limiter.admit("u", l, 10).is_ok());
+        assert!(limiter.admit("u", l, prompt(10)).is_ok());
         drop(admitted);
         // A minute refills the whole allowance, never more.
         tokio::time::advance(Duration::from_secs(600)).await;
         for _ in 0..60 {
-            limiter.admit("t", l, 10).unwrap();
+            limiter.admit("t", l, prompt(10)).unwrap();
         }
-        assert!(limiter.admit("t", l, 10).is_err());
+        assert!(limiter.admit("t", l, prompt(10)).is_err());
     }
 
     #[tokio::test(start_paused = true)]
     async fn tokens_are_taken_up_front_and_settled_after() {
         let limiter = Arc::new(RateLimiter::default());
         let l = limits(None, Some(6_000), None);
-        let mut first = limiter.admit("t", l, 1_000).unwrap();
+        let mut first = limiter.admit("t", l, prompt(1_000)).unwrap();
         // The answer: the upstream counted 800 prompt tokens and produced 4_000.
         first.settle(800, 4_000);
         // 6000 - 4800 = 1200 left: a 1000-token prompt passes, a second one does not.
-        limiter.admit("t", l, 1_000).unwrap();
-        let refusal = limiter.admit("t", l, 1_000).unwrap_err();
+        limiter.admit("t", l, prompt(1_000)).unwrap();
+        let refusal = limiter.admit("t", l, prompt(1_000)).unwrap_err();
         assert_eq!(refusal.limit, Limit::TokensPerMinute);
         // 200 available, 800 missing at 100 tokens/s: 8 s.
         assert_eq!(refusal.retry_after, Duration::from_secs(8));
         tokio::time::advance(Duration::from_secs(8)).await;
-        limiter.admit("t", l, 1_000).unwrap();
+        limiter.admit("t", l, prompt(1_000)).unwrap();
         // A prompt over the whole allowance waits for a full bucket, then passes.
         tokio::time::advance(Duration::from_secs(60)).await;
-        limiter.admit("t", l, 50_000).unwrap();
-        let refusal = limiter.admit("t", l, 1).unwrap_err();
+        limiter.admit("t", l, prompt(50_000)).unwrap();
+        let refusal = limiter.admit("t", l, prompt(1)).unwrap_err();
         assert!(refusal.retry_after > Duration::from_secs(60), "{refusal:?}");
     }
 
@@ -320,41 +373,94 @@ mod tests {
     async fn concurrency_slots_are_released_when_requests_end() {
         let limiter = Arc::new(RateLimiter::default());
         let l = limits(None, None, Some(2));
-        let a = limiter.admit("t", l, 1).unwrap();
-        let _b = limiter.admit("t", l, 1).unwrap();
-        let refusal = limiter.admit("t", l, 1).unwrap_err();
+        let a = limiter.admit("t", l, prompt(1)).unwrap();
+        let _b = limiter.admit("t", l, prompt(1)).unwrap();
+        let refusal = limiter.admit("t", l, prompt(1)).unwrap_err();
         assert_eq!(refusal.limit, Limit::Concurrency);
         assert!(refusal.message("t").contains("at most 2 at a time"));
         drop(a);
-        let _c = limiter.admit("t", l, 1).unwrap();
+        let _c = limiter.admit("t", l, prompt(1)).unwrap();
     }
 
     #[tokio::test(start_paused = true)]
     async fn refusals_take_nothing_and_limits_follow_reloads() {
         let limiter = Arc::new(RateLimiter::default());
         let both = limits(Some(2), Some(100), None);
-        limiter.admit("t", both, 60).unwrap();
+        limiter.admit("t", both, prompt(60)).unwrap();
         // Tokens refuse: the request bucket must not be charged for it.
         assert_eq!(
-            limiter.admit("t", both, 60).unwrap_err().limit,
+            limiter.admit("t", both, prompt(60)).unwrap_err().limit,
             Limit::TokensPerMinute
         );
-        limiter.admit("t", both, 40).unwrap();
+        limiter.admit("t", both, prompt(40)).unwrap();
         assert_eq!(
-            limiter.admit("t", both, 0).unwrap_err().limit,
+            limiter.admit("t", both, prompt(0)).unwrap_err().limit,
             Limit::RequestsPerMinute
         );
         // Raising the limit keeps what was used; removing it lifts it.
         let raised = limits(Some(3), Some(100), None);
         assert!(
-            limiter.admit("t", raised, 0).is_err(),
+            limiter.admit("t", raised, prompt(0)).is_err(),
             "a raised cap does not refill"
         );
         tokio::time::advance(Duration::from_secs(20)).await;
-        limiter.admit("t", raised, 0).unwrap();
+        limiter.admit("t", raised, prompt(0)).unwrap();
         let none = limits(None, None, None);
         for _ in 0..100 {
-            limiter.admit("t", none, 1_000).unwrap();
+            limiter.admit("t", none, prompt(1_000)).unwrap();
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn concurrent_requests_cannot_overshoot_the_token_limit_together() {
+        let limiter = Arc::new(RateLimiter::default());
+        let l = limits(None, Some(2_000), None);
+        // 30 requests at once, each a ~20-token prompt asking for up to 500 tokens.
+        let request = Reservation::for_request(80, Some(500));
+        assert_eq!(request.prompt_tokens, 20);
+        let outcomes: Vec<_> = (0..30).map(|_| limiter.admit("t", l, request)).collect();
+        let mut admitted: Vec<Admission> = outcomes.into_iter().flatten().collect();
+        // 3 × 520 fit in 2,000; a fourth would overshoot.
+        assert_eq!(admitted.len(), 3);
+        // They used far less than reserved: settling gives the rest back at once.
+        for admission in &mut admitted {
+            admission.settle(20, 100);
+        }
+        // 2,000 - 3 × 120 = 1,640 left: three more fit, no lock-out.
+        for _ in 0..3 {
+            admitted.push(limiter.admit("t", l, request).unwrap());
+        }
+        assert!(limiter.admit("t", l, request).is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_that_ends_without_usage_keeps_only_its_prompt_charged() {
+        let limiter = Arc::new(RateLimiter::default());
+        let l = limits(None, Some(1_000), None);
+        let failed = limiter
+            .admit(
+                "t",
+                l,
+                Reservation {
+                    prompt_tokens: 100,
+                    completion_tokens: 800,
+                },
+            )
+            .unwrap();
+        assert!(limiter.admit("t", l, prompt(200)).is_err());
+        drop(failed);
+        // 1,000 - 100: the 800 completion tokens came back, the prompt estimate did not.
+        let _ok = limiter.admit("t", l, prompt(900)).unwrap();
+        assert!(limiter.admit("t", l, prompt(1)).is_err());
+    }
+
+    #[test]
+    fn a_request_without_max_tokens_reserves_the_default() {
+        let reservation = Reservation::for_request(400, None);
+        assert_eq!(reservation.prompt_tokens, 100);
+        assert_eq!(
+            reservation.completion_tokens,
+            DEFAULT_RESERVED_COMPLETION_TOKENS
+        );
     }
 }

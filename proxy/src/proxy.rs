@@ -945,8 +945,8 @@ impl Gateway {
                 || limits.tokens_per_minute.is_some()
                 || limits.concurrency.is_some()
             {
-                let estimate = limits::estimate_prompt_tokens(body.len());
-                match self.limiter.admit(&tenant.name, limits, estimate) {
+                let reservation = limits::Reservation::for_request(body.len(), parsed.max_tokens);
+                match self.limiter.admit(&tenant.name, limits, reservation) {
                     Ok(admitted) => admission = Some(admitted),
                     Err(refusal) => {
                         accounting::rejected(
