@@ -44,6 +44,10 @@ pub const CODE: ClassId = ClassId(8);
 pub trait PromptText {
     /// Call `visit` with every piece of message text (system, user, assistant, tool results).
     fn for_each_text(&self, visit: &mut dyn FnMut(&str));
+    /// Call `visit` with every other string the request carries to the model (tool definitions,
+    /// the `user` field, metadata, message names): searched for personal data and user classes,
+    /// but not part of the prompt's length or complexity.
+    fn for_each_other_text(&self, _visit: &mut dyn FnMut(&str)) {}
     /// Messages written by the user (the turns of the conversation).
     fn user_turns(&self) -> usize;
 }
@@ -209,6 +213,7 @@ impl Classifier {
         let mut code = false;
         let mut keyword = false;
         prompt.for_each_text(&mut |text| {
+            let text = &*normalize(text);
             chars += text.chars().count();
             self.detectors.scan(text, &mut set);
             code = code || looks_like_code(text);
@@ -217,17 +222,12 @@ impl Classifier {
                     .complex_keywords
                     .as_ref()
                     .is_some_and(|k| k.is_match(text));
-            for class in &self.user {
-                if !set.contains(class.id)
-                    && (class.keywords.as_ref().is_some_and(|k| k.is_match(text))
-                        || class.patterns.as_ref().is_some_and(|p| p.is_match(text)))
-                {
-                    set.insert(class.id);
-                    if class.personal_data {
-                        set.insert(PII);
-                    }
-                }
-            }
+            self.match_user_classes(text, &mut set);
+        });
+        prompt.for_each_other_text(&mut |text| {
+            let text = &*normalize(text);
+            self.detectors.scan(text, &mut set);
+            self.match_user_classes(text, &mut set);
         });
         if code {
             set.insert(CODE);
@@ -239,6 +239,40 @@ impl Classifier {
         set.insert(if complex { COMPLEX } else { SIMPLE });
         set
     }
+}
+
+impl Classifier {
+    fn match_user_classes(&self, text: &str, set: &mut ClassSet) {
+        for class in &self.user {
+            if !set.contains(class.id)
+                && (class.keywords.as_ref().is_some_and(|k| k.is_match(text))
+                    || class.patterns.as_ref().is_some_and(|p| p.is_match(text)))
+            {
+                set.insert(class.id);
+                if class.personal_data {
+                    set.insert(PII);
+                }
+            }
+        }
+    }
+}
+
+/// Text as the detectors read it: Unicode compatibility forms folded (NFKC: a full-width `＠`
+/// is `@`, full-width digits are digits) and invisible format characters (zero-width spaces and
+/// joiners, soft hyphens, word joiners, byte-order marks) removed, so they cannot hide personal
+/// data. ASCII text is returned as it is, without a copy.
+fn normalize(text: &str) -> std::borrow::Cow<'_, str> {
+    use unicode_normalization::UnicodeNormalization;
+    if text.is_ascii() {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let invisible = |c: &char| {
+        matches!(
+            c,
+            '\u{00ad}' | '\u{180e}' | '\u{200b}'..='\u{200f}' | '\u{2060}'..='\u{2064}' | '\u{feff}'
+        )
+    };
+    std::borrow::Cow::Owned(text.chars().filter(|c| !invisible(c)).nfkc().collect())
 }
 
 /// Code: a fenced block, or several lines that read like source code.
@@ -552,6 +586,62 @@ mod tests {
 
     fn default_classifier() -> Classifier {
         Classifier::new(&[], &Complexity::default()).unwrap()
+    }
+
+    #[test]
+    fn personal_data_is_found_in_every_field_and_behind_unicode_tricks() {
+        use crate::request::RequestPrompt;
+        let classifier = default_classifier();
+        let has_email = |body: &str| {
+            let prompt = RequestPrompt::parse(body.as_bytes()).unwrap();
+            classifier
+                .names(classifier.classify(&prompt))
+                .contains(&"pii.email")
+        };
+        let message = |text: &str| {
+            serde_json::json!({"messages": [{"role": "user", "content": text}]}).to_string()
+        };
+        // The probes that got through: a tool's description, the `user` field, a full-width
+        // at sign, a zero-width space inside the address.
+        assert!(has_email(
+            r#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f","description":"mail ann.lee@example.com"}}]}"#
+        ));
+        assert!(has_email(
+            r#"{"messages":[{"role":"user","content":"hi"}],"user":"ann.lee@example.com"}"#
+        ));
+        assert!(has_email(&message("write to ann.lee＠example.com")));
+        assert!(has_email(&message("write to ann.lee@\u{200b}example.com")));
+        assert!(has_email(&message(
+            "write to ann.lee\u{200d}@exam\u{00ad}ple.com"
+        )));
+        // Full-width digits are digits.
+        assert!(
+            classifier
+                .names(
+                    classifier.classify(
+                        &RequestPrompt::parse(
+                            message("card ４１１１ １１１１ １１１１ １１１１").as_bytes()
+                        )
+                        .unwrap()
+                    )
+                )
+                .contains(&"pii.payment-card")
+        );
+        // Tool definitions do not make a short prompt complex.
+        let prompt = RequestPrompt::parse(
+            format!(
+                r#"{{"messages":[{{"role":"user","content":"hi"}}],"tools":[{{"type":"function","function":{{"name":"f","description":"{}"}}}}]}}"#,
+                "word ".repeat(2_000)
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        assert!(
+            classifier
+                .names(classifier.classify(&prompt))
+                .contains(&"simple")
+        );
+        assert!(!has_email(&message("no address here, only ＠ signs")));
     }
 
     #[test]

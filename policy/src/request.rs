@@ -90,6 +90,23 @@ impl PromptText for RequestPrompt {
         }
     }
 
+    fn for_each_other_text(&self, visit: &mut dyn FnMut(&str)) {
+        // Tool and function definitions (names, descriptions, schemas), a structured-output
+        // schema, the end-user id and metadata reach the model or the provider too.
+        for key in ["tools", "functions", "response_format", "user", "metadata"] {
+            if let Some(value) = self.body.get(key) {
+                visit_json(value, visit);
+            }
+        }
+        if let Some(Value::Array(messages)) = self.body.get("messages") {
+            for message in messages {
+                if let Some(Value::String(name)) = message.get("name") {
+                    visit(name);
+                }
+            }
+        }
+    }
+
     fn user_turns(&self) -> usize {
         match self.body.get("messages") {
             Some(Value::Array(messages)) => messages
@@ -127,5 +144,24 @@ mod tests {
         let (t, turns) = texts(r#"{"prompt":["x","y"]}"#);
         assert_eq!(t, ["x", "y"]);
         assert_eq!(turns, 1);
+    }
+
+    #[test]
+    fn other_strings_are_visited_apart_from_the_prompt() {
+        let prompt = RequestPrompt::parse(
+            br#"{"messages":[{"role":"user","name":"ann","content":"hi"}],"user":"u-1","metadata":{"k":"m"},"tools":[{"type":"function","function":{"name":"f","description":"d","parameters":{"properties":{"q":{"description":"p"}}}}}]}"#,
+        )
+        .unwrap();
+        let mut main = Vec::new();
+        prompt.for_each_text(&mut |t| main.push(t.to_owned()));
+        assert_eq!(main, ["hi"]);
+        let mut other = Vec::new();
+        prompt.for_each_other_text(&mut |t| other.push(t.to_owned()));
+        for expected in ["function", "f", "d", "p", "u-1", "m", "ann"] {
+            assert!(
+                other.iter().any(|t| t == expected),
+                "{expected} in {other:?}"
+            );
+        }
     }
 }
