@@ -9,6 +9,11 @@
 //! lowers the remaining lines Pingora emits on its own, so that warn and above mean something
 //! for the gateway or its upstreams.
 //!
+//! Pingora's debug and trace lines dump header maps and body chunks: credentials (the provider
+//! key the gateway adds, cookies) and bodies are redacted from every Pingora line, and the HTTP
+//! and TLS libraries below log at info at most, so `RUST_LOG=debug` never writes a key, a cookie,
+//! a prompt or a completion.
+//!
 //! Levels, as the README documents them:
 //! - error: the gateway itself failed (an internal error answering a request, a broken config
 //!   that cannot be served at start).
@@ -17,8 +22,49 @@
 //! - info: one line per request, start-up, config swaps, clients that hung up.
 //! - debug: routing decisions, retries on stale pooled connections, client-side protocol noise.
 
+use std::borrow::Cow;
+use std::sync::LazyLock;
+
 use log::{Level, Log, Metadata, Record};
+use regex::Regex;
 use tracing_log::LogTracer;
+
+/// Libraries whose own debug and trace lines can carry headers or bodies: they log at info at
+/// most, whatever `RUST_LOG` says (Pingora's lines are redacted instead, see [`redact`]).
+const QUIET_LIBRARIES: &[&str] = &["h2", "hyper", "hyper_util", "reqwest", "rustls", "tonic"];
+
+/// Header values that are credentials, in the `Debug` dumps of header maps Pingora logs.
+static CREDENTIAL_HEADERS: LazyLock<Option<Regex>> = LazyLock::new(|| {
+    Regex::new(
+        r#"(?i)"(authorization|proxy-authorization|x-api-key|api-key|cookie|set-cookie)": "(?:[^"\\]|\\.)*""#,
+    )
+    .ok()
+});
+
+/// Byte strings (`b"..."`): bodies of requests and answers, prompts and completions included.
+static BYTE_STRINGS: LazyLock<Option<Regex>> =
+    LazyLock::new(|| Regex::new(r#"b"(?:[^"\\]|\\.)*""#).ok());
+
+/// A Pingora log message with credentials and bodies taken out: at debug and trace it dumps
+/// whole header maps (the provider key the gateway added, cookies) and body chunks.
+pub fn redact(message: &str) -> Cow<'_, str> {
+    let mut message = Cow::Borrowed(message);
+    if let Some(headers) = CREDENTIAL_HEADERS.as_ref()
+        && headers.is_match(&message)
+    {
+        message = Cow::Owned(
+            headers
+                .replace_all(&message, "\"$1\": \"<redacted>\"")
+                .into_owned(),
+        );
+    }
+    if let Some(bytes) = BYTE_STRINGS.as_ref()
+        && bytes.is_match(&message)
+    {
+        message = Cow::Owned(bytes.replace_all(&message, "b\"<redacted>\"").into_owned());
+    }
+    message
+}
 
 /// Pingora messages (by prefix) that are not failures of the gateway, with the level they get.
 /// The first match wins; messages not listed keep Pingora's own level.
@@ -64,9 +110,14 @@ impl Log for PingoraBridge {
     }
 
     fn log(&self, record: &Record<'_>) {
-        let message = record.args().to_string();
+        let raw = record.args().to_string();
+        let message = if record.target().starts_with("pingora") {
+            redact(&raw)
+        } else {
+            Cow::Borrowed(raw.as_str())
+        };
         let level = pingora_level(record.target(), &message, record.level());
-        if level == record.level() {
+        if level == record.level() && message == raw {
             self.tracer.log(record);
             return;
         }
@@ -90,9 +141,14 @@ impl Log for PingoraBridge {
 /// Install the global subscriber (filter from `RUST_LOG`, else info with Pingora at warn) and
 /// the bridge for `log` records.
 pub fn init(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
         tracing_subscriber::EnvFilter::new("info,pingora_core=warn,pingora_proxy=warn")
     });
+    for library in QUIET_LIBRARIES {
+        if let Ok(directive) = format!("{library}=info").parse() {
+            filter = filter.add_directive(directive);
+        }
+    }
     let max_level = filter
         .max_level_hint()
         .map(|level| tracing_log::AsLog::as_log(&level))
@@ -177,5 +233,28 @@ mod tests {
             ),
             Level::Trace
         );
+    }
+
+    #[test]
+    fn credentials_and_bodies_are_redacted_from_pingoras_dumps() {
+        let dump = r#"Sending header to upstream RequestHeader { headers: {"accept": "*/*", "authorization": "Bearer sk-provider-SECRET", "x-api-key": "sk-ant", "Cookie": "a=\"b\"", "x-request-id": "r1"} }"#;
+        let redacted = redact(dump);
+        for secret in ["sk-provider-SECRET", "sk-ant", "a=\\\"b"] {
+            assert!(!redacted.contains(secret), "{secret} in {redacted}");
+        }
+        assert!(
+            redacted.contains(r#""authorization": "<redacted>""#),
+            "{redacted}"
+        );
+        assert!(redacted.contains(r#""x-request-id": "r1""#), "{redacted}");
+        let body = r#"upstream event: Some(Body(Some(b"{\"content\": \"COMPLETION\"}"), false))"#;
+        let redacted = redact(body);
+        assert!(!redacted.contains("COMPLETION"), "{redacted}");
+        assert!(redacted.contains(r#"b"<redacted>""#), "{redacted}");
+        // Nothing to hide: no copy.
+        assert!(matches!(
+            redact("failed to acquire reusable stream"),
+            Cow::Borrowed(_)
+        ));
     }
 }

@@ -114,3 +114,66 @@ async fn an_unreachable_worker_is_logged_at_warn() {
         "Pingora's own error line was not replaced:\n{log}"
     );
 }
+
+#[tokio::test]
+async fn debug_logs_hold_no_key_cookie_prompt_or_completion() {
+    let provider = switchyard_e2e::Upstream::start_with(
+        "COMPLETION-MARKER",
+        switchyard_e2e::UpstreamOptions {
+            provider_headers: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, "sk-provider-SECRET").unwrap();
+    let config = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: ExternalProvider\nmetadata: {{name: p}}\nspec: {{baseUrl: \"http://{}/v1\", format: openai, credentials: {{file: \"{}\"}}}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: gpt}}\nspec: {{targets: [{{provider: p, model: gpt}}]}}\n",
+        provider.endpoint(),
+        key.display()
+    );
+    let proxy = Proxy::start_with_env(&config, &[], &[("RUST_LOG", "debug")]).await;
+    let client = reqwest::Client::new();
+    for stream in [false, true] {
+        let answer = client
+            .post(format!("{}/v1/chat/completions", proxy.url()))
+            .header("cookie", "session=CLIENT-COOKIE")
+            .json(&serde_json::json!({
+                "model": "gpt",
+                "stream": stream,
+                "messages": [{"role": "user", "content": "PROMPT-MARKER"}]
+            }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 200);
+        assert!(answer.text().await.unwrap().contains("COMPLETION-MARKER"));
+    }
+    proxy
+        .wait_for_log("request_id", Duration::from_secs(5))
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let log = proxy.log();
+    assert!(
+        log.contains("DEBUG"),
+        "the proxy did not log at debug:\n{log}"
+    );
+    for secret in [
+        "sk-provider-SECRET",
+        "CLIENT-COOKIE",
+        "provider-secret",
+        "PROMPT-MARKER",
+        "COMPLETION-MARKER",
+    ] {
+        assert!(
+            !log.contains(secret),
+            "{secret} reached the debug log:\n{}",
+            log.lines()
+                .filter(|line| line.contains(secret))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+}
