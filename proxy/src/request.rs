@@ -127,9 +127,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
 pub fn with_stream_usage(body: Bytes) -> Result<(Bytes, bool), ApiError> {
     if !body.windows(16).any(|w| w == b"\"stream_options\"") {
         // No stream_options at all: add ours right after the opening brace, bytes untouched.
-        let Some(open) = body.iter().position(|b| *b == b'{') else {
+        // Only an object can take it: anything else is left for the parser to refuse.
+        let Some(open) = body.iter().position(|b| !b.is_ascii_whitespace()) else {
             return Ok((body, false));
         };
+        if body.get(open) != Some(&b'{') {
+            return Ok((body, false));
+        }
         let rest = body.get(open + 1..).unwrap_or_default();
         let empty = rest.iter().all(u8::is_ascii_whitespace)
             || rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
@@ -286,6 +290,9 @@ mod tests {
             serde_json::json!({"include_usage": true, "x": 1})
         );
         assert!(with_stream_usage(Bytes::from_static(br#"{"stream_options":3}"#)).is_err());
+        // Not an object: left alone (the first brace is inside a string here).
+        let array = Bytes::from_static(br#"[["{"]]"#);
+        assert_eq!(with_stream_usage(array.clone()).unwrap(), (array, false));
         // A null stream_options is no stream_options, as vLLM reads it.
         let (body, added) = with_stream_usage(Bytes::from_static(
             br#"{"stream":true,"stream_options":null}"#,
