@@ -145,10 +145,12 @@ fn chunked(body: &[u8], cuts: &[usize]) -> Vec<Bytes> {
     let mut chunks = Vec::new();
     for cut in cuts {
         let end = (at + cut % 64).min(body.len());
-        chunks.push(Bytes::copy_from_slice(&body[at..end]));
+        chunks.push(Bytes::copy_from_slice(
+            body.get(at..end).unwrap_or_default(),
+        ));
         at = end;
     }
-    chunks.push(Bytes::copy_from_slice(&body[at..]));
+    chunks.push(Bytes::copy_from_slice(body.get(at..).unwrap_or_default()));
     chunks
 }
 
