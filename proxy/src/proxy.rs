@@ -1554,6 +1554,9 @@ impl ProxyHttp for Gateway {
             if let Some(chunk) = body.take() {
                 if route.first_byte.is_none() && !chunk.is_empty() {
                     route.first_byte = Some(Instant::now());
+                    // vLLM streams nothing before the first token: the prefill is done, and the
+                    // worker's queue no longer holds it (decoding is counted by `current`).
+                    route.pending = None;
                 }
                 *body = Some(route.usage.feed(chunk));
             }

@@ -407,3 +407,70 @@ async fn event_gaps_are_replayed_or_cleared_and_restarts_reset_the_worker() {
     assert!(value("switchyard_kv_event_gaps_cleared_total") >= 1.0);
     assert!(value("switchyard_kv_publisher_restarts_total") >= 1.0);
 }
+
+/// The worker's queued prefill as the scorer sees it.
+fn queued(explained: &Value, worker: &str) -> u64 {
+    explained["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["worker"] == worker)
+        .map_or(0, |s| s["queued_tokens"].as_u64().unwrap())
+}
+
+#[tokio::test]
+async fn a_streamed_requests_prefill_leaves_the_queue_at_its_first_token() {
+    use futures_util::StreamExt;
+    // A worker whose stream is held chunk by chunk, so the test decides when the first token
+    // comes and the request stays open after it.
+    let worker = Upstream::start_with(
+        "w1",
+        switchyard_e2e::UpstreamOptions {
+            stream_chunks: Some(3),
+            gated: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let proxy = Proxy::start(
+        &switchyard_e2e::pool_config("p", "m", &[worker.endpoint()], "", &["m"]),
+        &[],
+    )
+    .await;
+    let probe = chat("m", "short", "who?");
+    assert_eq!(
+        queued(&explain(&proxy, &probe).await, &worker.endpoint()),
+        0
+    );
+    let mut body = chat("m", &system_prompt(), "a streamed question");
+    body["stream"] = json!(true);
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    // Sent, no token yet: its whole prompt is queued prefill on that worker.
+    let before = queued(&explain(&proxy, &probe).await, &worker.endpoint());
+    assert!(
+        before > 100,
+        "queued prefill before the first token: {before}"
+    );
+    // The first token arrives; the stream stays open (two chunks still held).
+    worker.release(1);
+    let mut stream = response.bytes_stream();
+    let first = tokio::time::timeout(Duration::from_secs(10), stream.next())
+        .await
+        .expect("the first chunk")
+        .unwrap()
+        .unwrap();
+    assert!(!first.is_empty());
+    assert_eq!(
+        queued(&explain(&proxy, &probe).await, &worker.endpoint()),
+        0,
+        "prefill still counted after the first token"
+    );
+    worker.release(10);
+    while stream.next().await.is_some() {}
+}
