@@ -40,13 +40,18 @@ async fn explain(proxy: &Proxy, body: &Value) -> Value {
     response.json().await.unwrap()
 }
 
-fn matched(explained: &Value, worker: &str) -> u64 {
+/// One figure of `worker`'s score in an explanation (0 when the worker is not scored).
+fn score(explained: &Value, worker: &str, field: &str) -> u64 {
     explained["scores"]
         .as_array()
         .unwrap()
         .iter()
         .find(|s| s["worker"] == worker)
-        .map_or(0, |s| s["matched_blocks"].as_u64().unwrap())
+        .map_or(0, |s| s[field].as_u64().unwrap())
+}
+
+fn matched(explained: &Value, worker: &str) -> u64 {
+    score(explained, worker, "matched_blocks")
 }
 
 /// Poll until `condition` holds for the proxy's explanation of `body`.
@@ -410,12 +415,7 @@ async fn event_gaps_are_replayed_or_cleared_and_restarts_reset_the_worker() {
 
 /// The worker's queued prefill as the scorer sees it.
 fn queued(explained: &Value, worker: &str) -> u64 {
-    explained["scores"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["worker"] == worker)
-        .map_or(0, |s| s["queued_tokens"].as_u64().unwrap())
+    score(explained, worker, "queued_tokens")
 }
 
 #[tokio::test]
