@@ -23,5 +23,6 @@ done
 
 target/release/switchyard-proxy --listen 127.0.0.1:8080 &
 pids+=($!)
-echo "switchyard-proxy on http://127.0.0.1:8080 (models: curl -s localhost:8080/v1/models); Ctrl-C to stop"
+echo "switchyard-proxy on http://127.0.0.1:8080 (models: curl -s localhost:8080/v1/models)," \
+  "admin on http://127.0.0.1:9090 (curl -s localhost:9090/metrics); Ctrl-C to stop"
 wait "${pids[1]}"

@@ -277,6 +277,8 @@ async fn start_router(
                 .args([
                     "--listen",
                     &format!("127.0.0.1:{port}"),
+                    "--admin-listen",
+                    "off",
                     "--grace-period-s",
                     "0",
                 ])

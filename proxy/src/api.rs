@@ -105,8 +105,12 @@ pub enum ErrorKind {
     InvalidRequest,
     NotFound,
     MethodNotAllowed,
+    /// The request (head or body) did not arrive in time.
+    RequestTimeout,
     LengthRequired,
     PayloadTooLarge,
+    /// The request head is too large or has too many header fields.
+    HeaderTooLarge,
     BadGateway,
     Unavailable,
     GatewayTimeout,
@@ -126,8 +130,10 @@ impl ErrorKind {
             ErrorKind::InvalidRequest => 400,
             ErrorKind::NotFound => 404,
             ErrorKind::MethodNotAllowed => 405,
+            ErrorKind::RequestTimeout => 408,
             ErrorKind::LengthRequired => 411,
             ErrorKind::PayloadTooLarge => 413,
+            ErrorKind::HeaderTooLarge => 431,
             ErrorKind::Internal => 500,
             ErrorKind::BadGateway => 502,
             ErrorKind::Unavailable => 503,
@@ -144,8 +150,10 @@ impl ErrorKind {
             ErrorKind::InvalidRequest
             | ErrorKind::NotFound
             | ErrorKind::MethodNotAllowed
+            | ErrorKind::RequestTimeout
             | ErrorKind::LengthRequired
-            | ErrorKind::PayloadTooLarge => "invalid_request_error",
+            | ErrorKind::PayloadTooLarge
+            | ErrorKind::HeaderTooLarge => "invalid_request_error",
             ErrorKind::BadGateway
             | ErrorKind::Unavailable
             | ErrorKind::GatewayTimeout
@@ -163,9 +171,11 @@ impl ErrorKind {
 
     fn anthropic_type(self) -> &'static str {
         match self {
-            ErrorKind::InvalidRequest | ErrorKind::MethodNotAllowed | ErrorKind::LengthRequired => {
-                "invalid_request_error"
-            }
+            ErrorKind::InvalidRequest
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::RequestTimeout
+            | ErrorKind::LengthRequired
+            | ErrorKind::HeaderTooLarge => "invalid_request_error",
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::PayloadTooLarge => "request_too_large",
             ErrorKind::Unavailable => "overloaded_error",

@@ -8,6 +8,7 @@
 pub mod accounting;
 pub mod api;
 pub mod config;
+pub mod connection;
 pub mod control;
 pub mod headers;
 pub mod kv;

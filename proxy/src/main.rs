@@ -9,8 +9,9 @@ use pingora_core::apps::HttpServerOptions;
 use pingora_core::server::Server;
 use pingora_core::server::configuration::{Opt, ServerConf};
 use pingora_core::services::background::background_service;
-use pingora_proxy::ProxyServiceBuilder;
+use pingora_core::services::listening::Service;
 use switchyard_proxy::config::{self, ConfigStore, FileWatcher};
+use switchyard_proxy::connection::{ConnectionSettings, Guarded};
 use switchyard_proxy::control::ControlClient;
 use switchyard_proxy::kv::KvService;
 use switchyard_proxy::proxy::{Gateway, Settings};
@@ -29,6 +30,39 @@ struct Args {
     /// Address to listen on (HTTP/1.1 and cleartext HTTP/2).
     #[arg(long, default_value = "127.0.0.1:8080", env = "SWITCHYARD_LISTEN")]
     listen: String,
+    /// Address of the operator's listener: `/metrics`, `POST /debug/route/...` and the
+    /// `x-switchyard-explain` header (plus everything the tenants' listener serves). `off` to
+    /// serve none.
+    #[arg(
+        long,
+        default_value = "127.0.0.1:9090",
+        env = "SWITCHYARD_ADMIN_LISTEN"
+    )]
+    admin_listen: String,
+    /// Also serve `/metrics`, `/debug/route` and explain output on `--listen` (single-port set-ups
+    /// where every client is trusted).
+    #[arg(long)]
+    admin_on_main_listener: bool,
+    /// Longest time to receive a request head, in seconds (from the connection's opening, or
+    /// from the first byte of the next request on a kept-alive connection).
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout_s: f64,
+    /// Longest time to receive a request body once its head is in, in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    body_timeout_s: f64,
+    /// Longest wait for the next request on a kept-alive connection, in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    idle_timeout_s: f64,
+    /// Largest request head (request line and header fields), in bytes; larger ones get 431.
+    #[arg(long, default_value_t = 64 * 1024)]
+    max_header_bytes: usize,
+    /// Open client connections at most; more are answered 503 and closed (0: no limit).
+    #[arg(long, default_value_t = 10_000)]
+    max_connections: usize,
+    /// Open client connections at most from one IP address (0: no limit). Behind a load
+    /// balancer that does not preserve client addresses, raise it or set 0.
+    #[arg(long, default_value_t = 1_000)]
+    max_connections_per_client: usize,
     /// Largest request body accepted, in bytes; larger requests get 413.
     #[arg(long, default_value_t = 32 * 1024 * 1024)]
     max_body_bytes: usize,
@@ -108,22 +142,48 @@ fn main() -> anyhow::Result<()> {
     let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
     server.bootstrap();
 
+    let seconds = |value: f64, flag: &str| {
+        Duration::try_from_secs_f64(value)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| anyhow::anyhow!("--{flag} must be a positive number of seconds"))
+    };
     let settings = Settings {
         max_body_bytes: args.max_body_bytes,
         upstream_read_timeout: Duration::from_secs(args.upstream_read_timeout_s),
+        body_timeout: seconds(args.body_timeout_s, "body-timeout-s")?,
     };
-    let mut server_options = HttpServerOptions::default();
-    server_options.h2c = true;
+    let connections = ConnectionSettings {
+        header_timeout: seconds(args.header_timeout_s, "header-timeout-s")?,
+        idle_timeout: seconds(args.idle_timeout_s, "idle-timeout-s")?,
+        max_header_bytes: args.max_header_bytes,
+        max_connections: args.max_connections,
+        max_connections_per_client: args.max_connections_per_client,
+        h2c: true,
+    };
     // OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set; kept alive until the process ends.
     let telemetry = switchyard_proxy::telemetry::Telemetry::from_env()?;
     let gateway =
         Gateway::new(store.clone(), settings).with_tracer(telemetry.as_ref().map(|t| t.tracer()));
-    let mut proxy = ProxyServiceBuilder::new(&server.configuration, gateway)
-        .name("switchyard-proxy")
-        .server_options(server_options)
-        .build();
-    proxy.add_tcp(&args.listen);
-    server.add_service(proxy);
+    let admin = (args.admin_listen != "off").then(|| gateway.admin_listener());
+    let gateway = gateway.with_admin(args.admin_on_main_listener);
+    let server_conf = server.configuration.clone();
+    let listener = |gateway: Gateway, name: &str, address: &str| {
+        let mut app = pingora_proxy::http_proxy(&server_conf, gateway);
+        let mut server_options = HttpServerOptions::default();
+        server_options.h2c = true;
+        server_options.h2_idle_timeout = Some(connections.idle_timeout);
+        app.server_options = Some(server_options);
+        let mut service = Service::new(name.to_owned(), Guarded::new(app, connections.clone()));
+        service.add_tcp(address);
+        service
+    };
+    let main_listener = listener(gateway, "switchyard-proxy", &args.listen);
+    server.add_service(main_listener);
+    if let Some(admin) = admin {
+        let admin_listener = listener(admin, "switchyard-proxy admin", &args.admin_listen);
+        server.add_service(admin_listener);
+    }
 
     server.add_service(background_service(
         "kv events and worker metrics",
@@ -155,6 +215,6 @@ fn main() -> anyhow::Result<()> {
         server.add_service(background_service("trace flush", telemetry.flusher()));
     }
 
-    tracing::info!(listen = %args.listen, "switchyard-proxy starting");
+    tracing::info!(listen = %args.listen, admin = %args.admin_listen, "switchyard-proxy starting");
     server.run_forever();
 }

@@ -22,6 +22,25 @@ static FALLBACKS: Mutex<BTreeMap<(String, String), u64>> = Mutex::new(BTreeMap::
 /// Requests whose client closed the connection before the answer was complete.
 static CLIENT_DISCONNECTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// Client connections open now.
+static OPEN_CONNECTIONS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+
+/// Connections closed or refused by the gateway before a request was read, by reason.
+static CONNECTIONS_REFUSED: Mutex<BTreeMap<&'static str, u64>> = Mutex::new(BTreeMap::new());
+
+pub fn connection_opened() {
+    OPEN_CONNECTIONS.fetch_add(1, Ordering::Relaxed);
+}
+
+pub fn connection_closed() {
+    OPEN_CONNECTIONS.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// Count a connection the gateway refused or closed for `reason` (a fixed label).
+pub fn connection_refused(reason: &'static str) {
+    *crate::lock(&CONNECTIONS_REFUSED).entry(reason).or_default() += 1;
+}
+
 /// Count a request ended by its client (it hung up mid-answer or sent an unreadable request).
 pub fn client_disconnected() {
     CLIENT_DISCONNECTS.fetch_add(1, Ordering::Relaxed);
@@ -182,6 +201,27 @@ pub fn render(store: &ConfigStore) -> String {
             String::new(),
             CLIENT_DISCONNECTS.load(Ordering::Relaxed) as f64,
         )],
+    );
+
+    family(
+        "switchyard_open_connections",
+        "gauge",
+        "Client connections open now.",
+        vec![(
+            String::new(),
+            OPEN_CONNECTIONS.load(Ordering::Relaxed) as f64,
+        )],
+    );
+    let refused: Vec<(String, f64)> = crate::lock(&CONNECTIONS_REFUSED)
+        .iter()
+        .map(|(reason, count)| (format!("reason=\"{reason}\""), *count as f64))
+        .collect();
+    family(
+        "switchyard_connections_refused_total",
+        "counter",
+        "Connections refused or closed before a request was read: total_limit, client_limit, \
+         head_timeout, head_too_large, malformed_head.",
+        refused,
     );
 
     let policy: Vec<(String, f64)> = {

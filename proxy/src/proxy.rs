@@ -58,6 +58,8 @@ pub struct Settings {
     pub max_body_bytes: usize,
     /// Longest silence allowed while waiting on a worker (a long prefill counts as silence).
     pub upstream_read_timeout: Duration,
+    /// Longest time to receive a whole request body, from the end of its head.
+    pub body_timeout: Duration,
 }
 
 impl Default for Settings {
@@ -65,6 +67,7 @@ impl Default for Settings {
         Settings {
             max_body_bytes: 32 * 1024 * 1024,
             upstream_read_timeout: Duration::from_secs(600),
+            body_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -77,6 +80,9 @@ pub struct Gateway {
     limiter: Arc<RateLimiter>,
     /// Request spans, when OTLP export is configured.
     tracer: Option<Tracer>,
+    /// This listener serves the operator's surface: `/metrics`, `/debug/route` and
+    /// `x-switchyard-explain`. Off on the tenants' listener unless asked for.
+    admin: bool,
 }
 
 impl Gateway {
@@ -86,6 +92,25 @@ impl Gateway {
             settings,
             limiter: Arc::default(),
             tracer: None,
+            admin: false,
+        }
+    }
+
+    /// Serve (or not) the operator's surface on this gateway's listener.
+    pub fn with_admin(mut self, admin: bool) -> Gateway {
+        self.admin = admin;
+        self
+    }
+
+    /// A gateway for the admin listener: the same configuration, rate limits and tracer, with
+    /// the operator's surface on.
+    pub fn admin_listener(&self) -> Gateway {
+        Gateway {
+            store: self.store.clone(),
+            settings: self.settings.clone(),
+            limiter: self.limiter.clone(),
+            tracer: self.tracer.clone(),
+            admin: true,
         }
     }
 
@@ -620,6 +645,8 @@ impl Gateway {
         }
         if !session.as_mut().is_body_done() {
             session.set_keepalive(None);
+        }
+        if session.as_ref().as_http1().is_some() && session.get_keepalive().is_none() {
             header.insert_header("connection", "close")?;
         }
         session
@@ -689,6 +716,7 @@ impl Gateway {
         if declared.is_none() {
             session.as_mut().enable_retry_buffering();
         }
+        let deadline = tokio::time::Instant::now() + self.settings.body_timeout;
         let mut body = BytesMut::with_capacity(declared.unwrap_or(0));
         loop {
             if declared
@@ -696,15 +724,31 @@ impl Gateway {
             {
                 session.as_mut().enable_retry_buffering();
             }
-            match session.read_request_body().await {
-                Ok(Some(chunk)) => {
+            let read = tokio::time::timeout_at(deadline, session.read_request_body()).await;
+            match read {
+                Ok(Ok(Some(chunk))) => {
                     if body.len() + chunk.len() > limit {
                         return Err(too_large());
                     }
                     body.extend_from_slice(&chunk);
                 }
-                Ok(None) => break,
-                Err(error) => {
+                Ok(Ok(None)) => break,
+                Err(_) => {
+                    // Whatever is left of the body must not be read as the next request.
+                    session.set_keepalive(None);
+                    return Err(ApiError::new(
+                        ErrorKind::RequestTimeout,
+                        "request_timeout",
+                        format!(
+                            "the request body did not arrive within {} s",
+                            self.settings.body_timeout.as_secs_f64()
+                        ),
+                    ));
+                }
+                Ok(Err(error)) => {
+                    // A framing error (a bad chunk size, a short body): the connection's byte
+                    // stream can no longer be trusted to start the next request.
+                    session.set_keepalive(None);
                     return Err(ApiError::invalid(
                         "body",
                         format!(
@@ -811,7 +855,7 @@ impl Gateway {
                 retry_after: None,
             });
         }
-        let explain = session.req_header().headers.contains_key(EXPLAIN_HEADER)
+        let explain = (self.admin && session.req_header().headers.contains_key(EXPLAIN_HEADER))
             || session
                 .req_header()
                 .uri
@@ -1159,6 +1203,15 @@ impl Gateway {
 impl ProxyHttp for Gateway {
     type CTX = RequestCtx;
 
+    fn on_connection_reuse(
+        &self,
+        _session: &mut Session,
+        _ctx: &mut RequestCtx,
+        previous: Box<dyn std::any::Any + Send + Sync>,
+    ) {
+        crate::connection::head_read(previous.as_ref());
+    }
+
     fn new_ctx(&self) -> RequestCtx {
         RequestCtx {
             request_id: String::new(),
@@ -1178,10 +1231,13 @@ impl ProxyHttp for Gateway {
         ctx.request_id = request_id(session);
         let path = session.req_header().uri.path().to_owned();
         ctx.format = client_format_for_path(&path);
-        if let Some(inner) = path.strip_prefix(DEBUG_ROUTE_PREFIX) {
+        if let Some(inner) = path.strip_prefix(DEBUG_ROUTE_PREFIX)
+            && self.admin
+        {
             return self.debug_route(session, ctx, inner).await;
         }
-        let Some(endpoint) = Endpoint::from_path(&path) else {
+        let endpoint = Endpoint::from_path(&path).filter(|e| self.admin || *e != Endpoint::Metrics);
+        let Some(endpoint) = endpoint else {
             let error = ApiError::new(
                 ErrorKind::NotFound,
                 "unknown_url",

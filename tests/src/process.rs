@@ -66,6 +66,8 @@ pub fn binary(name: &str) -> PathBuf {
 pub struct Proxy {
     child: Child,
     pub port: u16,
+    /// The operator's listener (`/metrics`, `/debug/route`, explain output).
+    pub admin_port: u16,
     pub config_dir: tempfile::TempDir,
     pub config_path: PathBuf,
     log: Arc<Mutex<String>>,
@@ -107,10 +109,13 @@ impl Proxy {
         env: &[(&str, &str)],
     ) -> Proxy {
         let port = free_port();
+        let admin_port = free_port();
         let mut child = Command::new(binary("switchyard-proxy"))
             .args([
                 "--listen",
                 &format!("127.0.0.1:{port}"),
+                "--admin-listen",
+                &format!("127.0.0.1:{admin_port}"),
                 "--threads",
                 "2",
                 "--grace-period-s",
@@ -127,6 +132,7 @@ impl Proxy {
         let mut proxy = Proxy {
             child,
             port,
+            admin_port,
             config_dir,
             config_path,
             log,
@@ -139,9 +145,15 @@ impl Proxy {
         format!("http://127.0.0.1:{}", self.port)
     }
 
-    /// The proxy's Prometheus exposition (`GET /metrics`).
+    /// The admin listener's base URL: `/metrics`, `/debug/route`, and where
+    /// `x-switchyard-explain` is honoured.
+    pub fn admin_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.admin_port)
+    }
+
+    /// The proxy's Prometheus exposition (`GET /metrics` on the admin listener).
     pub async fn metrics(&self) -> String {
-        reqwest::get(format!("{}/metrics", self.url()))
+        reqwest::get(format!("{}/metrics", self.admin_url()))
             .await
             .expect("GET /metrics")
             .text()

@@ -31,7 +31,10 @@ fn chat(model: &str, system: &str, question: &str) -> Value {
 /// The routing the proxy would do for `body`, without sending it.
 async fn explain(proxy: &Proxy, body: &Value) -> Value {
     let response = reqwest::Client::new()
-        .post(format!("{}/debug/route/v1/chat/completions", proxy.url()))
+        .post(format!(
+            "{}/debug/route/v1/chat/completions",
+            proxy.admin_url()
+        ))
         .json(body)
         .send()
         .await
@@ -89,7 +92,7 @@ async fn send_direct(worker: &str, body: &Value) {
 /// Send through the proxy; returns the worker that served it.
 async fn send(proxy: &Proxy, body: &Value) -> String {
     let response = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .post(format!("{}/v1/chat/completions", proxy.admin_url()))
         .header("x-switchyard-explain", "1")
         .json(body)
         .send()

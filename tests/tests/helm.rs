@@ -149,6 +149,29 @@ fn chart_lints_renders_and_keeps_its_promises() {
     let proxy = &containers[1];
     assert_eq!(proxy["readinessProbe"]["httpGet"]["path"], "/ready");
     assert_eq!(proxy["livenessProbe"]["httpGet"]["path"], "/health");
+    // The operator's listener: its own port, scraped through the pod's annotations, and not in
+    // the tenants' Service.
+    let command = proxy["command"].to_string();
+    assert!(
+        command.contains(r#""--admin-listen","0.0.0.0:9090""#),
+        "{command}"
+    );
+    assert!(
+        command.contains(r#""--header-timeout-s","10""#),
+        "{command}"
+    );
+    assert!(
+        proxy["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["name"] == "admin" && p["containerPort"] == 9090)
+    );
+    let annotations = &deployment["spec"]["template"]["metadata"]["annotations"];
+    assert_eq!(annotations["prometheus.io/port"], "9090");
+    assert_eq!(annotations["prometheus.io/path"], "/metrics");
+    let service_ports = of_kind(&docs, "Service")[0]["spec"]["ports"].to_string();
+    assert!(!service_ports.contains("admin"), "{service_ports}");
     let volumes = pod["volumes"].as_array().unwrap();
     assert!(
         volumes

@@ -82,7 +82,7 @@ impl Gateway {
         headers: &[(&str, &str)],
     ) -> (StatusCode, Value, reqwest::header::HeaderMap) {
         let mut request = reqwest::Client::new()
-            .post(format!("{}/v1/chat/completions", self.proxy.url()))
+            .post(format!("{}/v1/chat/completions", self.proxy.admin_url()))
             .header("x-switchyard-explain", "1")
             .json(&body);
         if let Some(key) = key {

@@ -200,7 +200,12 @@ async fn overhead_bench(
         Command::new(&proxy_bin)
             .arg("--config")
             .arg(&config)
-            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args([
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--admin-listen",
+                "off",
+            ])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
