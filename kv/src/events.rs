@@ -82,6 +82,31 @@ pub struct BlockStored {
     pub kv_cache_spec_sliding_window: Option<i64>,
 }
 
+impl BlockStored {
+    /// The `cache_salt` of the request whose first block this event stores, if it had one.
+    ///
+    /// vLLM (`generate_block_hash_extra_keys`, published untagged by `to_event_extra_keys`) puts a
+    /// salt only in the extra keys of the block that starts at token 0, after the LoRA name: so
+    /// only an event without a parent can carry it, as a bare string in its first block's keys
+    /// (multimodal keys are pairs, prompt-embedding digests bytes).
+    pub fn cache_salt(&self) -> Option<&str> {
+        if self.parent_block_hash.is_some() {
+            return None;
+        }
+        let Some(Value::Array(blocks)) = &self.extra_keys else {
+            return None;
+        };
+        let Some(Value::Array(keys)) = blocks.first() else {
+            return None;
+        };
+        let mut strings = keys.iter().filter_map(Value::as_str);
+        if self.lora_name.is_some() || self.lora_id.is_some() {
+            strings.next();
+        }
+        strings.next()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct BlockRemoved {
     pub block_hashes: Vec<ExternalBlockHash>,

@@ -52,11 +52,39 @@ pub fn sequence_hashes(tokens: &[u32], block_size: usize) -> Vec<SequenceHash> {
 
 /// [`sequence_hashes`] with a salt mixed into every block.
 pub fn sequence_hashes_salted(tokens: &[u32], block_size: usize, salt: &[u8]) -> Vec<SequenceHash> {
+    sequence_hashes_keyed(tokens, block_size, salt, None)
+}
+
+/// The salt of a sequence's first block under vLLM's per-request `cache_salt`: vLLM adds the salt
+/// to the extra keys of the block that starts at token 0 only, and the chain carries it to every
+/// later block, so requests with different salts share no block.
+pub fn first_block_salt(salt: &[u8], cache_salt: &str) -> Vec<u8> {
+    let mut first = salt.to_vec();
+    first.extend_from_slice(b"\xffcache_salt\xff");
+    first.extend_from_slice(cache_salt.as_bytes());
+    first
+}
+
+/// [`sequence_hashes_salted`] for a request that carries a `cache_salt` (see [`first_block_salt`]).
+pub fn sequence_hashes_keyed(
+    tokens: &[u32],
+    block_size: usize,
+    salt: &[u8],
+    cache_salt: Option<&str>,
+) -> Vec<SequenceHash> {
     let block_size = block_size.max(1);
     let seed = token_seed(salt);
+    let first_seed = cache_salt.map(|cache_salt| token_seed(&first_block_salt(salt, cache_salt)));
     let mut hashes: Vec<SequenceHash> = tokens
         .chunks_exact(block_size)
-        .map(|block| SequenceHash(local(block, seed)))
+        .enumerate()
+        .map(|(i, block)| {
+            let seed = match first_seed {
+                Some(first) if i == 0 => first,
+                _ => seed,
+            };
+            SequenceHash(local(block, seed))
+        })
         .collect();
     let mut parent = None;
     for hash in &mut hashes {
@@ -83,5 +111,22 @@ mod tests {
         // Same block content after a different prefix hashes differently.
         let shifted: Vec<u32> = (16..32).chain(16..32).collect();
         assert_ne!(sequence_hashes(&shifted, 16)[1], ha[1]);
+    }
+
+    #[test]
+    fn a_cache_salt_changes_every_block_and_only_through_the_first() {
+        let tokens: Vec<u32> = (0..48).collect();
+        let plain = sequence_hashes(&tokens, 16);
+        let a = sequence_hashes_keyed(&tokens, 16, &[], Some("a"));
+        let b = sequence_hashes_keyed(&tokens, 16, &[], Some("b"));
+        assert_eq!(sequence_hashes_keyed(&tokens, 16, &[], None), plain);
+        for i in 0..3 {
+            assert_ne!(a[i], plain[i]);
+            assert_ne!(a[i], b[i]);
+        }
+        // The second block is the unsalted block hash chained onto the salted first.
+        let first = block_hash(None, &first_block_salt(&[], "a"), &tokens[..16]);
+        assert_eq!(a[0], first);
+        assert_eq!(a[1], block_hash(Some(first), &[], &tokens[16..32]));
     }
 }

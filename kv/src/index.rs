@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
 
 use crate::events::{BlockStored, ExternalBlockHash, KvEvent, KvEventBatch};
-use crate::hash::{SequenceHash, block_hash};
+use crate::hash::{SequenceHash, block_hash, first_block_salt};
 
 /// A worker's slot in the index (dense, small).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -345,10 +345,19 @@ impl PrefixIndex {
             .or(lora_id.as_deref())
             .unwrap_or_default()
             .as_bytes();
+        // A request's cache salt keys its first block (and through the chain, every later one).
+        let first_salt = stored
+            .cache_salt()
+            .map(|cache_salt| first_block_salt(salt, cache_salt));
         let ours: Vec<SequenceHash> = stored
             .token_ids
             .chunks_exact(block_size)
-            .map(|tokens| {
+            .enumerate()
+            .map(|(i, tokens)| {
+                let salt = match &first_salt {
+                    Some(first) if i == 0 => first.as_slice(),
+                    _ => salt,
+                };
                 let hash = block_hash(parent, salt, tokens);
                 parent = Some(hash);
                 hash
@@ -500,6 +509,7 @@ mod tests {
     use super::*;
     use crate::events::BlockRemoved;
     use crate::hash::sequence_hashes;
+    use rmpv::Value;
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> KvEvent {
         KvEvent::BlockStored(BlockStored {
@@ -600,6 +610,49 @@ mod tests {
         // Wrong block size: malformed.
         index.apply(WorkerId(1), &stored(&[60], None, &tokens[..3]));
         assert_eq!(index.stats.malformed_events.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn salted_blocks_match_only_requests_with_the_same_salt() {
+        use crate::hash::sequence_hashes_keyed;
+        let index = PrefixIndex::new(4);
+        let tokens: Vec<u32> = (0..8).collect();
+        let KvEvent::BlockStored(mut salted) = stored(&[5, 6], None, &tokens) else {
+            unreachable!()
+        };
+        // As vLLM publishes it: the salt in the first block's keys only.
+        salted.extra_keys = Some(Value::Array(vec![
+            Value::Array(vec![Value::from("tenant-a")]),
+            Value::Nil,
+        ]));
+        assert_eq!(salted.cache_salt(), Some("tenant-a"));
+        index.apply(WorkerId(0), &KvEvent::BlockStored(salted));
+        let depth = |hashes: &[SequenceHash]| {
+            let mut out = Overlap::default();
+            index.overlap_into(hashes, 1, &mut out);
+            out.depth(WorkerId(0))
+        };
+        assert_eq!(
+            depth(&sequence_hashes_keyed(&tokens, 4, &[], Some("tenant-a"))),
+            2
+        );
+        assert_eq!(
+            depth(&sequence_hashes_keyed(&tokens, 4, &[], Some("tenant-b"))),
+            0
+        );
+        assert_eq!(depth(&sequence_hashes(&tokens, 4)), 0);
+        // A continuation (with a parent) carries no salt of its own: the parent's chain has it.
+        let KvEvent::BlockStored(mut next) = stored(&[7], Some(6), &[8, 9, 10, 11]) else {
+            unreachable!()
+        };
+        next.extra_keys = Some(Value::Array(vec![Value::Nil]));
+        assert_eq!(next.cache_salt(), None);
+        index.apply(WorkerId(0), &KvEvent::BlockStored(next));
+        let longer: Vec<u32> = (0..12).collect();
+        assert_eq!(
+            depth(&sequence_hashes_keyed(&longer, 4, &[], Some("tenant-a"))),
+            3
+        );
     }
 
     #[test]

@@ -10,8 +10,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
-use switchyard_kv::hash::{SequenceHash, sequence_hashes};
+use sha2::{Digest, Sha256};
+use switchyard_kv::hash::{SequenceHash, sequence_hashes_keyed};
 use switchyard_kv::tokenize::{PromptTokenizer, anthropic_messages, openai_messages};
+use switchyard_snapshot::snapshot::Tenant;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::api::Endpoint;
@@ -121,27 +123,51 @@ fn truncate(text: &str, max_chars: usize) -> &str {
     }
 }
 
+/// The `cache_salt` a vLLM worker gets for a request of `tenant` whose client sent `client`.
+///
+/// A tenant with `cacheIsolation` gets a salt of its own (`t:` and a digest of its name) on
+/// every request, so its blocks are never shared with (or timed by) another tenant. A salt the
+/// client chose is kept but put in the `c:` namespace (after the tenant's, if any): whatever a
+/// client sends, it cannot produce another tenant's salt.
+pub fn worker_cache_salt(tenant: Option<&Tenant>, client: Option<&str>) -> Option<String> {
+    let isolated = tenant.filter(|t| t.cache_isolation).map(|t| {
+        let digest = Sha256::digest(t.name.as_bytes());
+        let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        format!("t:{hex}")
+    });
+    match (isolated, client) {
+        (Some(tenant), Some(client)) => Some(format!("{tenant}/c:{client}")),
+        (Some(tenant), None) => Some(tenant),
+        (None, Some(client)) => Some(format!("c:{client}")),
+        (None, None) => None,
+    }
+}
+
 /// Tokenize a request body for routing (CPU work: call off the async threads for big bodies).
+/// `cache_salt` is the salt the worker will get: it keys the first block, as in vLLM.
 pub fn analyse(
     tokenizer: &PromptTokenizer,
     cache: &PromptCache,
     endpoint: Endpoint,
     body: &[u8],
     block_size: usize,
+    cache_salt: Option<&str>,
 ) -> Result<Arc<PromptInfo>, String> {
     let request: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    let hashes = |tokens: &[u32]| sequence_hashes_keyed(tokens, block_size, &[], cache_salt);
     let tokens = match prompt_of(tokenizer, endpoint, &request)? {
         Prompt::Tokens(tokens) => tokens,
         Prompt::Text(text) => {
             let text = truncate(&text, MAX_ROUTING_PROMPT_CHARS);
-            let key = xxh3_64(text.as_bytes()) ^ block_size as u64;
+            let salt_key = cache_salt.map_or(0, |salt| xxh3_64(salt.as_bytes()).rotate_left(17));
+            let key = xxh3_64(text.as_bytes()) ^ block_size as u64 ^ salt_key;
             if let Some(hit) = cache.get(key) {
                 return Ok(hit);
             }
             let tokens = tokenizer.encode(text).map_err(|e| e.to_string())?;
             let info = Arc::new(PromptInfo {
                 tokens: tokens.len(),
-                hashes: sequence_hashes(&tokens, block_size),
+                hashes: hashes(&tokens),
             });
             cache.put(key, info.clone());
             return Ok(info);
@@ -149,7 +175,7 @@ pub fn analyse(
     };
     Ok(Arc::new(PromptInfo {
         tokens: tokens.len(),
-        hashes: sequence_hashes(&tokens, block_size),
+        hashes: hashes(&tokens),
     }))
 }
 
@@ -162,16 +188,61 @@ mod tests {
         let tokenizer = PromptTokenizer::shipped().unwrap();
         let cache = PromptCache::default();
         let body = br#"{"model":"m","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Tell me about rivers, lakes and the sea in some detail please."}]}"#;
-        let info = analyse(&tokenizer, &cache, Endpoint::ChatCompletions, body, 4).unwrap();
+        let info = analyse(&tokenizer, &cache, Endpoint::ChatCompletions, body, 4, None).unwrap();
         let rendered = tokenizer
             .render_chat(&openai_messages(&serde_json::from_slice(body).unwrap()))
             .unwrap();
         let tokens = tokenizer.encode(&rendered).unwrap();
         assert_eq!(info.tokens, tokens.len());
-        assert_eq!(info.hashes, sequence_hashes(&tokens, 4));
+        assert_eq!(info.hashes, sequence_hashes_keyed(&tokens, 4, &[], None));
         // The second time comes from the cache (same Arc).
-        let again = analyse(&tokenizer, &cache, Endpoint::ChatCompletions, body, 4).unwrap();
+        let again = analyse(&tokenizer, &cache, Endpoint::ChatCompletions, body, 4, None).unwrap();
         assert!(Arc::ptr_eq(&info, &again));
+        // A salted request hashes apart (and is cached apart).
+        let salted = analyse(
+            &tokenizer,
+            &cache,
+            Endpoint::ChatCompletions,
+            body,
+            4,
+            Some("t:1"),
+        )
+        .unwrap();
+        assert_eq!(
+            salted.hashes,
+            sequence_hashes_keyed(&tokens, 4, &[], Some("t:1"))
+        );
+        assert_ne!(salted.hashes, info.hashes);
+    }
+
+    #[test]
+    fn worker_salts_keep_tenants_and_clients_apart() {
+        let tenant = |name: &str, isolated: bool| Tenant {
+            name: name.into(),
+            labels: Default::default(),
+            key_sha256: Vec::new(),
+            key_secrets: Vec::new(),
+            models: Vec::new(),
+            rate_limits: Default::default(),
+            default: false,
+            cache_isolation: isolated,
+        };
+        let (a, b) = (tenant("ns/a", true), tenant("ns/b", true));
+        let open = tenant("ns/open", false);
+        let salt_a = worker_cache_salt(Some(&a), None).unwrap();
+        assert!(salt_a.starts_with("t:"));
+        assert_ne!(Some(salt_a.clone()), worker_cache_salt(Some(&b), None));
+        assert_eq!(worker_cache_salt(Some(&open), None), None);
+        assert_eq!(worker_cache_salt(None, None), None);
+        // A client cannot name another tenant's salt: its own goes to the c: namespace.
+        assert_eq!(
+            worker_cache_salt(Some(&open), Some(&salt_a)),
+            Some(format!("c:{salt_a}"))
+        );
+        assert_eq!(
+            worker_cache_salt(Some(&a), Some("x")),
+            Some(format!("{salt_a}/c:x"))
+        );
     }
 
     #[test]
@@ -184,6 +255,7 @@ mod tests {
             Endpoint::Completions,
             br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#,
             4,
+            None,
         )
         .unwrap();
         assert_eq!((info.tokens, info.hashes.len()), (9, 2));
@@ -194,7 +266,8 @@ mod tests {
                 &cache,
                 Endpoint::Completions,
                 br#"{"model":"m"}"#,
-                4
+                4,
+                None
             )
             .is_err()
         );

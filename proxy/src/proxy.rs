@@ -176,6 +176,8 @@ pub struct Route {
     pub endpoint: Endpoint,
     pub parsed: request::ParsedRequest,
     pub client_body: Bytes,
+    /// The `cache_salt` the pool's workers get (the tenant's isolation, the client's own).
+    pub cache_salt: Option<String>,
     /// Set when the current attempt is abandoned for the next target: that error is retried.
     pub fallback_requested: bool,
 }
@@ -192,6 +194,7 @@ impl Route {
                 self.endpoint,
                 &self.parsed,
                 &self.client_body,
+                self.cache_salt.as_deref(),
             ) {
                 Ok(prepared) => prepared,
                 Err(error) => {
@@ -293,6 +296,7 @@ async fn analyse_prompt(
     pool: Arc<PoolRuntime>,
     endpoint: Endpoint,
     body: Bytes,
+    cache_salt: Option<String>,
 ) -> Option<Arc<PromptInfo>> {
     let inline = body.len() <= INLINE_TOKENIZE_BYTES;
     let work = move || {
@@ -302,6 +306,7 @@ async fn analyse_prompt(
             endpoint,
             &body,
             pool.kv.index.block_size(),
+            cache_salt.as_deref(),
         )
     };
     let result = if inline {
@@ -461,13 +466,15 @@ struct Prepared {
 }
 
 /// Prepare `target` for a request (`body` as the client sent it). Used for the first target
-/// and again for each fallback.
+/// and again for each fallback. `cache_salt` is what a vLLM pool's workers get
+/// ([`prompt::worker_cache_salt`]); providers get the body as the client sent it.
 fn prepare_target(
     table: &RoutingTable,
     target: &ModelTarget,
     endpoint: Endpoint,
     parsed: &request::ParsedRequest,
     body: &Bytes,
+    cache_salt: Option<&str>,
 ) -> std::result::Result<Prepared, ApiError> {
     let destination = table.destination(target).ok_or_else(|| {
         ApiError::new(
@@ -552,14 +559,19 @@ fn prepare_target(
         }
         (None, None) => (Translation::None, None),
     };
+    let worker_salt = cache_salt.filter(|_| pool.is_some());
     let mut upstream_body = match translate {
         Translation::MessagesToChat => {
-            translate::messages_request_to_chat(body, &target.upstream_model)?
+            let translated = translate::messages_request_to_chat(body, &target.upstream_model)?;
+            match worker_salt {
+                Some(salt) => request::with_leading_cache_salt(translated, salt),
+                None => translated,
+            }
         }
         Translation::ChatToMessages => {
             translate_openai::chat_request_to_messages(body, &target.upstream_model)?
         }
-        Translation::None => request::with_model(body, parsed, &target.upstream_model),
+        Translation::None => request::rewrite(body, parsed, &target.upstream_model, worker_salt),
     };
     // Streamed OpenAI answers carry usage only when asked: ask on the client's behalf, and
     // remove that chunk again before it reaches a client that did not ask.
@@ -822,6 +834,8 @@ impl Gateway {
         let tenant = caller.tenant().map(|t| t.name.clone());
         let body = self.read_body(session).await?;
         let parsed = request::parse(endpoint, &body)?;
+        // The salt the workers get keys the prompt's block hashes too, as in vLLM.
+        let cache_salt = prompt::worker_cache_salt(caller.tenant(), parsed.cache_salt.as_deref());
         let model = table.model(&parsed.model).ok_or_else(|| {
             accounting::rejected(&table, tenant.as_deref(), &parsed.model, "model_not_found");
             ApiError {
@@ -868,8 +882,14 @@ impl Gateway {
             if let Some(pool) = table.pool(&pool_id)
                 && let Some(tokenizer) = &pool.tokenizer
             {
-                let prompt =
-                    analyse_prompt(tokenizer.clone(), pool.clone(), endpoint, body.clone()).await;
+                let prompt = analyse_prompt(
+                    tokenizer.clone(),
+                    pool.clone(),
+                    endpoint,
+                    body.clone(),
+                    cache_salt.clone(),
+                )
+                .await;
                 predictions.push((pool_id, prompt));
             }
         }
@@ -1019,7 +1039,14 @@ impl Gateway {
             strip_usage,
             upstream_model,
             target_label,
-        } = prepare_target(&table, target, endpoint, &parsed, &body)?;
+        } = prepare_target(
+            &table,
+            target,
+            endpoint,
+            &parsed,
+            &body,
+            cache_salt.as_deref(),
+        )?;
         // Later targets of the model, tried in order when this one cannot be reached or fails
         // before its first byte.
         let fallbacks: Vec<ModelTarget> = chosen
@@ -1038,8 +1065,14 @@ impl Gateway {
                     match known {
                         Some(prompt) => Some(prompt),
                         None => {
-                            analyse_prompt(tokenizer.clone(), pool.clone(), endpoint, body.clone())
-                                .await
+                            analyse_prompt(
+                                tokenizer.clone(),
+                                pool.clone(),
+                                endpoint,
+                                body.clone(),
+                                cache_salt.clone(),
+                            )
+                            .await
                         }
                     }
                 }
@@ -1077,6 +1110,7 @@ impl Gateway {
             endpoint,
             parsed,
             client_body: body,
+            cache_salt,
             fallback_requested: false,
         };
         Ok((route, upstream_body))

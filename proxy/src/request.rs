@@ -21,8 +21,14 @@ pub struct ParsedRequest {
     pub stream: bool,
     /// `max_tokens`, or OpenAI's newer `max_completion_tokens`.
     pub max_tokens: Option<u64>,
+    /// vLLM's `cache_salt` as the client sent it.
+    pub cache_salt: Option<String>,
     /// Byte range of the `"model"` value (quotes included) in the body.
     model_span: Range<usize>,
+    /// Byte range of the `"cache_salt"` value, when there is one.
+    cache_salt_span: Option<Range<usize>>,
+    /// Where a new first field goes: just after the object's opening brace.
+    object_start: usize,
 }
 
 #[derive(Deserialize)]
@@ -46,6 +52,8 @@ struct RequestHead<'a> {
     max_tokens: Option<u64>,
     #[serde(default)]
     max_completion_tokens: Option<u64>,
+    #[serde(borrow, default)]
+    cache_salt: Option<&'a RawValue>,
 }
 
 /// Parse and validate a request body for `endpoint`.
@@ -113,11 +121,34 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
 
     let model_span = span_within(body, raw_model.get())
         .ok_or_else(|| ApiError::invalid("model", "could not locate 'model' in the body"))?;
+    // As vLLM checks it: a non-empty string, or null for none.
+    let (cache_salt, cache_salt_span) = match head.cache_salt {
+        Some(raw) if raw.get() != "null" => {
+            let salt: String = serde_json::from_str(raw.get())
+                .ok()
+                .filter(|salt: &String| !salt.is_empty())
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "cache_salt",
+                        "'cache_salt' must be a non-empty string if provided",
+                    )
+                })?;
+            (Some(salt), span_within(body, raw.get()))
+        }
+        _ => (None, None),
+    };
+    let object_start = body
+        .iter()
+        .position(|b| *b == b'{')
+        .map_or(0, |brace| brace + 1);
     Ok(ParsedRequest {
         model,
         stream: head.stream.unwrap_or(false),
         max_tokens: head.max_tokens.or(head.max_completion_tokens),
+        cache_salt,
         model_span,
+        cache_salt_span,
+        object_start,
     })
 }
 
@@ -242,20 +273,71 @@ fn span_within(whole: &[u8], part: &str) -> Option<Range<usize>> {
 
 /// The body with its `"model"` value replaced by `upstream_model` (no copy when unchanged).
 pub fn with_model(body: &Bytes, parsed: &ParsedRequest, upstream_model: &str) -> Bytes {
-    if parsed.model == upstream_model {
+    rewrite(body, parsed, upstream_model, None)
+}
+
+/// The body with its `"model"` value replaced by `upstream_model` and, when `cache_salt` is
+/// given, its `"cache_salt"` set to it (replaced in place, or added as the first field). Every
+/// other byte stays as the client sent it; no copy when nothing changes.
+pub fn rewrite(
+    body: &Bytes,
+    parsed: &ParsedRequest,
+    upstream_model: &str,
+    cache_salt: Option<&str>,
+) -> Bytes {
+    let mut edits: Vec<(Range<usize>, String)> = Vec::new();
+    if parsed.model != upstream_model {
+        let encoded = serde_json::Value::String(upstream_model.to_owned()).to_string();
+        edits.push((parsed.model_span.clone(), encoded));
+    }
+    if let Some(salt) = cache_salt
+        && parsed.cache_salt.as_deref() != Some(salt)
+    {
+        let encoded = serde_json::Value::String(salt.to_owned()).to_string();
+        match &parsed.cache_salt_span {
+            Some(span) => edits.push((span.clone(), encoded)),
+            None => edits.push((
+                parsed.object_start..parsed.object_start,
+                format!("\"cache_salt\":{encoded},"),
+            )),
+        }
+    }
+    if edits.is_empty() {
         return body.clone();
     }
-    let encoded = serde_json::Value::String(upstream_model.to_owned()).to_string();
-    let (Some(before), Some(after)) = (
-        body.get(..parsed.model_span.start),
-        body.get(parsed.model_span.end..),
-    ) else {
-        return body.clone();
+    edits.sort_by_key(|(span, _)| span.start);
+    let mut out = BytesMut::with_capacity(body.len() + 64);
+    let mut at = 0;
+    for (span, replacement) in edits {
+        let Some(kept) = body.get(at..span.start) else {
+            return body.clone();
+        };
+        out.extend_from_slice(kept);
+        out.extend_from_slice(replacement.as_bytes());
+        at = span.end;
+    }
+    out.extend_from_slice(body.get(at..).unwrap_or_default());
+    out.freeze()
+}
+
+/// A translated body (a JSON object the gateway wrote) with `"cache_salt"` added first.
+pub fn with_leading_cache_salt(body: Bytes, cache_salt: &str) -> Bytes {
+    let Some(brace) = body.iter().position(|b| *b == b'{') else {
+        return body;
     };
-    let mut out = BytesMut::with_capacity(before.len() + encoded.len() + after.len());
-    out.extend_from_slice(before);
-    out.extend_from_slice(encoded.as_bytes());
-    out.extend_from_slice(after);
+    let encoded = serde_json::Value::String(cache_salt.to_owned()).to_string();
+    let field = format!("\"cache_salt\":{encoded}");
+    let rest = body.get(brace + 1..).unwrap_or_default();
+    let separator = if rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}') {
+        ""
+    } else {
+        ","
+    };
+    let mut out = BytesMut::with_capacity(body.len() + field.len() + 1);
+    out.extend_from_slice(body.get(..=brace).unwrap_or_default());
+    out.extend_from_slice(field.as_bytes());
+    out.extend_from_slice(separator.as_bytes());
+    out.extend_from_slice(rest);
     out.freeze()
 }
 
@@ -265,6 +347,46 @@ mod tests {
 
     fn chat(body: &str) -> Result<ParsedRequest, ApiError> {
         parse(Endpoint::ChatCompletions, body.as_bytes())
+    }
+
+    #[test]
+    fn cache_salt_is_read_checked_and_rewritten_in_place() {
+        let body = Bytes::from_static(
+            br#" {"cache_salt":"mine","model":"m","messages":[{"role":"user","content":"x"}]}"#,
+        );
+        let parsed = chat(std::str::from_utf8(&body).unwrap()).unwrap();
+        assert_eq!(parsed.cache_salt.as_deref(), Some("mine"));
+        let out = rewrite(&body, &parsed, "upstream/m", Some("c:mine"));
+        assert_eq!(
+            &out[..],
+            br#" {"cache_salt":"c:mine","model":"upstream/m","messages":[{"role":"user","content":"x"}]}"#
+        );
+        // Absent: added first, the rest untouched.
+        let body =
+            Bytes::from_static(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#);
+        let parsed = chat(std::str::from_utf8(&body).unwrap()).unwrap();
+        assert_eq!(parsed.cache_salt, None);
+        let out = rewrite(&body, &parsed, "m", Some("t:1"));
+        assert_eq!(
+            &out[..],
+            br#"{"cache_salt":"t:1","model":"m","messages":[{"role":"user","content":"x"}]}"#
+        );
+        assert_eq!(rewrite(&body, &parsed, "m", None), body);
+        // null is none; anything else but a non-empty string is refused, as vLLM does.
+        let parsed =
+            chat(r#"{"model":"m","cache_salt":null,"messages":[{"role":"user"}]}"#).unwrap();
+        assert_eq!(parsed.cache_salt, None);
+        for bad in [r#""""#, "3", r#"["a"]"#] {
+            let error = chat(&format!(
+                r#"{{"model":"m","cache_salt":{bad},"messages":[{{"role":"user"}}]}}"#
+            ))
+            .unwrap_err();
+            assert_eq!(error.param, Some("cache_salt"), "{bad}");
+        }
+        assert_eq!(
+            &with_leading_cache_salt(Bytes::from_static(br#"{"model":"m"}"#), "s")[..],
+            br#"{"cache_salt":"s","model":"m"}"#
+        );
     }
 
     #[test]

@@ -164,6 +164,7 @@ fn compile_tenant(
         models: spec.models.iter().map(|m| m.trim().to_owned()).collect(),
         rate_limits: limits,
         default: spec.default,
+        cache_isolation: spec.cache_isolation,
     })
 }
 

@@ -309,6 +309,11 @@ pub struct TenantSpec {
     /// Requests without an API key are served as this tenant (at most one tenant; off by default).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub default: bool,
+    /// Keep this tenant's prompts in a prefix cache of their own on the workers: the gateway sets
+    /// vLLM's `cache_salt` on every request of the tenant, so no other tenant can hit (or time)
+    /// its cached blocks. Routing stays cache-aware within the tenant.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cache_isolation: bool,
 }
 
 /// The API an external provider speaks.

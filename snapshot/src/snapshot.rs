@@ -231,6 +231,8 @@ pub struct Tenant {
     pub rate_limits: RateLimits,
     /// Serves requests that carry no key.
     pub default: bool,
+    /// The tenant's prompts get a worker prefix cache of their own (vLLM's `cache_salt`).
+    pub cache_isolation: bool,
 }
 
 impl Tenant {

@@ -117,8 +117,10 @@ def main():
 
     requests = {}
     labels = {}
+    salts = script.get("salts", {})
     for name, tokens in script["requests"].items():
         request = Request(name, tokens)
+        request.cache_salt = salts.get(name)
         request.block_hashes.extend(hasher(request))
         requests[name] = request
         for index, block_hash in enumerate(request.block_hashes):
@@ -138,6 +140,7 @@ def main():
                 list(event.token_ids),
                 event.block_size,
                 event.group_idx,
+                [list(keys) if keys is not None else None for keys in event.extra_keys or []],
             ]
         if isinstance(event, events_module.BlockRemoved):
             return ["removed", [label(h) for h in event.block_hashes], event.group_idx]

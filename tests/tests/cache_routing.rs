@@ -477,3 +477,94 @@ async fn a_streamed_requests_prefill_leaves_the_queue_at_its_first_token() {
     worker.release(10);
     while stream.next().await.is_some() {}
 }
+
+/// [`explain`] as the tenant of `key`.
+async fn explain_as(proxy: &Proxy, key: &str, body: &Value) -> Value {
+    let response = reqwest::Client::new()
+        .post(format!(
+            "{}/debug/route/v1/chat/completions",
+            proxy.admin_url()
+        ))
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.json().await.unwrap()
+}
+
+/// Send as the tenant of `key`; returns the prompt tokens the worker found cached.
+async fn cached_tokens_as(proxy: &Proxy, key: &str, body: &Value) -> u64 {
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let answer: Value = response.json().await.unwrap();
+    answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens: {answer}"))
+}
+
+#[tokio::test]
+async fn an_isolated_tenant_keeps_its_cache_to_itself_and_routing_stays_cache_aware() {
+    let sim = Sim::start(&[
+        "--workers",
+        "1",
+        "--time-scale",
+        "0.01",
+        "--block-size",
+        "16",
+    ]);
+    let worker = &sim.workers[0];
+    let key = |name: &str| switchyard_e2e::key_sha256(name);
+    let yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  endpoints: [{{address: \"{http}\", kvEvents: \"{events}\", kvReplay: \"{replay}\"}}]\n{doc}---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: Tenant\nmetadata: {{name: private}}\nspec: {{apiKeys: [{{sha256: {a}}}], cacheIsolation: true}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: Tenant\nmetadata: {{name: other}}\nspec: {{apiKeys: [{{sha256: {b}}}]}}\n",
+        model = sim.model,
+        http = worker.http,
+        events = worker.kv_events.as_deref().unwrap(),
+        replay = worker.kv_replay.as_deref().unwrap(),
+        doc = switchyard_e2e::model_doc("default", "sim", None),
+        a = key("key-private"),
+        b = key("key-other"),
+    );
+    let proxy = Proxy::start(&yaml, &[]).await;
+    let system = system_prompt();
+    let prompt = chat("default", &system, "the same question");
+
+    // The isolated tenant's prompt is cached on the worker, and the index knows it is cached
+    // for that tenant...
+    assert_eq!(cached_tokens_as(&proxy, "key-private", &prompt).await, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while matched(
+        &explain_as(&proxy, "key-private", &prompt).await,
+        &worker.http,
+    ) < 10
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the index never learned the salted prefix"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(cached_tokens_as(&proxy, "key-private", &prompt).await >= 160);
+
+    // ...but another tenant sending the very same prompt neither sees it in the routing
+    // explanation nor hits it on the worker (no timing signal either).
+    assert_eq!(
+        matched(
+            &explain_as(&proxy, "key-other", &prompt).await,
+            &worker.http
+        ),
+        0
+    );
+    assert_eq!(cached_tokens_as(&proxy, "key-other", &prompt).await, 0);
+    // The open tenant's own repeats still share among themselves.
+    assert!(cached_tokens_as(&proxy, "key-other", &prompt).await >= 160);
+}

@@ -26,6 +26,8 @@ struct Script {
     num_blocks: usize,
     /// In label order: the names sort as they are listed (serde_json's maps are sorted).
     requests: Vec<(String, Vec<u32>)>,
+    /// vLLM's per-request `cache_salt`, for the requests that have one.
+    salts: BTreeMap<String, String>,
     ops: Vec<Value>,
 }
 
@@ -43,6 +45,7 @@ impl Script {
             "num_blocks": self.num_blocks,
             "block_size": BLOCK_SIZE,
             "requests": requests,
+            "salts": self.salts,
             "ops": self.ops,
         })
     }
@@ -53,18 +56,32 @@ impl Script {
 struct SimReplay {
     cache: KvCache,
     tokens: HashMap<String, Vec<u32>>,
+    salts: BTreeMap<String, String>,
     hashes: HashMap<String, Vec<ExternalBlockHash>>,
     labels: HashMap<ExternalBlockHash, String>,
     held: BTreeMap<String, Vec<BlockId>>,
 }
 
 impl SimReplay {
-    fn new(num_blocks: usize, requests: &[(String, Vec<u32>)]) -> SimReplay {
+    fn new(
+        num_blocks: usize,
+        requests: &[(String, Vec<u32>)],
+        salts: &BTreeMap<String, String>,
+    ) -> SimReplay {
         let cache = KvCache::new(num_blocks, BLOCK_SIZE, 0);
         let mut labels = HashMap::new();
         let mut hashes = HashMap::new();
         for (name, tokens) in requests {
-            let own = cache.hashes_of(tokens);
+            let salt = salts.get(name).map(String::as_str);
+            let mut parent = None;
+            let own: Vec<ExternalBlockHash> = tokens
+                .chunks_exact(BLOCK_SIZE)
+                .map(|block| {
+                    let hash = cache.block_hash_salted(parent, block, salt);
+                    parent = Some(hash);
+                    hash
+                })
+                .collect();
             for (index, hash) in own.iter().enumerate() {
                 labels
                     .entry(*hash)
@@ -75,6 +92,7 @@ impl SimReplay {
         SimReplay {
             cache,
             tokens: requests.iter().cloned().collect(),
+            salts: salts.clone(),
             hashes,
             labels,
             held: BTreeMap::new(),
@@ -101,6 +119,7 @@ impl SimReplay {
                 stored.token_ids,
                 stored.block_size,
                 stored.group_idx,
+                extra_keys_json(stored.extra_keys.as_ref()),
             ]),
             KvEvent::BlockRemoved(removed) => json!([
                 "removed",
@@ -143,12 +162,13 @@ impl SimReplay {
             }
             "cache_full_blocks" => {
                 let blocks = self.held.get(&req).cloned().unwrap_or_default();
-                self.cache.cache_full_blocks(
+                self.cache.cache_full_blocks_salted(
                     &blocks,
                     &self.hashes[&req],
                     &self.tokens[&req],
                     number("num_cached"),
                     number("num_full"),
+                    self.salts.get(&req).map(String::as_str),
                 );
             }
             "free" => {
@@ -184,8 +204,31 @@ impl SimReplay {
     }
 }
 
+/// A published `extra_keys` as the Python side prints it: one entry per block, a list or null.
+fn extra_keys_json(keys: Option<&rmpv::Value>) -> Value {
+    let Some(rmpv::Value::Array(blocks)) = keys else {
+        return json!([]);
+    };
+    Value::Array(
+        blocks
+            .iter()
+            .map(|block| match block {
+                rmpv::Value::Array(keys) => Value::Array(
+                    keys.iter()
+                        .map(|key| match key.as_str() {
+                            Some(text) => json!(text),
+                            None => json!(key.to_string()),
+                        })
+                        .collect(),
+                ),
+                _ => Value::Null,
+            })
+            .collect(),
+    )
+}
+
 fn replay_sim(script: &Script) -> Vec<Value> {
-    let mut replay = SimReplay::new(script.num_blocks, &script.requests);
+    let mut replay = SimReplay::new(script.num_blocks, &script.requests, &script.salts);
     script.ops.iter().map(|op| replay.apply(op)).collect()
 }
 
@@ -378,8 +421,19 @@ fn generate(seed: u64, target_ops: usize) -> Script {
         });
     }
 
+    // Some requests carry a cache_salt (a separate stream of choices, so the rest of the
+    // workload is as it was): salted twins share blocks, salted and unsalted ones never do.
+    let mut salt_rng = Rng(seed ^ 0x5a17_5a17);
+    let salts: BTreeMap<String, String> = requests
+        .iter()
+        .filter_map(|(name, _)| match salt_rng.below(10) {
+            0 | 1 => Some((name.clone(), "tenant-x".to_owned())),
+            2 => Some((name.clone(), "tenant-y".to_owned())),
+            _ => None,
+        })
+        .collect();
     let mut issuer = Issuer {
-        pool: SimReplay::new(num_blocks, &requests),
+        pool: SimReplay::new(num_blocks, &requests, &salts),
         ops: Vec::new(),
     };
     let mut waiting: std::collections::VecDeque<usize> = (0..planned.len()).collect();
@@ -478,6 +532,7 @@ fn generate(seed: u64, target_ops: usize) -> Script {
     Script {
         num_blocks,
         requests,
+        salts,
         ops: issuer.ops,
     }
 }
@@ -544,6 +599,7 @@ fn identical_blocks_are_stored_and_removed_once_per_copy_like_vllm() {
             ("c".into(), (100..124).collect()),
             ("d".into(), (0..9).collect()),
         ],
+        salts: BTreeMap::new(),
         ops: vec![
             json!({"op": "get_new_blocks", "req": "a", "n": 2}),
             json!({"op": "cache_full_blocks", "req": "a", "num_cached": 0, "num_full": 2}),
@@ -558,7 +614,7 @@ fn identical_blocks_are_stored_and_removed_once_per_copy_like_vllm() {
         ],
     };
     let out = assert_same("duplicates", &script);
-    let stored = json!([["stored", null, ["a:0", "a:1"], prompt, 4, 0]]);
+    let stored = json!([["stored", null, ["a:0", "a:1"], prompt, 4, 0, [null, null]]]);
     assert_eq!(out[1]["events"], stored, "a stores both blocks");
     assert_eq!(
         out[3]["events"], stored,
@@ -579,4 +635,53 @@ fn identical_blocks_are_stored_and_removed_once_per_copy_like_vllm() {
         ])
     );
     assert_eq!(out[9]["blocks"]["c"], json!([5, 6, 2, 3, 4, 1]));
+}
+
+/// The same prompt under two salts and none: vLLM hashes the salt into the first block only
+/// (the chain carries it on), publishes it in that block's extra keys, and a lookup under one
+/// salt never finds another's blocks.
+#[test]
+fn cache_salts_keep_identical_prompts_apart_like_vllm() {
+    let prompt: Vec<u32> = (0..12).collect();
+    let script = Script {
+        num_blocks: 12,
+        requests: vec![
+            ("a".into(), prompt.clone()),
+            ("b".into(), prompt.clone()),
+            ("c".into(), prompt.clone()),
+            ("d".into(), prompt.clone()),
+        ],
+        salts: [("a", "x"), ("b", "y"), ("d", "x")]
+            .into_iter()
+            .map(|(name, salt)| (name.to_owned(), salt.to_owned()))
+            .collect(),
+        ops: vec![
+            json!({"op": "get_new_blocks", "req": "a", "n": 3}),
+            json!({"op": "cache_full_blocks", "req": "a", "num_cached": 0, "num_full": 1}),
+            json!({"op": "cache_full_blocks", "req": "a", "num_cached": 1, "num_full": 3}),
+            json!({"op": "touch_hit", "req": "b", "max_blocks": 3}),
+            json!({"op": "touch_hit", "req": "c", "max_blocks": 3}),
+            json!({"op": "touch_hit", "req": "d", "max_blocks": 3}),
+        ],
+    };
+    let out = assert_same("salts", &script);
+    assert_eq!(
+        out[1]["events"],
+        json!([["stored", null, ["a:0"], [0, 1, 2, 3], 4, 0, [["x"]]]])
+    );
+    assert_eq!(
+        out[2]["events"],
+        json!([[
+            "stored",
+            "a:0",
+            ["a:1", "a:2"],
+            [4, 5, 6, 7, 8, 9, 10, 11],
+            4,
+            0,
+            [null, null]
+        ]])
+    );
+    assert_eq!(out[3]["hit"], json!([]), "another salt");
+    assert_eq!(out[4]["hit"], json!([]), "no salt");
+    assert_eq!(out[5]["hit"], json!([1, 2, 3]), "the same salt");
 }

@@ -147,7 +147,7 @@ pub enum SubmitError {
 }
 
 enum Command {
-    Submit(Sequence),
+    Submit(Box<Sequence>),
     Reset(oneshot::Sender<bool>),
 }
 
@@ -167,6 +167,17 @@ impl EngineHandle {
         prompt: Vec<u32>,
         output_tokens: Vec<u32>,
     ) -> Result<mpsc::UnboundedReceiver<Output>, SubmitError> {
+        self.submit_salted(prompt, output_tokens, None)
+    }
+
+    /// [`EngineHandle::submit`] for a request with vLLM's `cache_salt`: it shares cached blocks
+    /// only with requests of the same salt.
+    pub fn submit_salted(
+        &self,
+        prompt: Vec<u32>,
+        output_tokens: Vec<u32>,
+        cache_salt: Option<String>,
+    ) -> Result<mpsc::UnboundedReceiver<Output>, SubmitError> {
         let needed = (prompt.len() + output_tokens.len()).div_ceil(self.block_size);
         if needed > self.capacity_blocks {
             return Err(SubmitError::TooLong {
@@ -175,9 +186,10 @@ impl EngineHandle {
             });
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        let sequence = Sequence::new(prompt, output_tokens, tx);
+        let mut sequence = Sequence::new(prompt, output_tokens, tx);
+        sequence.cache_salt = cache_salt;
         self.commands
-            .send(Command::Submit(sequence))
+            .send(Command::Submit(Box::new(sequence)))
             .map_err(|_| SubmitError::Stopped)?;
         Ok(rx)
     }
@@ -203,6 +215,8 @@ struct Sequence {
     blocks: Vec<BlockId>,
     /// Chained hash of every full block of `tokens` (vLLM's `request.block_hashes`).
     block_hashes: Vec<ExternalBlockHash>,
+    /// vLLM's per-request `cache_salt`: an extra key of the first block's hash.
+    cache_salt: Option<String>,
     /// Leading blocks already in the prefix cache (the manager's `num_cached_block`).
     cached_blocks: usize,
     /// Prefix-cache hit when first scheduled (vLLM's `num_cached_tokens`).
@@ -227,6 +241,7 @@ impl Sequence {
             computed: 0,
             blocks: Vec::new(),
             block_hashes: Vec::new(),
+            cache_salt: None,
             cached_blocks: 0,
             cached_tokens: None,
             preemptions: 0,
@@ -244,7 +259,11 @@ impl Sequence {
                 .tokens
                 .get(block * size..(block + 1) * size)
                 .unwrap_or(&[]);
-            let hash = cache.block_hash(self.block_hashes.last().copied(), tokens);
+            let hash = cache.block_hash_salted(
+                self.block_hashes.last().copied(),
+                tokens,
+                self.cache_salt.as_deref(),
+            );
             self.block_hashes.push(hash);
         }
     }
@@ -336,7 +355,7 @@ impl Engine {
         match command {
             Command::Submit(mut sequence) => {
                 sequence.update_hashes(&self.cache);
-                self.waiting.push_back(sequence);
+                self.waiting.push_back(*sequence);
             }
             Command::Reset(reply) => {
                 let done = self.cache.reset();
@@ -475,12 +494,13 @@ impl Engine {
         }
         let full = ((sequence.computed + tokens).min(sequence.tokens.len()) / size)
             .min(sequence.block_hashes.len());
-        self.cache.cache_full_blocks(
+        self.cache.cache_full_blocks_salted(
             &sequence.blocks,
             &sequence.block_hashes,
             &sequence.tokens,
             sequence.cached_blocks,
             full,
+            sequence.cache_salt.as_deref(),
         );
         sequence.cached_blocks = sequence.cached_blocks.max(full);
         true

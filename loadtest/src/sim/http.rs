@@ -105,6 +105,7 @@ struct Prepared {
     stream: bool,
     include_usage: bool,
     request_model: String,
+    cache_salt: Option<String>,
 }
 
 fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> {
@@ -171,6 +172,16 @@ fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> 
             max_tokens
         )));
     }
+    // vLLM's protocol check: "Parameter 'cache_salt' must be a non-empty string if provided."
+    let cache_salt = match request.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(salt)) if !salt.is_empty() => Some(salt.clone()),
+        Some(_) => {
+            return Err(bad_request(
+                "Parameter 'cache_salt' must be a non-empty string if provided.",
+            ));
+        }
+    };
     let vocab = &worker.output_vocab;
     let offset = prompt.len() % vocab.len().max(1);
     let output = (0..max_tokens)
@@ -189,6 +200,7 @@ fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> 
             .and_then(Value::as_bool)
             .unwrap_or(false),
         request_model: model.to_owned(),
+        cache_salt,
     })
 }
 
@@ -258,10 +270,14 @@ async fn serve(worker: Arc<Worker>, api: Api, body: Bytes) -> Response {
     };
     let prompt_len = prepared.prompt.len();
     let expected = prepared.output.len();
-    let outputs = match worker.engine.submit(prepared.prompt, prepared.output) {
-        Ok(outputs) => outputs,
-        Err(e) => return bad_request(e.to_string()).into_response(),
-    };
+    let outputs =
+        match worker
+            .engine
+            .submit_salted(prepared.prompt, prepared.output, prepared.cache_salt)
+        {
+            Ok(outputs) => outputs,
+            Err(e) => return bad_request(e.to_string()).into_response(),
+        };
     let id = request_id();
     if prepared.stream {
         let stream = StreamState {

@@ -111,11 +111,29 @@ impl KvCache {
         parent: Option<ExternalBlockHash>,
         tokens: &[u32],
     ) -> ExternalBlockHash {
+        self.block_hash_salted(parent, tokens, None)
+    }
+
+    /// [`KvCache::block_hash`] of a request with a `cache_salt`: like vLLM
+    /// (`generate_block_hash_extra_keys`), the salt is an extra key of the first block only; the
+    /// chain carries it to the rest.
+    pub fn block_hash_salted(
+        &self,
+        parent: Option<ExternalBlockHash>,
+        tokens: &[u32],
+        cache_salt: Option<&str>,
+    ) -> ExternalBlockHash {
         let mut hasher = Sha256::new();
         hasher.update(self.hash_seed.to_be_bytes());
         match parent {
             Some(parent) => hasher.update(parent.0.to_be_bytes()),
-            None => hasher.update(b"NONE_HASH"),
+            None => {
+                hasher.update(b"NONE_HASH");
+                if let Some(salt) = cache_salt {
+                    hasher.update(b"\0cache_salt\0");
+                    hasher.update(salt.as_bytes());
+                }
+            }
         }
         for token in tokens {
             hasher.update(token.to_le_bytes());
@@ -227,6 +245,21 @@ impl KvCache {
         num_cached: usize,
         num_full: usize,
     ) {
+        self.cache_full_blocks_salted(blocks, hashes, tokens, num_cached, num_full, None);
+    }
+
+    /// [`KvCache::cache_full_blocks`] for a request with a `cache_salt`: the `BlockStored` that
+    /// starts at token 0 lists it in its first block's extra keys, as vLLM publishes them
+    /// (`to_event_extra_keys`: one entry per block, the bare salt, `None` for unsalted blocks).
+    pub fn cache_full_blocks_salted(
+        &mut self,
+        blocks: &[BlockId],
+        hashes: &[ExternalBlockHash],
+        tokens: &[u32],
+        num_cached: usize,
+        num_full: usize,
+        cache_salt: Option<&str>,
+    ) {
         if num_cached >= num_full {
             return;
         }
@@ -253,12 +286,20 @@ impl KvCache {
             .get(num_cached * size..(num_cached + stored.len()) * size)
             .unwrap_or(&[])
             .to_vec();
+        // vLLM's `to_event_extra_keys`: one entry per block, None where a block has no extra
+        // key; the salt only on the block that starts at token 0.
+        let mut keys = vec![rmpv::Value::Nil; stored.len()];
+        if let (Some(salt), 0, Some(first)) = (cache_salt, num_cached, keys.first_mut()) {
+            *first = rmpv::Value::Array(vec![rmpv::Value::from(salt)]);
+        }
+        let extra_keys = Some(rmpv::Value::Array(keys));
         self.events.push(KvEvent::BlockStored(BlockStored {
             block_hashes: stored,
             parent_block_hash,
             token_ids,
             block_size: size as u32,
             medium: Some("GPU".into()),
+            extra_keys,
             group_idx: Some(0),
             ..Default::default()
         }));
@@ -389,6 +430,58 @@ impl KvCache {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    #[test]
+    fn a_cache_salt_separates_caches_and_is_published_on_the_first_block() {
+        let mut cache = KvCache::new(16, 2, 8);
+        let tokens = [1, 2, 3, 4, 5, 6];
+        let salted = |cache: &KvCache, salt: Option<&str>| {
+            let mut parent = None;
+            tokens
+                .chunks_exact(2)
+                .map(|block| {
+                    let hash = cache.block_hash_salted(parent, block, salt);
+                    parent = Some(hash);
+                    hash
+                })
+                .collect::<Vec<_>>()
+        };
+        let a = salted(&cache, Some("a"));
+        let blocks = cache.get_new_blocks(a.len()).unwrap();
+        cache.cache_full_blocks_salted(&blocks, &a, &tokens, 0, 2, Some("a"));
+        cache.cache_full_blocks_salted(&blocks, &a, &tokens, 2, 3, Some("a"));
+        assert_eq!(cache.longest_cache_hit(&a).len(), 3);
+        assert!(
+            cache
+                .longest_cache_hit(&salted(&cache, Some("b")))
+                .is_empty()
+        );
+        assert!(
+            cache
+                .longest_cache_hit(&cache.hashes_of(&tokens))
+                .is_empty()
+        );
+        let events = cache.take_events();
+        let keys: Vec<Option<&str>> = events
+            .iter()
+            .map(|event| match event {
+                KvEvent::BlockStored(stored) => stored.cache_salt(),
+                _ => None,
+            })
+            .collect();
+        // The salt rides on the event that starts at token 0; its continuation has a parent.
+        assert_eq!(keys, [Some("a"), None]);
+        let KvEvent::BlockStored(first) = &events[0] else {
+            panic!("{events:?}")
+        };
+        assert_eq!(
+            first.extra_keys,
+            Some(rmpv::Value::Array(vec![
+                rmpv::Value::Array(vec![rmpv::Value::from("a")]),
+                rmpv::Value::Nil,
+            ]))
+        );
+    }
 
     /// Allocate and cache every full block of `tokens`, as one prefill would.
     fn fill(cache: &mut KvCache, tokens: &[u32]) -> Vec<BlockId> {
