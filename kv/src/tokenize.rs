@@ -86,6 +86,132 @@ pub fn anthropic_messages(request: &Value) -> Vec<ChatMessage> {
 pub struct PromptTokenizer {
     tokenizer: tokenizers::Tokenizer,
     templates: minijinja::Environment<'static>,
+    /// Tokens of text pieces seen before, when this tokenizer splits text the way
+    /// [`SegmentCache`] needs (checked when it is loaded).
+    segments: Option<SegmentCache>,
+}
+
+/// Smallest piece of a prompt worth remembering, in bytes.
+const MIN_SEGMENT_BYTES: usize = 512;
+/// Tokens remembered per tokenizer (about 4 bytes each).
+const SEGMENT_CACHE_TOKENS: usize = 4_000_000;
+
+/// Tokens of prompt pieces, by a hash of their text, so a prompt that repeats an earlier one's
+/// text (a system prompt, the earlier turns of a conversation) tokenizes only what is new.
+///
+/// A prompt is cut right after a line break that is followed by a non-space character. With the
+/// regex pre-tokenizers of GPT-style byte-level BPE tokenizers no token spans such a point (a
+/// piece that holds a line break extends only over more whitespace), so the tokens of the whole
+/// are the tokens of the pieces, concatenated. That is checked for every tokenizer when it is
+/// loaded ([`PromptTokenizer::new`]); one that fails is never cut.
+#[derive(Debug, Default)]
+struct SegmentCache {
+    entries: std::sync::Mutex<SegmentEntries>,
+}
+
+#[derive(Debug, Default)]
+struct SegmentEntries {
+    by_key: std::collections::HashMap<u64, std::sync::Arc<[u32]>>,
+    order: std::collections::VecDeque<u64>,
+    tokens: usize,
+}
+
+impl SegmentCache {
+    fn get(&self, key: u64) -> Option<std::sync::Arc<[u32]>> {
+        self.entries.lock().ok()?.by_key.get(&key).cloned()
+    }
+
+    fn put(&self, key: u64, tokens: &[u32]) {
+        let Ok(mut entries) = self.entries.lock() else {
+            return;
+        };
+        if entries.by_key.contains_key(&key) {
+            return;
+        }
+        entries.by_key.insert(key, tokens.into());
+        entries.order.push_back(key);
+        entries.tokens += tokens.len();
+        while entries.tokens > SEGMENT_CACHE_TOKENS {
+            let Some(old) = entries.order.pop_front() else {
+                break;
+            };
+            if let Some(gone) = entries.by_key.remove(&old) {
+                entries.tokens -= gone.len();
+            }
+        }
+    }
+}
+
+/// Byte offsets where `text` may be cut (see [`SegmentCache`]), at least `min_bytes` apart.
+fn cut_points(text: &str, min_bytes: usize) -> Vec<usize> {
+    let bytes = text.as_bytes();
+    let mut cuts = Vec::new();
+    let mut last = 0;
+    for (i, pair) in bytes.windows(2).enumerate() {
+        let at = i + 1;
+        if pair.first() == Some(&b'\n')
+            && at - last >= min_bytes
+            && text
+                .get(at..)
+                .and_then(|rest| rest.chars().next())
+                .is_some_and(|c| !c.is_whitespace())
+        {
+            cuts.push(at);
+            last = at;
+        }
+    }
+    cuts
+}
+
+/// Texts with line breaks in every position the cut rule allows, after letters, digits,
+/// punctuation, symbols, CJK, spaces and other line breaks: a tokenizer that gives the same
+/// tokens for each whole as for its pieces may be cut.
+const CUT_CHECKS: &[&str] = &[
+    "Hello world.\nSecond line, with punctuation!\nThird",
+    "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    "numbers 12345\n67890 and 1\n2\n3",
+    "trailing spaces   \nnext\t\nafter tab\r\nafter crlf",
+    "blank lines\n\n\nthen text\n \nspace-led line",
+    "中文文本\n日本語のテキスト\nカタカナ\n한국어",
+    "symbols $%^&*\n(paren)\n[bracket]\n{brace}\n\"quote\"\n'single'\n`tick`",
+    "contractions it's\n'll\nwe've\nemoji 😀\n🎉 party",
+    "code:\n    indented\nfn main() {\n}\n// comment\n#include <x>",
+    "accents café\nnaïve\nÅngström\nﬁ ligature\n",
+];
+
+impl PromptTokenizer {
+    fn encode_whole(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenizer
+            .encode_fast(text, false)
+            .map(|encoding| encoding.get_ids().to_vec())
+            .map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+
+    /// Whether every cut of every [`CUT_CHECKS`] text gives the tokens of the whole.
+    fn cuts_are_exact(&self) -> bool {
+        CUT_CHECKS.iter().all(|text| {
+            let Ok(whole) = self.encode_whole(text) else {
+                return false;
+            };
+            cut_points(text, 1).into_iter().all(|cut| {
+                let (Some(head), Some(tail)) = (text.get(..cut), text.get(cut..)) else {
+                    return false;
+                };
+                match (self.encode_whole(head), self.encode_whole(tail)) {
+                    (Ok(mut head), Ok(tail)) => {
+                        head.extend(tail);
+                        head == whole
+                    }
+                    _ => false,
+                }
+            })
+        })
+    }
+
+    /// Whether this tokenizer remembers the tokens of prompt pieces (see [`SegmentCache`]).
+    pub fn caches_segments(&self) -> bool {
+        self.segments.is_some()
+    }
 }
 
 impl std::fmt::Debug for PromptTokenizer {
@@ -115,10 +241,15 @@ impl PromptTokenizer {
         templates
             .add_template_owned(TEMPLATE_NAME, chat_template.to_owned())
             .map_err(TokenizeError::Template)?;
-        Ok(PromptTokenizer {
+        let mut prompt_tokenizer = PromptTokenizer {
             tokenizer,
             templates,
-        })
+            segments: None,
+        };
+        if prompt_tokenizer.cuts_are_exact() {
+            prompt_tokenizer.segments = Some(SegmentCache::default());
+        }
+        Ok(prompt_tokenizer)
     }
 
     /// The tokenizer and chat template shipped in `conf/tokenizer/`, compiled into the binary.
@@ -153,12 +284,34 @@ impl PromptTokenizer {
             .map_err(TokenizeError::Template)
     }
 
-    /// Token ids of `text` (no special tokens added: templates carry their own).
+    /// Token ids of `text` (no special tokens added: templates carry their own). Pieces seen
+    /// before come from the segment cache; the result is the same either way.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
-        self.tokenizer
-            .encode_fast(text, false)
-            .map(|encoding| encoding.get_ids().to_vec())
-            .map_err(|e| TokenizeError::Encode(e.to_string()))
+        let Some(cache) = &self.segments else {
+            return self.encode_whole(text);
+        };
+        let cuts = cut_points(text, MIN_SEGMENT_BYTES);
+        if cuts.is_empty() {
+            return self.encode_whole(text);
+        }
+        let mut out = Vec::new();
+        let mut start = 0;
+        for cut in cuts {
+            let piece = text.get(start..cut).unwrap_or_default();
+            let key = xxhash_rust::xxh3::xxh3_64_with_seed(piece.as_bytes(), piece.len() as u64);
+            match cache.get(key) {
+                Some(tokens) => out.extend_from_slice(&tokens),
+                None => {
+                    let tokens = self.encode_whole(piece)?;
+                    cache.put(key, &tokens);
+                    out.extend(tokens);
+                }
+            }
+            start = cut;
+        }
+        // The last piece is usually the new part (the question, the latest turn): not kept.
+        out.extend(self.encode_whole(text.get(start..).unwrap_or_default())?);
+        Ok(out)
     }
 
     /// Render and tokenize chat messages in one go.
@@ -184,6 +337,54 @@ mod tests {
             &dir.join("chat_template.jinja"),
         )
         .unwrap()
+    }
+
+    #[test]
+    fn cached_pieces_give_the_tokens_of_the_whole() {
+        let tokenizer = shipped();
+        assert!(tokenizer.caches_segments());
+        // Lines of every kind, long enough to be cut, in many orders; each prompt encoded cold
+        // and again warm (its pieces from the cache) must equal the tokenizer run on the whole.
+        let lines = [
+            "Rule 7: answer precisely and cite section 49.",
+            "   indented code { x: 1 }",
+            "数字 12345 and more 6789",
+            "",
+            "emoji 😀 then 'quotes' and \"double\"",
+            "trailing spaces   ",
+            "\ttab-led line",
+            "café naïve ﬁ Ångström",
+        ];
+        let mut seed = 7u64;
+        for round in 0..40 {
+            let mut text = String::new();
+            for _ in 0..(20 + round * 3) {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                text.push_str(lines[(seed >> 33) as usize % lines.len()]);
+                text.push(if seed & 1 == 0 { '\n' } else { ' ' });
+            }
+            let whole = tokenizer.encode_whole(&text).unwrap();
+            assert_eq!(
+                tokenizer.encode(&text).unwrap(),
+                whole,
+                "cold, round {round}"
+            );
+            assert_eq!(
+                tokenizer.encode(&text).unwrap(),
+                whole,
+                "warm, round {round}"
+            );
+            // A later prompt that extends this one reuses its pieces.
+            text.push_str("\nand one more question?");
+            assert_eq!(
+                tokenizer.encode(&text).unwrap(),
+                tokenizer.encode_whole(&text).unwrap()
+            );
+        }
+        assert!(!cut_points(&"x\n".repeat(2000), MIN_SEGMENT_BYTES).is_empty());
+        assert_eq!(cut_points("a\n b\n\nc", 1), vec![6]);
     }
 
     #[test]

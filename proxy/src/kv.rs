@@ -257,11 +257,22 @@ impl KvRegistry {
     }
 }
 
-/// The queue of one worker as its metrics report it.
+/// The queue of one worker as its metrics report it, split into this proxy's own requests and
+/// everyone else's (other gateway replicas, clients calling the worker directly).
+///
+/// This proxy knows its own requests exactly and at once; the worker's gauges arrive a scrape
+/// interval late. So the scorer counts its own requests live, and from a scrape only what they
+/// do not explain: `others = reported - own requests at the moment of the scrape`.
 #[derive(Debug, Default)]
 pub struct WorkerLoad {
     waiting: AtomicU64,
     running: AtomicU64,
+    /// This proxy's requests at the worker, and those of them still before their first token.
+    own_in_flight: AtomicU64,
+    own_pending: AtomicU64,
+    /// The last scrape's requests beyond this proxy's own: queued, and being served.
+    others_waiting: AtomicU64,
+    others_running: AtomicU64,
     kv_usage_bits: AtomicU64,
     /// Milliseconds since the service started at the last good scrape (0: never).
     last_ok_ms: AtomicU64,
@@ -274,6 +285,35 @@ impl WorkerLoad {
     }
     pub fn running(&self) -> u64 {
         self.running.load(Ordering::Relaxed)
+    }
+    /// Requests of others waiting at the worker at the last scrape.
+    pub fn others_waiting(&self) -> u64 {
+        self.others_waiting.load(Ordering::Relaxed)
+    }
+    /// Requests of others being served by the worker at the last scrape.
+    pub fn others_running(&self) -> u64 {
+        self.others_running.load(Ordering::Relaxed)
+    }
+    /// This proxy's requests at the worker now.
+    pub fn own_in_flight(&self) -> u64 {
+        self.own_in_flight.load(Ordering::Relaxed)
+    }
+    /// This proxy's requests at the worker that have not produced a first token yet.
+    pub fn own_pending(&self) -> u64 {
+        self.own_pending.load(Ordering::Relaxed)
+    }
+    /// Count one of this proxy's requests (`pending`: before its first token) in or out.
+    pub(crate) fn own_request(&self, pending: bool, delta: i64) {
+        let counter = if pending {
+            &self.own_pending
+        } else {
+            &self.own_in_flight
+        };
+        if delta >= 0 {
+            counter.fetch_add(delta as u64, Ordering::Relaxed);
+        } else {
+            counter.fetch_sub(delta.unsigned_abs(), Ordering::Relaxed);
+        }
     }
     pub fn kv_usage(&self) -> f64 {
         f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed))
@@ -306,10 +346,18 @@ impl WorkerLoad {
                 _ => {}
             }
         }
-        self.waiting
-            .store(waiting.max(0.0) as u64, Ordering::Relaxed);
-        self.running
-            .store(running.max(0.0) as u64, Ordering::Relaxed);
+        let (waiting, running) = (waiting.max(0.0) as u64, running.max(0.0) as u64);
+        self.waiting.store(waiting, Ordering::Relaxed);
+        self.running.store(running, Ordering::Relaxed);
+        // Ours are waiting or being prefilled (pending) or decoding: what is left is others'.
+        let own_in_flight = self.own_in_flight();
+        let own_pending = self.own_pending().min(own_in_flight);
+        let others_waiting = waiting.saturating_sub(own_pending);
+        let others = (waiting + running).saturating_sub(own_in_flight);
+        self.others_waiting
+            .store(others_waiting.min(others), Ordering::Relaxed);
+        self.others_running
+            .store(others.saturating_sub(others_waiting), Ordering::Relaxed);
         self.kv_usage_bits.store(usage.to_bits(), Ordering::Relaxed);
         self.last_ok_ms.store(now_ms.max(1), Ordering::Relaxed);
         self.failures.store(0, Ordering::Relaxed);
@@ -650,6 +698,31 @@ mod tests {
             load.scrape_failed();
         }
         assert!(!load.healthy());
+    }
+
+    #[test]
+    fn a_scrape_counts_for_others_only_what_this_proxy_does_not_explain() {
+        let load = WorkerLoad::default();
+        let gauges = |waiting: u64, running: u64| {
+            format!("vllm:num_requests_waiting {waiting}\nvllm:num_requests_running {running}\n")
+        };
+        // Three of ours: one still before its first token, two decoding.
+        for _ in 0..3 {
+            load.own_request(false, 1);
+        }
+        load.own_request(true, 1);
+        // The worker sees exactly ours (the pending one being prefilled, so running 3).
+        load.update_from_metrics(&gauges(0, 3), 10);
+        assert_eq!((load.others_waiting(), load.others_running()), (0, 0));
+        // Ours waiting (not yet scheduled), plus two others queued and one other running.
+        load.update_from_metrics(&gauges(3, 3), 20);
+        assert_eq!((load.others_waiting(), load.others_running()), (2, 1));
+        // A scrape that lags behind ours (one not arrived yet) never goes negative.
+        load.update_from_metrics(&gauges(0, 1), 30);
+        assert_eq!((load.others_waiting(), load.others_running()), (0, 0));
+        load.own_request(true, -1);
+        load.own_request(false, -3);
+        assert_eq!((load.own_pending(), load.own_in_flight()), (0, 0));
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pingora_core::protocols::tls::CaType;
@@ -34,8 +34,20 @@ pub struct WorkerState {
     in_flight: AtomicUsize,
     /// Uncached prompt tokens this proxy sent that have not produced a first token yet.
     pending_prefill_tokens: AtomicUsize,
+    /// When the worker started on the oldest of those (microseconds on [`clock_micros`]): the
+    /// queue is worked off first come, first served, so part of it is done already.
+    prefill_started_us: AtomicU64,
     /// Queue as the worker's metrics report it.
     pub load: Arc<WorkerLoad>,
+}
+
+/// Microseconds since the first call: a cheap monotonic clock shared by all workers.
+fn clock_micros() -> u64 {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    EPOCH
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_micros() as u64
 }
 
 impl WorkerState {
@@ -45,6 +57,16 @@ impl WorkerState {
 
     pub fn pending_prefill_tokens(&self) -> usize {
         self.pending_prefill_tokens.load(Ordering::Relaxed)
+    }
+
+    /// How long the worker has been on the oldest of this proxy's pending prefills (zero when
+    /// none is pending).
+    pub fn prefill_elapsed(&self) -> std::time::Duration {
+        if self.load.own_pending() == 0 {
+            return std::time::Duration::ZERO;
+        }
+        let started = self.prefill_started_us.load(Ordering::Relaxed);
+        std::time::Duration::from_micros(clock_micros().saturating_sub(started))
     }
 }
 
@@ -57,9 +79,15 @@ pub struct PendingPrefill {
 
 impl PendingPrefill {
     pub fn start(worker: &Arc<WorkerState>, tokens: usize) -> PendingPrefill {
+        if worker.load.own_pending() == 0 {
+            worker
+                .prefill_started_us
+                .store(clock_micros(), Ordering::Relaxed);
+        }
         worker
             .pending_prefill_tokens
             .fetch_add(tokens, Ordering::Relaxed);
+        worker.load.own_request(true, 1);
         PendingPrefill {
             worker: worker.clone(),
             tokens,
@@ -72,6 +100,11 @@ impl Drop for PendingPrefill {
         self.worker
             .pending_prefill_tokens
             .fetch_sub(self.tokens, Ordering::Relaxed);
+        self.worker.load.own_request(true, -1);
+        // The next pending prefill (if any) starts now.
+        self.worker
+            .prefill_started_us
+            .store(clock_micros(), Ordering::Relaxed);
     }
 }
 
@@ -82,6 +115,7 @@ pub struct InFlight(Arc<WorkerState>);
 impl InFlight {
     pub fn start(worker: &Arc<WorkerState>) -> InFlight {
         worker.in_flight.fetch_add(1, Ordering::Relaxed);
+        worker.load.own_request(false, 1);
         InFlight(worker.clone())
     }
 
@@ -93,6 +127,7 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.load.own_request(false, -1);
     }
 }
 
@@ -123,6 +158,7 @@ impl EndpointRegistry {
             socket,
             in_flight: AtomicUsize::new(0),
             pending_prefill_tokens: AtomicUsize::new(0),
+            prefill_started_us: AtomicU64::new(0),
             load: Arc::default(),
         });
         workers.insert(address.to_owned(), state.clone());

@@ -4,9 +4,12 @@
 //!                          + running_cost × running_requests
 //!
 //! where uncached tokens come from the prefix index (what the worker's KV cache already holds of
-//! this prompt), queued prefill is the larger of what this proxy has sent that has not produced
-//! a first token yet and the worker's reported waiting requests times the pool's average prefill,
-//! and running requests come from the worker's metrics. Staying on the cached worker is therefore
+//! this prompt), queued prefill is what this proxy has sent that has not produced a first token
+//! yet (less what the worker has done of it since it started on the oldest: prefill is first
+//! come, first served) plus the waiting requests of others (the worker's reported queue less this proxy's own, at
+//! the last scrape) times the pool's average prefill, and running requests are this proxy's
+//! decoding ones plus others' as last scraped. This proxy's own requests therefore count at once,
+//! not a scrape interval late, and several gateway replicas still see each other's load. Staying on the cached worker is therefore
 //! only worth it until its own backlog outweighs the prefill another worker would redo: cache
 //! affinity alone would hot-spot one worker. Workers within `tie_tolerance` of the best are tied
 //! and the one holding most of the prompt, then the one with fewest requests in flight, then a
@@ -99,7 +102,11 @@ pub fn decide(
     let running_cost = f64::from(scoring.running_request_micros) / 1e6;
     let tolerance = f64::from(scoring.tie_tolerance_micros) / 1e6;
     let block_size = pool.kv.index.block_size();
-    let average_prefill = pool.kv.prefill_tokens_average();
+    // Others' queued requests are as long as the pool's average prompt (this one's before any).
+    let average_prefill = match pool.kv.prefill_tokens_average() {
+        average if average > 0.0 => average,
+        _ => prompt_tokens as f64,
+    };
 
     let mut scores = Vec::with_capacity(pool.workers.len());
     for (position, worker) in pool.workers.iter().enumerate() {
@@ -112,15 +119,20 @@ pub fn decide(
             .map_or(0, |slot| overlap.depth(*slot));
         let cached_tokens = (matched_blocks as usize * block_size).min(prompt_tokens);
         let uncached_tokens = prompt_tokens - cached_tokens;
+        // This proxy's requests count live; a scrape adds only what they do not explain.
         let load = &worker.load;
-        let reported_queue = (load.waiting() as f64 * average_prefill) as usize;
-        let queued_tokens = worker.pending_prefill_tokens().max(reported_queue);
-        let in_flight = worker.in_flight();
-        let running = if load.scraped() {
-            load.running()
+        let others_queue = (load.others_waiting() as f64 * average_prefill) as usize;
+        // Prefill is first come, first served: what the worker did since it started on the
+        // oldest of ours is no longer queued.
+        let done = if prefill_cost > 0.0 {
+            (worker.prefill_elapsed().as_secs_f64() / prefill_cost) as usize
         } else {
-            in_flight as u64
+            0
         };
+        let queued_tokens = worker.pending_prefill_tokens().saturating_sub(done) + others_queue;
+        let in_flight = worker.in_flight();
+        let own_decoding = load.own_in_flight().saturating_sub(load.own_pending());
+        let running = own_decoding + load.others_running();
         let predicted_ttft_s =
             prefill_cost * (queued_tokens + uncached_tokens) as f64 + running_cost * running as f64;
         scores.push(WorkerScore {
@@ -256,6 +268,42 @@ mod tests {
         assert_ne!(spread.chosen, 1);
         assert_eq!(spread.outcome, Outcome::Spread);
         assert!(spread.explain(pool).contains("matched_blocks=99"));
+    }
+
+    #[test]
+    fn own_requests_count_at_once_and_a_scrape_adds_only_others() {
+        use crate::routing::InFlight;
+        let table = table();
+        let pool = table.pools().next().unwrap();
+        let lookup = overlap(pool, &[1, 2, 3, 4]);
+        // Worker 0 decodes two of ours, worker 1 prefills one of ours: no scrape needed.
+        let _a = InFlight::start(&pool.workers[0]);
+        let _b = InFlight::start(&pool.workers[0]);
+        let _c = InFlight::start(&pool.workers[1]);
+        let _c_prefill = PendingPrefill::start(&pool.workers[1], 500);
+        let decision = decide(pool, 4, &lookup, &[]).unwrap();
+        assert_eq!(
+            (decision.scores[0].running, decision.scores[0].queued_tokens),
+            (2, 0)
+        );
+        assert_eq!(
+            (decision.scores[1].running, decision.scores[1].queued_tokens),
+            (0, 500)
+        );
+        assert_eq!(decision.chosen, 2);
+        // Worker 2 reports requests this proxy did not send (another replica's): they count.
+        pool.workers[2].load.update_from_metrics(
+            "vllm:num_requests_waiting 4\nvllm:num_requests_running 6\n",
+            10,
+        );
+        let decision = decide(pool, 4, &lookup, &[]).unwrap();
+        assert_eq!(decision.scores[2].running, 6);
+        assert!(decision.scores[2].queued_tokens > 0);
+        // Worker 0 reports only ours: nothing is counted twice.
+        pool.workers[0]
+            .load
+            .update_from_metrics("vllm:num_requests_running 2\n", 10);
+        assert_eq!(decide(pool, 4, &lookup, &[]).unwrap().scores[0].running, 2);
     }
 
     #[test]
