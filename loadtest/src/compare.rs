@@ -85,6 +85,8 @@ pub struct RunConfig {
     /// KV blocks per worker (vLLM's null block included; `None`: the card's) and tokens per block.
     pub num_blocks: Option<usize>,
     pub block_size: usize,
+    /// Step-time multiplier per worker (`switchyard-sim --worker-speed`; empty: all 1).
+    pub worker_speed: Vec<f64>,
     /// A `vllm-router` executable, when one was found.
     pub vllm_router: Option<PathBuf>,
 }
@@ -209,6 +211,16 @@ fn start_sim(config: &RunConfig) -> anyhow::Result<Sim> {
             config
                 .num_blocks
                 .map(|blocks| ["--num-blocks".to_owned(), blocks.to_string()])
+                .into_iter()
+                .flatten(),
+        )
+        .args(
+            (!config.worker_speed.is_empty())
+                .then(|| {
+                    let speeds: Vec<String> =
+                        config.worker_speed.iter().map(f64::to_string).collect();
+                    ["--worker-speed".to_owned(), speeds.join(",")]
+                })
                 .into_iter()
                 .flatten(),
         )

@@ -7,6 +7,7 @@
 
 pub mod accounting;
 pub mod api;
+pub mod calibration;
 pub mod config;
 pub mod connection;
 pub mod control;

@@ -33,7 +33,7 @@ use crate::prompt::{self, PromptInfo};
 use crate::request;
 use crate::routing::{
     AuthFailure, Caller, Destination, InFlight, PendingPrefill, PoolRuntime, ProviderRuntime,
-    RoutingTable,
+    RoutingTable, WorkerState,
 };
 use crate::scorer::{self, Decision, Outcome};
 use crate::telemetry::{RequestSpan, Tracer};
@@ -169,6 +169,9 @@ pub struct Route {
     pub usage: UsageTap,
     /// When the first byte of the answer went to the client.
     pub first_byte: Option<Instant>,
+    /// The worker of this streamed attempt, the formula's TTFT for it and when the request went
+    /// out: its first token teaches the worker's calibration.
+    pub expected_ttft: Option<(Arc<WorkerState>, f64, Instant)>,
     /// Targets still to try, in order, when this one cannot be reached or answers 5xx before
     /// its first byte.
     pub fallbacks: Vec<ModelTarget>,
@@ -216,6 +219,7 @@ impl Route {
             self.reconnects = 0;
             self.current = None;
             self.pending = None;
+            self.expected_ttft = None;
             self.prediction = None;
             // The prompt was tokenized for the first pool; a fallback pool routes by queue.
             self.prompt = None;
@@ -1106,6 +1110,7 @@ impl Gateway {
             admission,
             usage: UsageTap::new(parsed.stream, strip_usage),
             first_byte: None,
+            expected_ttft: None,
             fallbacks,
             endpoint,
             parsed,
@@ -1167,6 +1172,12 @@ impl Gateway {
                     "in_flight": score.in_flight,
                     "healthy": score.healthy,
                     "predicted_ttft_ms": score.predicted_ttft_s * 1000.0,
+                    "formula_ttft_ms": score.formula_ttft_s * 1000.0,
+                    "learned_speed": {
+                        "observed_over_predicted": score.speed.ratio,
+                        "observations": score.speed.observations,
+                        "relative_to_pool": score.relative_speed,
+                    },
                 })
             })
             .collect();
@@ -1431,6 +1442,12 @@ impl ProxyHttp for Gateway {
             (None, None) => 0,
         };
         route.pending = Some(PendingPrefill::start(&worker, uncached));
+        route.expected_ttft = route
+            .decision
+            .as_ref()
+            .and_then(|d| d.scores.iter().find(|s| s.position == index))
+            .filter(|_| route.stream)
+            .map(|score| (worker.clone(), score.formula_ttft_s, Instant::now()));
         route.prediction = match (&route.prompt, pool.slots.get(index)) {
             (Some(prompt), Some(slot)) => Some(pool.kv.predictions.add(*slot, prompt.clone())),
             _ => None,
@@ -1647,6 +1664,11 @@ impl ProxyHttp for Gateway {
                     // vLLM streams nothing before the first token: the prefill is done, and the
                     // worker's queue no longer holds it (decoding is counted by `current`).
                     route.pending = None;
+                    if let Some((worker, formula, sent)) = route.expected_ttft.take()
+                        && ctx.status < 400
+                    {
+                        worker.ttft.observe(formula, sent.elapsed().as_secs_f64());
+                    }
                 }
                 *body = Some(route.usage.feed(chunk));
             }

@@ -22,6 +22,7 @@ use switchyard_snapshot::snapshot::{
 };
 use switchyard_snapshot::{ModelTarget, Pool, PoolId, Snapshot};
 
+use crate::calibration::TtftCalibration;
 use crate::kv::{KvRegistry, PoolKv, WorkerLoad};
 
 /// One worker as this proxy sees it.
@@ -39,6 +40,8 @@ pub struct WorkerState {
     prefill_started_us: AtomicU64,
     /// Queue as the worker's metrics report it.
     pub load: Arc<WorkerLoad>,
+    /// Observed against predicted time to first token, learned from this proxy's requests.
+    pub ttft: TtftCalibration,
 }
 
 /// Microseconds since the first call: a cheap monotonic clock shared by all workers.
@@ -160,6 +163,7 @@ impl EndpointRegistry {
             pending_prefill_tokens: AtomicUsize::new(0),
             prefill_started_us: AtomicU64::new(0),
             load: Arc::default(),
+            ttft: TtftCalibration::default(),
         });
         workers.insert(address.to_owned(), state.clone());
         state

@@ -1,25 +1,34 @@
 //! Choosing a worker by predicted time to first token.
 //!
-//! predicted_ttft(worker) = prefill_cost × (queued_prefill_tokens + uncached_prompt_tokens)
+//! formula(worker)        = prefill_cost × (queued_prefill_tokens + uncached_prompt_tokens)
 //!                          + running_cost × running_requests
+//! predicted_ttft(worker) = relative_speed(worker) × formula(worker)
 //!
-//! where uncached tokens come from the prefix index (what the worker's KV cache already holds of
-//! this prompt), queued prefill is what this proxy has sent that has not produced a first token
-//! yet (less what the worker has done of it since it started on the oldest: prefill is first
-//! come, first served) plus the waiting requests of others (the worker's reported queue less this proxy's own, at
-//! the last scrape) times the pool's average prefill, and running requests are this proxy's
-//! decoding ones plus others' as last scraped. This proxy's own requests therefore count at once,
-//! not a scrape interval late, and several gateway replicas still see each other's load. Staying on the cached worker is therefore
-//! only worth it until its own backlog outweighs the prefill another worker would redo: cache
-//! affinity alone would hot-spot one worker. Workers within `tie_tolerance` of the best are tied
-//! and the one holding most of the prompt, then the one with fewest requests in flight, then a
-//! random one wins: load spreads where the cache does not decide.
+//! - Uncached tokens come from the prefix index: what the worker's KV cache already holds of
+//!   this prompt.
+//! - Queued prefill is what this proxy has sent that has not produced a first token yet, less
+//!   what the worker has done of it since it started on the oldest (prefill is first come, first
+//!   served), plus the waiting requests of others (the worker's reported queue less this proxy's
+//!   own, at the last scrape) times the pool's average prefill.
+//! - Running requests are this proxy's decoding ones plus others' as last scraped. This proxy's
+//!   own requests therefore count at once, not a scrape interval late, and several gateway
+//!   replicas still see each other's load.
+//! - The relative speed is learned per worker from observed first tokens, relative to the pool's
+//!   median worker ([`crate::calibration`]): a worker slower than the rest is predicted slower;
+//!   an error all workers share cancels out.
+//!
+//! Staying on the cached worker is therefore only worth it until its own backlog outweighs the
+//! prefill another worker would redo: cache affinity alone would hot-spot one worker. Workers
+//! within `tie_tolerance` of the best are tied and the one holding most of the prompt, then the
+//! one with fewest requests in flight, then a random one wins: load spreads where the cache does
+//! not decide.
 
 use std::fmt::Write;
 
 use rand::Rng;
 use switchyard_kv::index::Overlap;
 
+use crate::calibration::{Speed, median_ratio};
 use crate::routing::PoolRuntime;
 
 /// One worker's numbers for one request.
@@ -34,6 +43,12 @@ pub struct WorkerScore {
     pub running: u64,
     pub in_flight: usize,
     pub healthy: bool,
+    /// The formula's prediction (pool coefficients), before the worker's learned speed.
+    pub formula_ttft_s: f64,
+    /// The worker's learned speed (observed over predicted TTFT).
+    pub speed: Speed,
+    /// That speed relative to the pool's median worker: predicted = relative × formula.
+    pub relative_speed: f64,
     pub predicted_ttft_s: f64,
 }
 
@@ -75,7 +90,7 @@ impl Decision {
         for score in &self.scores {
             let _ = write!(
                 out,
-                "; {} matched_blocks={} cached_tokens={} queued_tokens={} running={} in_flight={} healthy={} predicted_ttft_ms={:.1}",
+                "; {} matched_blocks={} cached_tokens={} queued_tokens={} running={} in_flight={} healthy={} predicted_ttft_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
                 address(score.position),
                 score.matched_blocks,
                 score.cached_tokens,
@@ -83,7 +98,9 @@ impl Decision {
                 score.running,
                 score.in_flight,
                 score.healthy,
-                score.predicted_ttft_s * 1000.0
+                score.predicted_ttft_s * 1000.0,
+                score.formula_ttft_s * 1000.0,
+                score.relative_speed
             );
         }
         out
@@ -108,6 +125,7 @@ pub fn decide(
         _ => prompt_tokens as f64,
     };
 
+    let median = median_ratio(pool.workers.iter().map(|w| w.ttft.speed()));
     let mut scores = Vec::with_capacity(pool.workers.len());
     for (position, worker) in pool.workers.iter().enumerate() {
         if exclude.contains(&position) || worker.socket.is_none() {
@@ -124,8 +142,10 @@ pub fn decide(
         let others_queue = (load.others_waiting() as f64 * average_prefill) as usize;
         // Prefill is first come, first served: what the worker did since it started on the
         // oldest of ours is no longer queued.
+        let speed = worker.ttft.speed();
+        let relative_speed = speed.relative_to(median);
         let done = if prefill_cost > 0.0 {
-            (worker.prefill_elapsed().as_secs_f64() / prefill_cost) as usize
+            (worker.prefill_elapsed().as_secs_f64() / (prefill_cost * relative_speed)) as usize
         } else {
             0
         };
@@ -133,8 +153,9 @@ pub fn decide(
         let in_flight = worker.in_flight();
         let own_decoding = load.own_in_flight().saturating_sub(load.own_pending());
         let running = own_decoding + load.others_running();
-        let predicted_ttft_s =
+        let formula_ttft_s =
             prefill_cost * (queued_tokens + uncached_tokens) as f64 + running_cost * running as f64;
+        let predicted_ttft_s = relative_speed * formula_ttft_s;
         scores.push(WorkerScore {
             position,
             matched_blocks,
@@ -144,6 +165,9 @@ pub fn decide(
             running,
             in_flight,
             healthy: load.healthy(),
+            formula_ttft_s,
+            speed,
+            relative_speed,
             predicted_ttft_s,
         });
     }
@@ -304,6 +328,31 @@ mod tests {
             .load
             .update_from_metrics("vllm:num_requests_running 2\n", 10);
         assert_eq!(decide(pool, 4, &lookup, &[]).unwrap().scores[0].running, 2);
+    }
+
+    #[test]
+    fn a_worker_learned_to_be_slow_gets_less_of_the_work() {
+        let table = table();
+        let pool = table.pools().next().unwrap();
+        let lookup = overlap(pool, &[1, 2, 3, 4]);
+        // Worker 0 turned out 1.5x slower than the others on its recent first tokens.
+        for i in 0..60 {
+            let formula = 0.1 + 0.01 * f64::from(i);
+            pool.workers[0].ttft.observe(formula, 1.5 * formula);
+            pool.workers[1].ttft.observe(formula, formula);
+            pool.workers[2].ttft.observe(formula, formula);
+        }
+        // Both other workers have one prompt of ours queued; worker 0 a shorter one, which is
+        // still slower there.
+        let _a = PendingPrefill::start(&pool.workers[0], 1_200);
+        let _b = PendingPrefill::start(&pool.workers[1], 1_500);
+        let _c = PendingPrefill::start(&pool.workers[2], 1_500);
+        let decision = decide(pool, 4, &lookup, &[]).unwrap();
+        assert_ne!(decision.chosen, 0, "{:?}", decision.scores);
+        let slow = &decision.scores[0];
+        assert!((slow.relative_speed - 1.5).abs() < 0.05, "{slow:?}");
+        assert!(slow.predicted_ttft_s > slow.formula_ttft_s);
+        assert!(decision.explain(pool).contains("relative_speed=1.50"));
     }
 
     #[test]

@@ -30,15 +30,19 @@ fn chat(model: &str, system: &str, question: &str) -> Value {
 
 /// The routing the proxy would do for `body`, without sending it.
 async fn explain(proxy: &Proxy, body: &Value) -> Value {
-    let response = reqwest::Client::new()
-        .post(format!(
-            "{}/debug/route/v1/chat/completions",
-            proxy.admin_url()
-        ))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
+    explain_with_key(proxy, None, body).await
+}
+
+/// [`explain`] as the tenant of `key`, when given.
+async fn explain_with_key(proxy: &Proxy, key: Option<&str>, body: &Value) -> Value {
+    let mut request = reqwest::Client::new().post(format!(
+        "{}/debug/route/v1/chat/completions",
+        proxy.admin_url()
+    ));
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    let response = request.json(body).send().await.unwrap();
     assert_eq!(response.status(), 200);
     response.json().await.unwrap()
 }
@@ -478,22 +482,6 @@ async fn a_streamed_requests_prefill_leaves_the_queue_at_its_first_token() {
     while stream.next().await.is_some() {}
 }
 
-/// [`explain`] as the tenant of `key`.
-async fn explain_as(proxy: &Proxy, key: &str, body: &Value) -> Value {
-    let response = reqwest::Client::new()
-        .post(format!(
-            "{}/debug/route/v1/chat/completions",
-            proxy.admin_url()
-        ))
-        .bearer_auth(key)
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    response.json().await.unwrap()
-}
-
 /// Send as the tenant of `key`; returns the prompt tokens the worker found cached.
 async fn cached_tokens_as(proxy: &Proxy, key: &str, body: &Value) -> u64 {
     let response = reqwest::Client::new()
@@ -543,7 +531,7 @@ async fn an_isolated_tenant_keeps_its_cache_to_itself_and_routing_stays_cache_aw
     assert_eq!(cached_tokens_as(&proxy, "key-private", &prompt).await, 0);
     let deadline = Instant::now() + Duration::from_secs(20);
     while matched(
-        &explain_as(&proxy, "key-private", &prompt).await,
+        &explain_with_key(&proxy, Some("key-private"), &prompt).await,
         &worker.http,
     ) < 10
     {
@@ -559,7 +547,7 @@ async fn an_isolated_tenant_keeps_its_cache_to_itself_and_routing_stays_cache_aw
     // explanation nor hits it on the worker (no timing signal either).
     assert_eq!(
         matched(
-            &explain_as(&proxy, "key-other", &prompt).await,
+            &explain_with_key(&proxy, Some("key-other"), &prompt).await,
             &worker.http
         ),
         0

@@ -51,6 +51,29 @@ fn closes(raw: &str) -> bool {
 
 const LONG: Duration = Duration::from_secs(30);
 
+/// Send `start`, then one more header byte every 200 ms for as long as the connection takes
+/// them; everything the proxy answered before it closed (within [`LONG`]).
+async fn drip(proxy: &Proxy, start: &[u8]) -> String {
+    let mut stream = connect(proxy).await;
+    stream.write_all(start).await.unwrap();
+    let (mut reader, mut writer) = stream.into_split();
+    let dripping = tokio::spawn(async move {
+        for _ in 0..150 {
+            if writer.write_all(b"a").await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    let mut raw = Vec::new();
+    tokio::time::timeout(LONG, reader.read_to_end(&mut raw))
+        .await
+        .expect("a dripping head must not hold the connection")
+        .ok();
+    dripping.abort();
+    String::from_utf8_lossy(&raw).into_owned()
+}
+
 #[tokio::test]
 async fn malformed_heads_get_api_errors_and_the_connection_closes() {
     let (_worker, proxy) = one_worker_proxy("w1", "m", &["m"], &[]).await;
@@ -139,27 +162,7 @@ async fn slow_heads_stalled_bodies_and_idle_connections_are_closed() {
     .await;
 
     // One header byte every 200 ms: the head deadline holds although every read makes progress.
-    let mut stream = connect(&proxy).await;
-    stream
-        .write_all(b"POST /v1/messages HTTP/1.1\r\nx-slow: ")
-        .await
-        .unwrap();
-    let (mut reader, mut writer) = stream.into_split();
-    let drip = tokio::spawn(async move {
-        for _ in 0..150 {
-            if writer.write_all(b"a").await.is_err() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    });
-    let mut raw = Vec::new();
-    tokio::time::timeout(LONG, reader.read_to_end(&mut raw))
-        .await
-        .expect("a dripping head must not hold the connection")
-        .ok();
-    drip.abort();
-    let raw = String::from_utf8_lossy(&raw);
+    let raw = drip(&proxy, b"POST /v1/messages HTTP/1.1\r\nx-slow: ").await;
     let (status, body) = answer(&raw);
     assert_eq!(status, 408, "{raw}");
     assert_eq!(body["type"], "error", "Anthropic shape: {raw}");
@@ -189,27 +192,11 @@ async fn slow_heads_stalled_bodies_and_idle_connections_are_closed() {
     assert_eq!(raw.matches("HTTP/1.1").count(), 1, "{raw}");
 
     // The next head on a kept-alive connection has a deadline too.
-    let mut stream = connect(&proxy).await;
-    stream
-        .write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\nGET /health HTTP/1.1\r\nx-slow: ")
-        .await
-        .unwrap();
-    let (mut reader, mut writer) = stream.into_split();
-    let drip = tokio::spawn(async move {
-        for _ in 0..150 {
-            if writer.write_all(b"a").await.is_err() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    });
-    let mut raw = Vec::new();
-    tokio::time::timeout(LONG, reader.read_to_end(&mut raw))
-        .await
-        .expect("a dripping second head must not hold the connection")
-        .ok();
-    drip.abort();
-    let raw = String::from_utf8_lossy(&raw);
+    let raw = drip(
+        &proxy,
+        b"GET /health HTTP/1.1\r\nhost: x\r\n\r\nGET /health HTTP/1.1\r\nx-slow: ",
+    )
+    .await;
     assert_eq!(raw.matches("HTTP/1.1 200").count(), 1, "{raw}");
 }
 

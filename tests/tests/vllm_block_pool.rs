@@ -162,7 +162,7 @@ impl SimReplay {
             }
             "cache_full_blocks" => {
                 let blocks = self.held.get(&req).cloned().unwrap_or_default();
-                self.cache.cache_full_blocks_salted(
+                self.cache.cache_full_blocks(
                     &blocks,
                     &self.hashes[&req],
                     &self.tokens[&req],

@@ -129,6 +129,10 @@ struct CompareArgs {
     /// hashes agree (64 is vLLM's default and the pool's).
     #[arg(long, default_value_t = 64)]
     block_size: usize,
+    /// A heterogeneous fleet: step-time multiplier per simulated worker, the last repeating
+    /// (`1,1,1.5`: the third worker is 1.5x slower).
+    #[arg(long, value_delimiter = ',')]
+    worker_speed: Vec<f64>,
     /// Results as JSON.
     #[arg(long, default_value = "bench-results/compare.json")]
     json: PathBuf,
@@ -421,6 +425,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 gpu: args.gpu,
                 num_blocks: args.num_blocks,
                 block_size: args.block_size,
+                worker_speed: args.worker_speed.clone(),
                 vllm_router: vllm_router.clone(),
             };
             runs.push((config, conversations));
@@ -454,10 +459,17 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
         let output_tokens_mean = weighted(|r| r.output_tokens_mean);
         compare::print_table(
             &format!(
-                "{} ({} requests, {arrival_text}, {} workers, seeds {seeds_text}; prompts {prompt_tokens_mean:.0} tokens on average with the chat template (usage.prompt_tokens), outputs {output_tokens_mean:.1})",
+                "{} ({} requests, {arrival_text}, {} workers{}, seeds {seeds_text}; prompts {prompt_tokens_mean:.0} tokens on average with the chat template (usage.prompt_tokens), outputs {output_tokens_mean:.1})",
                 kind.name(),
                 args.requests,
                 args.workers,
+                if args.worker_speed.is_empty() {
+                    String::new()
+                } else {
+                    let speeds: Vec<String> =
+                        args.worker_speed.iter().map(f64::to_string).collect();
+                    format!(" (step time x{})", speeds.join(","))
+                },
             ),
             &summaries,
         );

@@ -494,7 +494,7 @@ impl Engine {
         }
         let full = ((sequence.computed + tokens).min(sequence.tokens.len()) / size)
             .min(sequence.block_hashes.len());
-        self.cache.cache_full_blocks_salted(
+        self.cache.cache_full_blocks(
             &sequence.blocks,
             &sequence.block_hashes,
             &sequence.tokens,

@@ -236,22 +236,11 @@ impl KvCache {
 
     /// Cache `blocks[num_cached..num_full]` of a request whose chained block hashes are
     /// `hashes` and whose tokens are `tokens`, and queue one `BlockStored` for them
-    /// (`cache_full_blocks`). No check for an identical block cached already.
+    /// (`cache_full_blocks`). No check for an identical block cached already. A request with a
+    /// `cache_salt` has it listed in the first block's extra keys of the event that starts at
+    /// token 0, as vLLM publishes them (`to_event_extra_keys`: one entry per block, the bare salt,
+    /// `None` for unsalted blocks).
     pub fn cache_full_blocks(
-        &mut self,
-        blocks: &[BlockId],
-        hashes: &[ExternalBlockHash],
-        tokens: &[u32],
-        num_cached: usize,
-        num_full: usize,
-    ) {
-        self.cache_full_blocks_salted(blocks, hashes, tokens, num_cached, num_full, None);
-    }
-
-    /// [`KvCache::cache_full_blocks`] for a request with a `cache_salt`: the `BlockStored` that
-    /// starts at token 0 lists it in its first block's extra keys, as vLLM publishes them
-    /// (`to_event_extra_keys`: one entry per block, the bare salt, `None` for unsalted blocks).
-    pub fn cache_full_blocks_salted(
         &mut self,
         blocks: &[BlockId],
         hashes: &[ExternalBlockHash],
@@ -448,8 +437,8 @@ pub(crate) mod tests {
         };
         let a = salted(&cache, Some("a"));
         let blocks = cache.get_new_blocks(a.len()).unwrap();
-        cache.cache_full_blocks_salted(&blocks, &a, &tokens, 0, 2, Some("a"));
-        cache.cache_full_blocks_salted(&blocks, &a, &tokens, 2, 3, Some("a"));
+        cache.cache_full_blocks(&blocks, &a, &tokens, 0, 2, Some("a"));
+        cache.cache_full_blocks(&blocks, &a, &tokens, 2, 3, Some("a"));
         assert_eq!(cache.longest_cache_hit(&a).len(), 3);
         assert!(
             cache
@@ -487,7 +476,7 @@ pub(crate) mod tests {
     fn fill(cache: &mut KvCache, tokens: &[u32]) -> Vec<BlockId> {
         let hashes = cache.hashes_of(tokens);
         let blocks = cache.get_new_blocks(hashes.len()).unwrap();
-        cache.cache_full_blocks(&blocks, &hashes, tokens, 0, hashes.len());
+        cache.cache_full_blocks(&blocks, &hashes, tokens, 0, hashes.len(), None);
         blocks
     }
 
@@ -546,7 +535,7 @@ pub(crate) mod tests {
         let blocks = cache.get_new_blocks(5).unwrap();
         // Blocks 1 and 2 cached, 3, 4 and 5 partial (no hash); freed tail first.
         let tokens: Vec<u32> = (0..8).collect();
-        cache.cache_full_blocks(&blocks, &cache.hashes_of(&tokens), &tokens, 0, 2);
+        cache.cache_full_blocks(&blocks, &cache.hashes_of(&tokens), &tokens, 0, 2, None);
         cache.free_blocks(blocks.iter().rev().copied());
         assert_eq!(cache.free_queue(), vec![5, 4, 3, 2, 1]);
     }
