@@ -87,6 +87,8 @@ pub struct RunConfig {
     pub block_size: usize,
     /// Step-time multiplier per worker (`switchyard-sim --worker-speed`; empty: all 1).
     pub worker_speed: Vec<f64>,
+    /// Switchyard's pool learns each worker's relative speed (`scoring.learnWorkerSpeed`).
+    pub learn_worker_speed: bool,
     /// A `vllm-router` executable, when one was found.
     pub vllm_router: Option<PathBuf>,
 }
@@ -275,10 +277,11 @@ async fn start_router(
                 })
                 .collect();
             let yaml = format!(
-                "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  loadBalancing: {policy}\n  blockSize: {block_size}\n  scrapeIntervalMs: 100\n  endpoints: [{endpoints}]\n---\n\
+                "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  loadBalancing: {policy}\n  blockSize: {block_size}\n  scrapeIntervalMs: 100\n  scoring: {{learnWorkerSpeed: {learn}}}\n  endpoints: [{endpoints}]\n---\n\
                  apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: bench}}\nspec:\n  modelName: \"{model}\"\n  targets: [{{pool: sim}}]\n",
                 model = sim.model,
                 block_size = config.block_size,
+                learn = config.learn_worker_speed,
                 endpoints = endpoints.join(", ")
             );
             let path = dir.join(format!("{}.yaml", router.name()));

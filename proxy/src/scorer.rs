@@ -13,9 +13,9 @@
 //! - Running requests are this proxy's decoding ones plus others' as last scraped. This proxy's
 //!   own requests therefore count at once, not a scrape interval late, and several gateway
 //!   replicas still see each other's load.
-//! - The relative speed is learned per worker from observed first tokens, relative to the pool's
-//!   median worker ([`crate::calibration`]): a worker slower than the rest is predicted slower;
-//!   an error all workers share cancels out.
+//! - The relative speed (pools with `scoring.learnWorkerSpeed`, else 1) is learned per worker
+//!   from observed first tokens, relative to the pool's median worker ([`crate::calibration`]):
+//!   a worker slower than the rest is predicted slower; an error all workers share cancels out.
 //!
 //! Staying on the cached worker is therefore only worth it until its own backlog outweighs the
 //! prefill another worker would redo: cache affinity alone would hot-spot one worker. Workers
@@ -125,7 +125,11 @@ pub fn decide(
         _ => prompt_tokens as f64,
     };
 
-    let median = median_ratio(pool.workers.iter().map(|w| w.ttft.speed()));
+    let median = if scoring.learn_worker_speed {
+        median_ratio(pool.workers.iter().map(|w| w.ttft.speed()))
+    } else {
+        None
+    };
     let mut scores = Vec::with_capacity(pool.workers.len());
     for (position, worker) in pool.workers.iter().enumerate() {
         if exclude.contains(&position) || worker.socket.is_none() {
@@ -234,9 +238,16 @@ mod tests {
     use crate::routing::{EndpointRegistry, PendingPrefill, RoutingTable};
 
     fn table() -> RoutingTable {
-        let yaml = "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {name: p}\n\
-                    spec: {model: m, blockSize: 4, endpoints: [\"127.0.0.1:1\", \"127.0.0.1:2\", \"127.0.0.1:3\"]}\n";
-        let snapshot = switchyard_snapshot::load_str("test", yaml).unwrap();
+        table_with("")
+    }
+
+    /// A pool of three workers, with `extra` added to its spec.
+    fn table_with(extra: &str) -> RoutingTable {
+        let yaml = format!(
+            "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: p}}\n\
+             spec: {{model: m, blockSize: 4, endpoints: [\"127.0.0.1:1\", \"127.0.0.1:2\", \"127.0.0.1:3\"]{extra}}}\n"
+        );
+        let snapshot = switchyard_snapshot::load_str("test", &yaml).unwrap();
         RoutingTable::build(
             Arc::new(snapshot),
             &EndpointRegistry::default(),
@@ -332,7 +343,7 @@ mod tests {
 
     #[test]
     fn a_worker_learned_to_be_slow_gets_less_of_the_work() {
-        let table = table();
+        let table = table_with(", scoring: {learnWorkerSpeed: true}");
         let pool = table.pools().next().unwrap();
         let lookup = overlap(pool, &[1, 2, 3, 4]);
         // Worker 0 turned out 1.5x slower than the others on its recent first tokens.
@@ -353,6 +364,17 @@ mod tests {
         assert!((slow.relative_speed - 1.5).abs() < 0.05, "{slow:?}");
         assert!(slow.predicted_ttft_s > slow.formula_ttft_s);
         assert!(decision.explain(pool).contains("relative_speed=1.50"));
+
+        // Without the pool setting the speed is observed (explain shows it) but not used.
+        let plain = super::tests::table();
+        let pool = plain.pools().next().unwrap();
+        for _ in 0..10 {
+            pool.workers[0].ttft.observe(0.5, 0.75);
+            pool.workers[1].ttft.observe(0.5, 0.5);
+        }
+        let decision = decide(pool, 4, &lookup, &[]).unwrap();
+        assert_eq!(decision.scores[0].relative_speed, 1.0);
+        assert!(decision.scores[0].speed.known());
     }
 
     #[test]

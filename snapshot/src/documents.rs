@@ -129,6 +129,11 @@ pub struct ScoringSpec {
     /// Workers predicted within this much of the best are treated as tied and load is spread.
     #[serde(default = "default_tie_micros")]
     pub tie_tolerance_micros: u32,
+    /// Learn each worker's speed relative to the pool from its observed first tokens and scale
+    /// its predictions by it (for fleets of unequal cards). Off by default: on equal workers it
+    /// measured worse (the learned differences follow the traffic mix, not the hardware).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub learn_worker_speed: bool,
 }
 
 fn default_prefill_micros() -> u32 {
@@ -147,6 +152,7 @@ impl Default for ScoringSpec {
             prefill_micros_per_token: default_prefill_micros(),
             running_request_micros: default_running_micros(),
             tie_tolerance_micros: default_tie_micros(),
+            learn_worker_speed: false,
         }
     }
 }

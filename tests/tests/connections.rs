@@ -291,77 +291,55 @@ async fn connections_beyond_the_per_client_limit_are_refused() {
     );
 }
 
+/// What `base` serves of the operator's surface: `/metrics` status and whether it lists the
+/// connection gauge, `/debug/route` status, and whether explain output comes back.
+async fn operator_surface(base: &str) -> (u16, bool, u16, bool) {
+    let http = reqwest::Client::new();
+    let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+    let metrics = http.get(format!("{base}/metrics")).send().await.unwrap();
+    let metrics_status = metrics.status().as_u16();
+    let gauge = metrics
+        .text()
+        .await
+        .unwrap()
+        .contains("switchyard_open_connections");
+    let debug = http
+        .post(format!("{base}/debug/route/v1/chat/completions"))
+        .json(&chat)
+        .send()
+        .await
+        .unwrap();
+    let explained = http
+        .post(format!("{base}/v1/chat/completions"))
+        .header("x-switchyard-explain", "1")
+        .json(&chat)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(explained.status(), 200);
+    let route = explained.headers().get("x-switchyard-route").is_some();
+    (metrics_status, gauge, debug.status().as_u16(), route)
+}
+
 #[tokio::test]
 async fn the_operator_surface_is_only_on_the_admin_listener() {
     let (_worker, proxy) = one_worker_proxy("w1", "m", &["m"], &[]).await;
-    let http = reqwest::Client::new();
-    let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
-
     // Tenants' listener: no metrics, no debug route, explain ignored.
-    let metrics = http
-        .get(format!("{}/metrics", proxy.url()))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(metrics.status(), 404);
-    let debug = http
-        .post(format!("{}/debug/route/v1/chat/completions", proxy.url()))
-        .json(&chat)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(debug.status(), 404);
-    let explained = http
-        .post(format!("{}/v1/chat/completions", proxy.url()))
-        .header("x-switchyard-explain", "1")
-        .json(&chat)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(explained.status(), 200);
-    assert!(explained.headers().get("x-switchyard-route").is_none());
-
-    // Admin listener: all three.
-    let metrics = http
-        .get(format!("{}/metrics", proxy.admin_url()))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(metrics.status(), 200);
-    assert!(
-        metrics
-            .text()
-            .await
-            .unwrap()
-            .contains("switchyard_open_connections")
+    assert_eq!(
+        operator_surface(&proxy.url()).await,
+        (404, false, 404, false)
     );
-    let debug = http
-        .post(format!(
-            "{}/debug/route/v1/chat/completions",
-            proxy.admin_url()
-        ))
-        .json(&chat)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(debug.status(), 200);
-    let explained = http
-        .post(format!("{}/v1/chat/completions", proxy.admin_url()))
-        .header("x-switchyard-explain", "1")
-        .json(&chat)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(explained.status(), 200);
-    assert!(explained.headers().get("x-switchyard-route").is_some());
+    // Admin listener: all three.
+    assert_eq!(
+        operator_surface(&proxy.admin_url()).await,
+        (200, true, 200, true)
+    );
 
     // Opting in serves them on the one listener.
     let (_worker, single) =
         one_worker_proxy("w2", "m", &["m"], &["--admin-on-main-listener"]).await;
-    let metrics = http
-        .get(format!("{}/metrics", single.url()))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(metrics.status(), 200);
+    assert_eq!(
+        operator_surface(&single.url()).await,
+        (200, true, 200, true)
+    );
 }

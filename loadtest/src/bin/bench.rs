@@ -133,6 +133,10 @@ struct CompareArgs {
     /// (`1,1,1.5`: the third worker is 1.5x slower).
     #[arg(long, value_delimiter = ',')]
     worker_speed: Vec<f64>,
+    /// Switchyard's pool learns each worker's speed relative to the pool
+    /// (`scoring.learnWorkerSpeed`, off by default).
+    #[arg(long)]
+    learn_worker_speed: bool,
     /// Results as JSON.
     #[arg(long, default_value = "bench-results/compare.json")]
     json: PathBuf,
@@ -426,6 +430,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 num_blocks: args.num_blocks,
                 block_size: args.block_size,
                 worker_speed: args.worker_speed.clone(),
+                learn_worker_speed: args.learn_worker_speed,
                 vllm_router: vllm_router.clone(),
             };
             runs.push((config, conversations));
