@@ -29,6 +29,13 @@ async fn connect(proxy: &Proxy) -> TcpStream {
     TcpStream::connect(("127.0.0.1", proxy.port)).await.unwrap()
 }
 
+/// Write `request` on a new connection and read everything until the proxy closes it.
+async fn exchange(proxy: &Proxy, request: &[u8]) -> String {
+    let mut stream = connect(proxy).await;
+    stream.write_all(request).await.unwrap();
+    read_to_close(&mut stream, LONG).await
+}
+
 /// Status and JSON body of the one answer in `raw`.
 fn answer(raw: &str) -> (u16, Value) {
     let status = raw
@@ -114,14 +121,7 @@ async fn malformed_heads_get_api_errors_and_the_connection_closes() {
     assert_eq!(body["error"]["code"], "request_header_too_large", "{raw}");
 
     // Conflicting Content-Length: 400, Anthropic shape on /v1/messages.
-    let mut stream = connect(&proxy).await;
-    stream
-        .write_all(
-            b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ncontent-length: 7\r\n\r\n{}",
-        )
-        .await
-        .unwrap();
-    let raw = read_to_close(&mut stream, LONG).await;
+    let raw = exchange(&proxy, b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ncontent-length: 7\r\n\r\n{}").await;
     let (status, body) = answer(&raw);
     assert_eq!(status, 400, "{raw}");
     assert_eq!(body["error"]["type"], "invalid_request_error", "{raw}");
@@ -168,26 +168,14 @@ async fn slow_heads_stalled_bodies_and_idle_connections_are_closed() {
     assert_eq!(body["type"], "error", "Anthropic shape: {raw}");
 
     // A body that stops halfway: 408 and closed.
-    let mut stream = connect(&proxy).await;
-    stream
-        .write_all(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\":",
-        )
-        .await
-        .unwrap();
-    let raw = read_to_close(&mut stream, LONG).await;
+    let raw = exchange(&proxy, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\":").await;
     let (status, body) = answer(&raw);
     assert_eq!(status, 408, "{raw}");
     assert_eq!(body["error"]["code"], "request_timeout", "{raw}");
     assert!(closes(&raw), "{raw}");
 
     // A kept-alive connection that goes quiet after one answer is closed.
-    let mut stream = connect(&proxy).await;
-    stream
-        .write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-        .await
-        .unwrap();
-    let raw = read_to_close(&mut stream, LONG).await;
+    let raw = exchange(&proxy, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n").await;
     assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
     assert_eq!(raw.matches("HTTP/1.1").count(), 1, "{raw}");
 
@@ -206,14 +194,7 @@ async fn framing_errors_close_and_pipelined_requests_are_all_answered() {
 
     // A bad chunk size: 400, closed, and the request behind it on the same connection is not
     // taken from the broken stream.
-    let mut stream = connect(&proxy).await;
-    stream
-        .write_all(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\nZZ\r\nab\r\n0\r\n\r\nGET /health HTTP/1.1\r\nhost: x\r\n\r\n",
-        )
-        .await
-        .unwrap();
-    let raw = read_to_close(&mut stream, LONG).await;
+    let raw = exchange(&proxy, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\nZZ\r\nab\r\n0\r\n\r\nGET /health HTTP/1.1\r\nhost: x\r\n\r\n").await;
     let (status, body) = answer(&raw);
     assert_eq!(status, 400, "{raw}");
     assert_eq!(body["error"]["type"], "invalid_request_error", "{raw}");
