@@ -47,12 +47,7 @@ pub fn block_hash(parent: Option<SequenceHash>, salt: &[u8], tokens: &[u32]) -> 
 
 /// Sequence hashes of every full block of `tokens`; a trailing partial block is not hashed.
 pub fn sequence_hashes(tokens: &[u32], block_size: usize) -> Vec<SequenceHash> {
-    sequence_hashes_salted(tokens, block_size, &[])
-}
-
-/// [`sequence_hashes`] with a salt mixed into every block.
-pub fn sequence_hashes_salted(tokens: &[u32], block_size: usize, salt: &[u8]) -> Vec<SequenceHash> {
-    sequence_hashes_keyed(tokens, block_size, salt, None)
+    sequence_hashes_keyed(tokens, block_size, &[], None)
 }
 
 /// The salt of a sequence's first block under vLLM's per-request `cache_salt`: vLLM adds the salt
@@ -65,7 +60,8 @@ pub fn first_block_salt(salt: &[u8], cache_salt: &str) -> Vec<u8> {
     first
 }
 
-/// [`sequence_hashes_salted`] for a request that carries a `cache_salt` (see [`first_block_salt`]).
+/// [`sequence_hashes`] with `salt` mixed into every block (a LoRA adapter's name) and, for a
+/// request that carries a `cache_salt`, that salt keying the first block (see [`first_block_salt`]).
 pub fn sequence_hashes_keyed(
     tokens: &[u32],
     block_size: usize,

@@ -39,6 +39,16 @@ pub struct Speed {
     pub observations: u64,
 }
 
+impl Default for Speed {
+    /// Nothing learned: as the formula says.
+    fn default() -> Self {
+        Speed {
+            ratio: 1.0,
+            observations: 0,
+        }
+    }
+}
+
 impl Speed {
     /// Whether enough has been seen for the ratio to count.
     pub fn known(&self) -> bool {
@@ -73,20 +83,9 @@ pub fn median_ratio(speeds: impl Iterator<Item = Speed>) -> Option<f64> {
 }
 
 /// One worker's calibration.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct TtftCalibration {
     speed: Mutex<Speed>,
-}
-
-impl Default for TtftCalibration {
-    fn default() -> Self {
-        TtftCalibration {
-            speed: Mutex::new(Speed {
-                ratio: 1.0,
-                observations: 0,
-            }),
-        }
-    }
 }
 
 impl TtftCalibration {

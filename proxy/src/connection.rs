@@ -151,11 +151,6 @@ impl<A> Guarded<A> {
             open: OpenConnections::default(),
         }
     }
-
-    /// Client connections open now.
-    pub fn open_connections(&self) -> usize {
-        self.open.total.load(Ordering::Relaxed)
-    }
 }
 
 #[async_trait]

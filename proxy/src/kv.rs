@@ -267,9 +267,10 @@ impl KvRegistry {
 pub struct WorkerLoad {
     waiting: AtomicU64,
     running: AtomicU64,
-    /// This proxy's requests at the worker, and those of them still before their first token.
-    own_in_flight: AtomicU64,
-    own_pending: AtomicU64,
+    /// This proxy's requests at the worker, and those of them still before their first token
+    /// (counted by the `InFlight` and `PendingPrefill` guards of `routing`).
+    pub(crate) own_in_flight: AtomicU64,
+    pub(crate) own_pending: AtomicU64,
     /// The last scrape's requests beyond this proxy's own: queued, and being served.
     others_waiting: AtomicU64,
     others_running: AtomicU64,
@@ -301,19 +302,6 @@ impl WorkerLoad {
     /// This proxy's requests at the worker that have not produced a first token yet.
     pub fn own_pending(&self) -> u64 {
         self.own_pending.load(Ordering::Relaxed)
-    }
-    /// Count one of this proxy's requests (`pending`: before its first token) in or out.
-    pub(crate) fn own_request(&self, pending: bool, delta: i64) {
-        let counter = if pending {
-            &self.own_pending
-        } else {
-            &self.own_in_flight
-        };
-        if delta >= 0 {
-            counter.fetch_add(delta as u64, Ordering::Relaxed);
-        } else {
-            counter.fetch_sub(delta.unsigned_abs(), Ordering::Relaxed);
-        }
     }
     pub fn kv_usage(&self) -> f64 {
         f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed))
@@ -707,10 +695,8 @@ mod tests {
             format!("vllm:num_requests_waiting {waiting}\nvllm:num_requests_running {running}\n")
         };
         // Three of ours: one still before its first token, two decoding.
-        for _ in 0..3 {
-            load.own_request(false, 1);
-        }
-        load.own_request(true, 1);
+        load.own_in_flight.fetch_add(3, Ordering::Relaxed);
+        load.own_pending.fetch_add(1, Ordering::Relaxed);
         // The worker sees exactly ours (the pending one being prefilled, so running 3).
         load.update_from_metrics(&gauges(0, 3), 10);
         assert_eq!((load.others_waiting(), load.others_running()), (0, 0));
@@ -720,9 +706,6 @@ mod tests {
         // A scrape that lags behind ours (one not arrived yet) never goes negative.
         load.update_from_metrics(&gauges(0, 1), 30);
         assert_eq!((load.others_waiting(), load.others_running()), (0, 0));
-        load.own_request(true, -1);
-        load.own_request(false, -3);
-        assert_eq!((load.own_pending(), load.own_in_flight()), (0, 0));
     }
 
     #[test]

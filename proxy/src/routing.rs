@@ -32,13 +32,12 @@ pub struct WorkerState {
     pub address: String,
     /// Resolved when the table was built; `None` when the name did not resolve.
     pub socket: Option<SocketAddr>,
-    in_flight: AtomicUsize,
     /// Uncached prompt tokens this proxy sent that have not produced a first token yet.
     pending_prefill_tokens: AtomicUsize,
     /// When the worker started on the oldest of those (microseconds on [`clock_micros`]): the
     /// queue is worked off first come, first served, so part of it is done already.
     prefill_started_us: AtomicU64,
-    /// Queue as the worker's metrics report it.
+    /// Queue as the worker's metrics report it, and this proxy's own requests there.
     pub load: Arc<WorkerLoad>,
     /// Observed against predicted time to first token, learned from this proxy's requests.
     pub ttft: TtftCalibration,
@@ -54,8 +53,9 @@ fn clock_micros() -> u64 {
 }
 
 impl WorkerState {
+    /// This proxy's requests at the worker now.
     pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Relaxed)
+        self.load.own_in_flight() as usize
     }
 
     pub fn pending_prefill_tokens(&self) -> usize {
@@ -90,7 +90,7 @@ impl PendingPrefill {
         worker
             .pending_prefill_tokens
             .fetch_add(tokens, Ordering::Relaxed);
-        worker.load.own_request(true, 1);
+        worker.load.own_pending.fetch_add(1, Ordering::Relaxed);
         PendingPrefill {
             worker: worker.clone(),
             tokens,
@@ -103,7 +103,7 @@ impl Drop for PendingPrefill {
         self.worker
             .pending_prefill_tokens
             .fetch_sub(self.tokens, Ordering::Relaxed);
-        self.worker.load.own_request(true, -1);
+        self.worker.load.own_pending.fetch_sub(1, Ordering::Relaxed);
         // The next pending prefill (if any) starts now.
         self.worker
             .prefill_started_us
@@ -117,8 +117,7 @@ pub struct InFlight(Arc<WorkerState>);
 
 impl InFlight {
     pub fn start(worker: &Arc<WorkerState>) -> InFlight {
-        worker.in_flight.fetch_add(1, Ordering::Relaxed);
-        worker.load.own_request(false, 1);
+        worker.load.own_in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight(worker.clone())
     }
 
@@ -129,8 +128,7 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.0.load.own_request(false, -1);
+        self.0.load.own_in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -159,7 +157,6 @@ impl EndpointRegistry {
         let state = Arc::new(WorkerState {
             address: address.to_owned(),
             socket,
-            in_flight: AtomicUsize::new(0),
             pending_prefill_tokens: AtomicUsize::new(0),
             prefill_started_us: AtomicU64::new(0),
             load: Arc::default(),

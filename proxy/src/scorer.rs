@@ -125,8 +125,9 @@ pub fn decide(
         _ => prompt_tokens as f64,
     };
 
+    let speeds: Vec<Speed> = pool.workers.iter().map(|w| w.ttft.speed()).collect();
     let median = if scoring.learn_worker_speed {
-        median_ratio(pool.workers.iter().map(|w| w.ttft.speed()))
+        median_ratio(speeds.iter().copied())
     } else {
         None
     };
@@ -146,7 +147,7 @@ pub fn decide(
         let others_queue = (load.others_waiting() as f64 * average_prefill) as usize;
         // Prefill is first come, first served: what the worker did since it started on the
         // oldest of ours is no longer queued.
-        let speed = worker.ttft.speed();
+        let speed = speeds.get(position).copied().unwrap_or_default();
         let relative_speed = speed.relative_to(median);
         let done = if prefill_cost > 0.0 {
             (worker.prefill_elapsed().as_secs_f64() / (prefill_cost * relative_speed)) as usize

@@ -72,16 +72,7 @@ impl SimReplay {
         let mut labels = HashMap::new();
         let mut hashes = HashMap::new();
         for (name, tokens) in requests {
-            let salt = salts.get(name).map(String::as_str);
-            let mut parent = None;
-            let own: Vec<ExternalBlockHash> = tokens
-                .chunks_exact(BLOCK_SIZE)
-                .map(|block| {
-                    let hash = cache.block_hash_salted(parent, block, salt);
-                    parent = Some(hash);
-                    hash
-                })
-                .collect();
+            let own = cache.hashes_of_salted(tokens, salts.get(name).map(String::as_str));
             for (index, hash) in own.iter().enumerate() {
                 labels
                     .entry(*hash)

@@ -143,11 +143,20 @@ impl KvCache {
 
     /// Chained hashes of every full block of `tokens`.
     pub fn hashes_of(&self, tokens: &[u32]) -> Vec<ExternalBlockHash> {
+        self.hashes_of_salted(tokens, None)
+    }
+
+    /// [`KvCache::hashes_of`] for a request with a `cache_salt`.
+    pub fn hashes_of_salted(
+        &self,
+        tokens: &[u32],
+        cache_salt: Option<&str>,
+    ) -> Vec<ExternalBlockHash> {
         let mut parent = None;
         tokens
             .chunks_exact(self.block_size)
             .map(|block| {
-                let hash = self.block_hash(parent, block);
+                let hash = self.block_hash_salted(parent, block, cache_salt);
                 parent = Some(hash);
                 hash
             })
@@ -424,25 +433,14 @@ pub(crate) mod tests {
     fn a_cache_salt_separates_caches_and_is_published_on_the_first_block() {
         let mut cache = KvCache::new(16, 2, 8);
         let tokens = [1, 2, 3, 4, 5, 6];
-        let salted = |cache: &KvCache, salt: Option<&str>| {
-            let mut parent = None;
-            tokens
-                .chunks_exact(2)
-                .map(|block| {
-                    let hash = cache.block_hash_salted(parent, block, salt);
-                    parent = Some(hash);
-                    hash
-                })
-                .collect::<Vec<_>>()
-        };
-        let a = salted(&cache, Some("a"));
+        let a = cache.hashes_of_salted(&tokens, Some("a"));
         let blocks = cache.get_new_blocks(a.len()).unwrap();
         cache.cache_full_blocks(&blocks, &a, &tokens, 0, 2, Some("a"));
         cache.cache_full_blocks(&blocks, &a, &tokens, 2, 3, Some("a"));
         assert_eq!(cache.longest_cache_hit(&a).len(), 3);
         assert!(
             cache
-                .longest_cache_hit(&salted(&cache, Some("b")))
+                .longest_cache_hit(&cache.hashes_of_salted(&tokens, Some("b")))
                 .is_empty()
         );
         assert!(
