@@ -159,23 +159,12 @@ pub fn with_stream_usage(body: Bytes) -> Result<(Bytes, bool), ApiError> {
     if !body.windows(16).any(|w| w == b"\"stream_options\"") {
         // No stream_options at all: add ours right after the opening brace, bytes untouched.
         // Only an object can take it: anything else is left for the parser to refuse.
-        let Some(open) = body.iter().position(|b| !b.is_ascii_whitespace()) else {
-            return Ok((body, false));
-        };
-        if body.get(open) != Some(&b'{') {
-            return Ok((body, false));
-        }
-        let rest = body.get(open + 1..).unwrap_or_default();
-        let empty = rest.iter().all(u8::is_ascii_whitespace)
-            || rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
-        let mut out = Vec::with_capacity(body.len() + 48);
-        out.extend_from_slice(body.get(..=open).unwrap_or_default());
-        out.extend_from_slice(br#""stream_options":{"include_usage":true}"#);
-        if !empty {
-            out.push(b',');
-        }
-        out.extend_from_slice(rest);
-        return Ok((Bytes::from(out), true));
+        return Ok(
+            match with_first_field(&body, br#""stream_options":{"include_usage":true}"#) {
+                Some(out) => (out, true),
+                None => (body, false),
+            },
+        );
     }
     let mut request: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&body)
         .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?;
@@ -322,23 +311,28 @@ pub fn rewrite(
 
 /// A translated body (a JSON object the gateway wrote) with `"cache_salt"` added first.
 pub fn with_leading_cache_salt(body: Bytes, cache_salt: &str) -> Bytes {
-    let Some(brace) = body.iter().position(|b| *b == b'{') else {
-        return body;
-    };
     let encoded = serde_json::Value::String(cache_salt.to_owned()).to_string();
-    let field = format!("\"cache_salt\":{encoded}");
-    let rest = body.get(brace + 1..).unwrap_or_default();
-    let separator = if rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}') {
-        ""
-    } else {
-        ","
-    };
+    with_first_field(&body, format!("\"cache_salt\":{encoded}").as_bytes()).unwrap_or(body)
+}
+
+/// `body` with `field` (`"name":value`) added as the object's first member, every other byte
+/// untouched; `None` when `body` does not start with an object.
+fn with_first_field(body: &[u8], field: &[u8]) -> Option<Bytes> {
+    let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
+    if body.get(open) != Some(&b'{') {
+        return None;
+    }
+    let rest = body.get(open + 1..).unwrap_or_default();
+    let empty = rest.iter().all(u8::is_ascii_whitespace)
+        || rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
     let mut out = BytesMut::with_capacity(body.len() + field.len() + 1);
-    out.extend_from_slice(body.get(..=brace).unwrap_or_default());
-    out.extend_from_slice(field.as_bytes());
-    out.extend_from_slice(separator.as_bytes());
+    out.extend_from_slice(body.get(..=open).unwrap_or_default());
+    out.extend_from_slice(field);
+    if !empty {
+        out.extend_from_slice(b",");
+    }
     out.extend_from_slice(rest);
-    out.freeze()
+    Some(out.freeze())
 }
 
 #[cfg(test)]

@@ -156,7 +156,7 @@ pub fn decide(
         };
         let queued_tokens = worker.pending_prefill_tokens().saturating_sub(done) + others_queue;
         let in_flight = worker.in_flight();
-        let own_decoding = load.own_in_flight().saturating_sub(load.own_pending());
+        let own_decoding = (in_flight as u64).saturating_sub(load.own_pending());
         let running = own_decoding + load.others_running();
         let formula_ttft_s =
             prefill_cost * (queued_tokens + uncached_tokens) as f64 + running_cost * running as f64;
