@@ -66,6 +66,14 @@ impl Endpoint {
         }
     }
 
+    /// Inference requests: the ones the gateway plans and forwards.
+    pub fn is_inference(self) -> bool {
+        matches!(
+            self,
+            Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages
+        )
+    }
+
     /// The client API (inference and model listing), as opposed to probes and metrics.
     pub fn is_api(self) -> bool {
         matches!(

@@ -10,6 +10,7 @@ use async_trait::async_trait;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use switchyard_snapshot::{ConfigErrors, Snapshot};
+use tokio::sync::watch;
 
 use crate::kv::KvRegistry;
 use crate::routing::{BuildError, EndpointRegistry, RoutingTable};
@@ -17,12 +18,24 @@ use crate::routing::{BuildError, EndpointRegistry, RoutingTable};
 /// The embedded default configuration: three local workers, as `switchyard-sim --workers 3` starts them.
 pub const EMBEDDED_DEFAULT: &str = include_str!("../../conf/default.yaml");
 
-/// The live configuration. Readers take an `Arc` and keep it for the whole request.
-#[derive(Default)]
+/// The live configuration. Readers take an `Arc` and keep it for the whole request; background
+/// feeds [`subscribe`](ConfigStore::subscribe) to learn of each new table.
 pub struct ConfigStore {
     table: ArcSwapOption<RoutingTable>,
+    changes: watch::Sender<Option<Arc<RoutingTable>>>,
     registry: EndpointRegistry,
     kv: KvRegistry,
+}
+
+impl Default for ConfigStore {
+    fn default() -> ConfigStore {
+        ConfigStore {
+            table: ArcSwapOption::default(),
+            changes: watch::Sender::new(None),
+            registry: EndpointRegistry::default(),
+            kv: KvRegistry::default(),
+        }
+    }
 }
 
 /// What applying a snapshot did.
@@ -37,6 +50,11 @@ pub enum Applied {
 impl ConfigStore {
     pub fn current(&self) -> Option<Arc<RoutingTable>> {
         self.table.load_full()
+    }
+
+    /// The live table now and every table made live from now on.
+    pub fn subscribe(&self) -> watch::Receiver<Option<Arc<RoutingTable>>> {
+        self.changes.subscribe()
     }
 
     /// KV state (prefix indexes, tokenizers) of every pool.
@@ -64,7 +82,9 @@ impl ConfigStore {
         };
         let version = snapshot.version;
         let table = RoutingTable::build(Arc::new(snapshot), &self.registry, &self.kv)?;
-        self.table.store(Some(Arc::new(table)));
+        let table = Arc::new(table);
+        self.table.store(Some(table.clone()));
+        self.changes.send_replace(Some(table));
         Ok(Applied::Swapped { version })
     }
 }

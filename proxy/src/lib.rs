@@ -2,23 +2,31 @@
 //! to a pool of vLLM workers.
 //!
 //! The binary (`switchyard-proxy`) wires these together: a [`config::ConfigStore`] holds the live
-//! routing table, a source (files today) feeds it snapshots, and [`proxy::Gateway`] serves
+//! routing table, a source (files today) feeds it snapshots, and [`gateway::Gateway`] serves
 //! requests from whatever table is live when each request arrives.
 
 pub mod accounting;
+pub mod admit;
+pub mod answer;
 pub mod api;
 pub mod calibration;
 pub mod config;
 pub mod connection;
 pub mod control;
+pub mod exchange;
+pub mod feeds;
+pub mod gateway;
 pub mod headers;
 pub mod kv;
 pub mod limits;
 pub mod logging;
 pub mod metrics;
+pub mod observe;
+pub mod plan;
 pub mod prompt;
 pub mod proxy;
 pub mod request;
+pub mod respond;
 pub mod routing;
 pub mod scorer;
 pub mod telemetry;

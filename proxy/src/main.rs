@@ -13,8 +13,8 @@ use pingora_core::services::listening::Service;
 use switchyard_proxy::config::{self, ConfigStore, FileWatcher};
 use switchyard_proxy::connection::{ConnectionSettings, Guarded};
 use switchyard_proxy::control::ControlClient;
-use switchyard_proxy::kv::KvService;
-use switchyard_proxy::proxy::{Gateway, Settings};
+use switchyard_proxy::feeds::KvService;
+use switchyard_proxy::gateway::{Gateway, Settings};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -189,7 +189,6 @@ fn main() -> anyhow::Result<()> {
         "kv events and worker metrics",
         KvService {
             store: store.clone(),
-            interval: Duration::from_millis(200),
         },
     ));
 

@@ -29,6 +29,7 @@ use rand::Rng;
 use switchyard_kv::index::Overlap;
 
 use crate::calibration::{Speed, median_ratio};
+use crate::prompt::PromptInfo;
 use crate::routing::PoolRuntime;
 
 /// One worker's numbers for one request.
@@ -72,6 +73,16 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// The numbers of the worker at `position`, if it was scored.
+    pub fn score(&self, position: usize) -> Option<&WorkerScore> {
+        self.scores.iter().find(|s| s.position == position)
+    }
+
+    /// The numbers of the chosen worker.
+    pub fn chosen_score(&self) -> Option<&WorkerScore> {
+        self.score(self.chosen)
+    }
+
     /// A one-line explanation for the `x-switchyard-route` header and logs.
     pub fn explain(&self, pool: &PoolRuntime) -> String {
         let mut out = String::new();
@@ -105,6 +116,28 @@ impl Decision {
         }
         out
     }
+}
+
+/// Score the pool's workers for `prompt` (tokenized for this pool; `None`: routed by queue
+/// alone) against what the prefix index holds and what the pool's workers are predicted to
+/// hold, and choose one.
+pub fn decide_for_prompt(
+    pool: &PoolRuntime,
+    prompt: Option<&PromptInfo>,
+    exclude: &[usize],
+) -> Option<Decision> {
+    let kv = &pool.kv;
+    let mut overlap = Overlap::default();
+    let tokens = match prompt {
+        Some(prompt) => {
+            kv.index
+                .overlap_into(&prompt.hashes, kv.slot_count(), &mut overlap);
+            kv.predictions.raise(&prompt.hashes, &mut overlap);
+            prompt.tokens
+        }
+        None => 0,
+    };
+    decide(pool, tokens, &overlap, exclude)
 }
 
 /// Score every eligible worker (not in `exclude`, address resolved) and choose one.

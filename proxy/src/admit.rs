@@ -1,0 +1,337 @@
+//! The admit phase: who is calling, the whole body, parsed once, then the plan and the tenant's
+//! rate limits. What comes out is an [`Exchange`] ready for its first attempt, or the error the
+//! client gets, counted under its reason.
+//!
+//! Reading the body before choosing the upstream: Pingora replays a body consumed in
+//! `request_filter` only from its retry buffer (64 KiB). The whole body is kept in the request
+//! context and handed on from `request_body_filter`. That filter only runs when the retry
+//! buffer holds something, so buffering is switched on just before the last 64 KiB of the body
+//! is read: the buffer is then never truncated, the filter runs on every attempt (retries
+//! included), and it swaps the buffer's tail for the full body. `upstream_request_filter` sets
+//! Content-Length to the length of what is really sent.
+
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use pingora_proxy::Session;
+use switchyard_snapshot::snapshot::Tenant;
+
+use crate::accounting;
+use crate::api::{ApiError, Endpoint, ErrorKind};
+use crate::exchange::Exchange;
+use crate::gateway::Gateway;
+use crate::limits::{self, Admission, RateLimiter};
+use crate::metrics;
+use crate::plan::{self, ClientRequest, Plan, Rejection, Request};
+use crate::request;
+use crate::routing::{AuthFailure, Caller, RoutingTable};
+
+/// Bytes Pingora's retry buffer holds (pingora-core `BODY_BUF_LIMIT`).
+const RETRY_BUFFER_BYTES: usize = 64 * 1024;
+/// Bodies larger than this are planned (parsed, classified, tokenized, translated) on the
+/// blocking pool, off the proxy's async threads.
+const INLINE_PLAN_BYTES: usize = 16 * 1024;
+
+/// The request's id: the client's `x-request-id` when it is a sane token, else a fresh one.
+pub fn request_id(headers: &http::HeaderMap) -> String {
+    let incoming = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()));
+    match incoming {
+        Some(id) => id.to_owned(),
+        None => format!(
+            "{:016x}{:016x}",
+            rand::random::<u64>(),
+            rand::random::<u64>()
+        ),
+    }
+}
+
+/// Who is calling: the tenant of the request's API key (`Authorization: Bearer` or
+/// `x-api-key`). Unknown or missing keys are 401 unless a default tenant is configured.
+pub fn authenticate<'t>(
+    table: &'t RoutingTable,
+    headers: &http::HeaderMap,
+) -> Result<Caller<'t>, ApiError> {
+    let bearer = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim);
+    let api_key = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim);
+    table.authenticate(bearer.or(api_key)).map_err(|failure| {
+        let message = match failure {
+            AuthFailure::MissingKey => {
+                "missing API key: send it as 'Authorization: Bearer <key>' (OpenAI) or 'x-api-key: <key>' (Anthropic)"
+            }
+            AuthFailure::UnknownKey => "invalid API key",
+        };
+        ApiError::new(ErrorKind::Unauthorized, "invalid_api_key", message)
+    })
+}
+
+/// The live table, or the answer for a gateway that has none yet.
+pub fn live_table(gateway: &Gateway) -> Result<Arc<RoutingTable>, ApiError> {
+    gateway.store.current().ok_or_else(|| {
+        ApiError::new(
+            ErrorKind::Unavailable,
+            "not_ready",
+            "the gateway has no configuration loaded yet; retry shortly",
+        )
+    })
+}
+
+/// How the request asked to be explained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Explain {
+    /// Forward it; no explanation.
+    No,
+    /// Forward it with the routing explanation in response headers.
+    Headers,
+    /// `/debug/route`: plan it, explain, forward nothing, spend none of the tenant's allowance.
+    DryRun,
+}
+
+impl Gateway {
+    /// Admit an inference request: authenticate, read and parse the body, plan, and take the
+    /// tenant's rate limits (not for a dry run).
+    pub(crate) async fn admit(
+        &self,
+        session: &mut Session,
+        endpoint: Endpoint,
+        explain: Explain,
+    ) -> Result<Exchange, ApiError> {
+        let table = live_table(self)?;
+        let caller = authenticate(&table, &session.req_header().headers).inspect_err(|_| {
+            accounting::rejected_early(None, "unauthenticated");
+        })?;
+        let tenant = caller.tenant().map(|t| t.name.clone());
+        let counted = |error: ApiError| {
+            accounting::rejected_early(tenant.as_deref(), error.code);
+            error
+        };
+        let body = self.read_body(session).await.map_err(counted)?;
+        let parsed = request::parse(endpoint, &body).map_err(counted)?;
+        let client = ClientRequest {
+            endpoint,
+            parsed,
+            body,
+        };
+        let headers = session.req_header().headers.clone();
+        let explained = explain != Explain::No;
+        let planned = if client.body.len() <= INLINE_PLAN_BYTES {
+            plan_with(&table, &client, &headers, caller.tenant(), explained)
+        } else {
+            let (table, client, tenant) = (table.clone(), client.clone(), tenant.clone());
+            tokio::task::spawn_blocking(move || {
+                let tenant = tenant
+                    .as_deref()
+                    .and_then(|t| table.snapshot.tenants.get(t));
+                plan_with(&table, &client, &headers, tenant, explained)
+            })
+            .await
+            .unwrap_or_else(|e| {
+                Err(Rejection::new(
+                    ApiError::new(
+                        ErrorKind::Internal,
+                        "internal_error",
+                        format!("planning failed: {e}"),
+                    ),
+                    "internal_error",
+                ))
+            })
+        };
+        let plan = planned.map_err(|rejection| {
+            if let Some(verdict) = &rejection.verdict {
+                metrics::policy_decision(&verdict.rule, verdict.outcome);
+            }
+            accounting::rejected(
+                &table,
+                tenant.as_deref(),
+                &client.parsed.model,
+                rejection.reason,
+            );
+            rejection.error
+        })?;
+        metrics::policy_decision(&plan.verdict.rule, plan.verdict.outcome);
+        // Rate limits, once the request is known to go somewhere: the prompt is counted up
+        // front (estimated from the body's size), the completion when the answer's usage
+        // arrives. A dry run explains without spending the tenant's allowance.
+        let admission = match caller.tenant() {
+            Some(tenant) if explain != Explain::DryRun => {
+                admit_rate(&self.limiter, tenant, &client).map_err(|rejection| {
+                    accounting::rejected(
+                        &table,
+                        Some(&tenant.name),
+                        &client.parsed.model,
+                        rejection.reason,
+                    );
+                    rejection.error
+                })?
+            }
+            _ => None,
+        };
+        let mut exchange = Exchange::new(table, client, tenant, plan, explained, admission);
+        if exchange.needs_prompt() {
+            tokenize(&mut exchange).await;
+        }
+        Ok(exchange)
+    }
+
+    /// Read the whole request body within the size limit (see the module note on buffering).
+    async fn read_body(&self, session: &mut Session) -> Result<Bytes, ApiError> {
+        let limit = self.settings.max_body_bytes;
+        let too_large = || {
+            ApiError::new(
+                ErrorKind::PayloadTooLarge,
+                "request_too_large",
+                format!("request body exceeds the limit of {limit} bytes; shorten the prompt"),
+            )
+        };
+        let declared = match session
+            .req_header()
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+        {
+            Some(value) => Some(
+                value
+                    .to_str()
+                    .ok()
+                    .and_then(|v| v.trim().parse::<usize>().ok())
+                    .ok_or_else(|| ApiError::invalid("body", "invalid Content-Length header"))?,
+            ),
+            None => None,
+        };
+        if declared.is_some_and(|length| length > limit) {
+            return Err(too_large());
+        }
+        if declared.is_none() {
+            session.as_mut().enable_retry_buffering();
+        }
+        let deadline = tokio::time::Instant::now() + self.settings.body_timeout;
+        let mut body = BytesMut::with_capacity(declared.unwrap_or(0));
+        loop {
+            if declared
+                .is_some_and(|length| length.saturating_sub(body.len()) <= RETRY_BUFFER_BYTES)
+            {
+                session.as_mut().enable_retry_buffering();
+            }
+            let read = tokio::time::timeout_at(deadline, session.read_request_body()).await;
+            match read {
+                Ok(Ok(Some(chunk))) => {
+                    if body.len() + chunk.len() > limit {
+                        return Err(too_large());
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(Ok(None)) => break,
+                Err(_) => {
+                    // Whatever is left of the body must not be read as the next request.
+                    session.set_keepalive(None);
+                    return Err(ApiError::new(
+                        ErrorKind::RequestTimeout,
+                        "request_timeout",
+                        format!(
+                            "the request body did not arrive within {} s",
+                            self.settings.body_timeout.as_secs_f64()
+                        ),
+                    ));
+                }
+                Ok(Err(error)) => {
+                    // A framing error (a bad chunk size, a short body): the connection's byte
+                    // stream can no longer be trusted to start the next request.
+                    session.set_keepalive(None);
+                    return Err(ApiError::invalid(
+                        "body",
+                        format!(
+                            "could not read the request body: {}",
+                            error.etype().as_str()
+                        ),
+                    ));
+                }
+            }
+        }
+        if session.as_ref().retry_buffer_truncated() {
+            return Err(ApiError::new(
+                ErrorKind::LengthRequired,
+                "length_required",
+                format!(
+                    "request bodies over {} KiB must be sent with a Content-Length header",
+                    RETRY_BUFFER_BYTES / 1024
+                ),
+            ));
+        }
+        Ok(body.freeze())
+    }
+}
+
+fn plan_with(
+    table: &RoutingTable,
+    client: &ClientRequest,
+    headers: &http::HeaderMap,
+    tenant: Option<&Tenant>,
+    explain: bool,
+) -> Result<Plan, Box<Rejection>> {
+    plan::plan(
+        table,
+        &Request {
+            client,
+            headers,
+            tenant,
+            explain,
+        },
+    )
+}
+
+/// Take the tenant's rate limits for `client`'s request (`None`: the tenant has none).
+fn admit_rate(
+    limiter: &Arc<RateLimiter>,
+    tenant: &Tenant,
+    client: &ClientRequest,
+) -> Result<Option<Admission>, Box<Rejection>> {
+    let limits = tenant.rate_limits;
+    if limits.requests_per_minute.is_none()
+        && limits.tokens_per_minute.is_none()
+        && limits.concurrency.is_none()
+    {
+        return Ok(None);
+    }
+    let reservation = limits::Reservation::for_request(client.body.len(), client.parsed.max_tokens);
+    match limiter.admit(&tenant.name, limits, reservation) {
+        Ok(admitted) => Ok(Some(admitted)),
+        Err(refusal) => Err(Rejection::new(
+            ApiError {
+                kind: ErrorKind::Policy(429),
+                code: "rate_limit_exceeded",
+                param: None,
+                message: refusal.message(&tenant.name),
+                retry_after: Some(refusal.retry_after_secs()),
+            },
+            refusal.limit.label(),
+        )),
+    }
+}
+
+/// Tokenize the prompt for the target's cache-aware pool (large bodies on the blocking pool).
+async fn tokenize(exchange: &mut Exchange) {
+    let Some(pool) = exchange.pool().cloned() else {
+        return;
+    };
+    let salt = exchange.plan.cache_salt.clone();
+    exchange.plan.target.prompt = if exchange.client.body.len() <= INLINE_PLAN_BYTES {
+        plan::analyse_prompt(&pool, &exchange.client, salt.as_deref())
+    } else {
+        let client = exchange.client.clone();
+        tokio::task::spawn_blocking(move || plan::analyse_prompt(&pool, &client, salt.as_deref()))
+            .await
+            .ok()
+            .flatten()
+    };
+}

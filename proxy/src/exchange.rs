@@ -1,0 +1,449 @@
+//! The attempt phase: a planned request on its way upstream.
+//!
+//! An [`Exchange`] holds what the planner decided and the state of the current target's
+//! attempts: the workers tried, the one in flight (counted against it until the request ends),
+//! its pending prefill and predicted cache blocks, and the scorer's numbers. Moving to a
+//! fallback target replaces the [`Target`] and starts a fresh [`Attempt`]; nothing is reset by
+//! hand. Pingora's hooks ask it for the next peer, whether a failure may be retried, and what
+//! the upstream request's head must say.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_http::{RequestHeader, ResponseHeader};
+use switchyard_snapshot::snapshot::{LoadBalancing, ProviderFormat};
+
+use crate::accounting::UsageTap;
+use crate::answer::Answer;
+use crate::api::{ApiError, ErrorKind};
+use crate::headers;
+use crate::kv::Prediction;
+use crate::limits::Admission;
+use crate::metrics;
+use crate::plan::{self, ClientRequest, Plan, Target, Translation};
+use crate::routing::{
+    InFlight, PendingPrefill, PoolRuntime, ProviderRuntime, RoutingTable, WorkerState,
+};
+use crate::scorer::{self, Decision, Outcome};
+use crate::telemetry::RequestSpan;
+
+/// Response header carrying the routing explanation.
+const EXPLAIN_RESPONSE_HEADER: &str = "x-switchyard-route";
+/// Response header carrying the policy trace (rules looked at, prompt classes, target).
+const POLICY_RESPONSE_HEADER: &str = "x-switchyard-policy";
+
+/// The attempts on one target.
+#[derive(Debug, Default)]
+pub struct Attempt {
+    /// Indexes of workers already tried (a provider counts as index 0).
+    pub tried: Vec<usize>,
+    /// Set when a pooled connection to this worker turned out closed: try it again on a fresh one.
+    pub reconnect_to: Option<usize>,
+    /// How many times that happened (bounded by the pool's `maxAttempts`).
+    pub reconnects: u32,
+    /// The worker of the current attempt, counted as in flight.
+    pub current: Option<InFlight>,
+    /// The scorer's decision for the current attempt (cache-aware pools).
+    pub decision: Option<Decision>,
+    /// Prefill work counted against the chosen worker until its first token.
+    pub pending: Option<PendingPrefill>,
+    /// The chosen worker will hold this prompt's blocks; counted until the request ends.
+    pub prediction: Option<Prediction>,
+    /// The worker of this streamed attempt, the formula's TTFT for it and when the request went
+    /// out: its first token teaches the worker's calibration.
+    pub expected_ttft: Option<(Arc<WorkerState>, f64, Instant)>,
+}
+
+impl Attempt {
+    /// Release what the attempt counts against its worker.
+    fn release(&mut self) {
+        self.current = None;
+        self.pending = None;
+        self.prediction = None;
+    }
+}
+
+/// A planned request, from its first attempt to its last byte.
+#[derive(Debug)]
+pub struct Exchange {
+    /// Kept so the snapshot the plan was made on outlives a reload mid-request.
+    pub table: Arc<RoutingTable>,
+    pub client: ClientRequest,
+    /// The authenticated tenant (`None`: authentication is off).
+    pub tenant: Option<String>,
+    pub plan: Plan,
+    /// The client asked for the routing explanation (`x-switchyard-explain`).
+    pub explain: bool,
+    /// The tenant's rate-limit admission: holds its concurrency slot, settles its tokens.
+    pub admission: Option<Admission>,
+    pub attempt: Attempt,
+    pub answer: Answer,
+    pub last_connect_error: Option<String>,
+    /// An error decided by the gateway during the attempt phase (no worker left).
+    pub failure: Option<ApiError>,
+    /// Set when the current attempt is abandoned for the next target: that error is retried.
+    pub fallback_requested: bool,
+}
+
+impl Exchange {
+    pub fn new(
+        table: Arc<RoutingTable>,
+        client: ClientRequest,
+        tenant: Option<String>,
+        plan: Plan,
+        explain: bool,
+        admission: Option<Admission>,
+    ) -> Exchange {
+        let answer = Answer::new(UsageTap::new(client.parsed.stream, plan.target.strip_usage));
+        Exchange {
+            table,
+            client,
+            tenant,
+            plan,
+            explain,
+            admission,
+            attempt: Attempt::default(),
+            answer,
+            last_connect_error: None,
+            failure: None,
+            fallback_requested: false,
+        }
+    }
+
+    pub fn target(&self) -> &Target {
+        &self.plan.target
+    }
+
+    pub fn pool(&self) -> Option<&Arc<PoolRuntime>> {
+        self.plan.target.pool()
+    }
+
+    pub fn provider(&self) -> Option<&Arc<ProviderRuntime>> {
+        self.plan.target.provider()
+    }
+
+    pub fn stream(&self) -> bool {
+        self.client.parsed.stream
+    }
+
+    /// The body the current target gets.
+    pub fn upstream_body(&self) -> &Bytes {
+        &self.plan.target.body
+    }
+
+    /// Whether the current target's pool routes by prompt and the prompt is not tokenized yet.
+    pub fn needs_prompt(&self) -> bool {
+        self.plan.target.prompt.is_none()
+            && self.pool().is_some_and(|pool| {
+                pool.tokenizer.is_some() && pool.config.load_balancing == LoadBalancing::CacheAware
+            })
+    }
+
+    /// Move to the next fallback target that can be prepared. `false` when none is left.
+    pub fn fall_back(&mut self) -> bool {
+        let Some(target) = plan::next_fallback(
+            &self.table,
+            &mut self.plan.fallbacks,
+            &self.client,
+            self.plan.cache_salt.as_deref(),
+        ) else {
+            return false;
+        };
+        tracing::info!(from = %self.plan.target.label, to = %target.label, "falling back to the next target");
+        metrics::fallback(&self.plan.target.label, &target.label);
+        self.answer = Answer::new(UsageTap::new(self.stream(), target.strip_usage));
+        self.plan.target = target;
+        self.attempt = Attempt::default();
+        true
+    }
+
+    /// Pick the worker of an attempt: the scorer for cache-aware pools, the pool's policy
+    /// otherwise. `first_attempt` records the decision in the pool's statistics.
+    pub fn choose_worker(&mut self, first_attempt: bool) -> Option<usize> {
+        let pool = self.pool()?.clone();
+        if pool.config.load_balancing != LoadBalancing::CacheAware {
+            return pool.pick(&self.attempt.tried);
+        }
+        let prompt = self.plan.target.prompt.as_deref();
+        let decision = scorer::decide_for_prompt(&pool, prompt, &self.attempt.tried)?;
+        if first_attempt {
+            let kv = &pool.kv;
+            let prefill = decision
+                .chosen_score()
+                .map_or(decision.prompt_tokens, |s| s.uncached_tokens);
+            kv.record_prefill_tokens(prefill);
+            let counter = match decision.outcome {
+                Outcome::CacheHit => &kv.decisions.cache_hit,
+                Outcome::NoCache => &kv.decisions.no_cache,
+                Outcome::Spread => &kv.decisions.spread,
+            };
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let chosen = decision.chosen;
+        self.attempt.decision = Some(decision);
+        Some(chosen)
+    }
+
+    /// The peer of the next attempt, counted against its worker until the request ends.
+    pub fn next_peer(&mut self, read_timeout: Duration) -> Result<HttpPeer, ApiError> {
+        self.attempt.release();
+        if let Some(provider) = self.provider().cloned() {
+            return self.provider_peer(&provider).ok_or_else(|| {
+                ApiError::new(
+                    ErrorKind::BadGateway,
+                    "upstream_unreachable",
+                    format!(
+                        "the address of provider {} is not resolved",
+                        provider.config.id
+                    ),
+                )
+            });
+        }
+        let Some(pool) = self.pool().cloned() else {
+            return Err(ApiError::new(
+                ErrorKind::Internal,
+                "internal_error",
+                "internal gateway error",
+            ));
+        };
+        let reconnect = self.attempt.reconnect_to.take();
+        let first_attempt = self.attempt.tried.is_empty() && reconnect.is_none();
+        let picked = reconnect
+            .or_else(|| self.choose_worker(first_attempt))
+            .and_then(|index| {
+                let worker = pool.workers.get(index)?;
+                Some((index, worker.clone(), worker.socket?))
+            });
+        let Some((index, worker, socket)) = picked else {
+            let model = &self.client.parsed.model;
+            return Err(if self.attempt.tried.is_empty() {
+                ApiError::new(
+                    ErrorKind::Unavailable,
+                    "no_workers",
+                    format!("no worker of model '{model}' can take the request; retry shortly"),
+                )
+            } else {
+                ApiError::new(
+                    ErrorKind::BadGateway,
+                    "upstream_unreachable",
+                    format!(
+                        "could not reach a worker for model '{model}' after {} attempt(s)",
+                        self.attempt.tried.len()
+                    ),
+                )
+            });
+        };
+        let stream = self.stream();
+        let prompt = self.plan.target.prompt.clone();
+        let attempt = &mut self.attempt;
+        if reconnect.is_none() {
+            attempt.tried.push(index);
+        }
+        attempt.current = Some(InFlight::start(&worker));
+        let score = attempt.decision.as_ref().and_then(|d| d.score(index));
+        let uncached = match (score, &prompt) {
+            (Some(score), _) => score.uncached_tokens,
+            (None, Some(prompt)) if attempt.decision.is_none() => prompt.tokens,
+            _ => 0,
+        };
+        attempt.expected_ttft = score
+            .filter(|_| stream)
+            .map(|score| (worker.clone(), score.formula_ttft_s, Instant::now()));
+        attempt.pending = Some(PendingPrefill::start(&worker, uncached));
+        attempt.prediction = match (prompt, pool.slots.get(index)) {
+            (Some(prompt), Some(slot)) => Some(pool.kv.predictions.add(*slot, prompt)),
+            _ => None,
+        };
+        let mut peer = HttpPeer::new(socket, false, String::new());
+        peer.options.connection_timeout =
+            Some(Duration::from_millis(pool.config.connect_timeout_ms));
+        peer.options.read_timeout = Some(read_timeout);
+        Ok(peer)
+    }
+
+    /// The peer of a provider attempt (one per request; a stale pooled connection may be retried).
+    fn provider_peer(&mut self, provider: &ProviderRuntime) -> Option<HttpPeer> {
+        let socket = provider.socket?;
+        if self.attempt.reconnect_to.take().is_none() {
+            self.attempt.tried.push(0);
+        }
+        let sni = if provider.tls {
+            provider.host.clone()
+        } else {
+            String::new()
+        };
+        let mut peer = HttpPeer::new(socket, provider.tls, sni);
+        peer.options.connection_timeout =
+            Some(Duration::from_millis(provider.config.connect_timeout_ms));
+        peer.options.read_timeout = Some(Duration::from_millis(provider.config.read_timeout_ms));
+        peer.options.ca = provider.ca.clone();
+        // Pingora's connection pool keys peers by address, SNI and verification flags, not by
+        // the CA list: without a group of its own, a connection verified against one provider's
+        // CA could be reused for another provider at the same address that trusts other roots.
+        peer.group_key = provider.group_key;
+        Some(peer)
+    }
+
+    /// A connection to the current attempt's peer failed: whether to try again (another worker
+    /// of the pool, or the next target).
+    pub fn retry_after_connect_failure(&mut self, error: &str) -> bool {
+        self.last_connect_error = Some(error.to_owned());
+        let attempts = self.attempt.tried.len();
+        let another_worker = self.pool().is_some_and(|pool| {
+            attempts < pool.config.max_attempts as usize && pool.pick(&self.attempt.tried).is_some()
+        });
+        another_worker || self.fall_back()
+    }
+
+    /// The connection broke after it was made. A pooled connection the worker had already
+    /// closed fails before the worker saw the request: safe to send again, to the same worker
+    /// on a fresh one. Anything after a response started (`answered`) is not retried, except
+    /// the 5xx the gateway itself abandoned for the next target.
+    pub fn retry_after_broken_connection(&mut self, reused: bool, answered: bool) -> bool {
+        if self.fallback_requested {
+            self.fallback_requested = false;
+            return true;
+        }
+        let limit = self.pool().map_or(1, |pool| pool.config.max_attempts);
+        if !reused || answered || self.attempt.reconnects >= limit {
+            return false;
+        }
+        self.attempt.reconnects += 1;
+        self.attempt.reconnect_to = self.attempt.tried.last().copied();
+        self.attempt.reconnect_to.is_some()
+    }
+
+    /// The upstream answered `status` before any byte reached the client: a 5xx moves to the
+    /// next target when there is one (`true`: abandon this answer).
+    pub fn fall_back_on_status(&mut self, status: u16) -> bool {
+        if status < 500 || !self.fall_back() {
+            return false;
+        }
+        self.fallback_requested = true;
+        true
+    }
+
+    /// The head of the request sent upstream.
+    pub fn upstream_request(
+        &self,
+        request: &mut RequestHeader,
+        request_id: &str,
+        span: Option<&RequestSpan>,
+    ) -> pingora_error::Result<()> {
+        let target = self.target();
+        if let Some(provider) = self.provider() {
+            headers::keep_for_provider(request, &provider.config.forward_headers);
+        }
+        if let Some(path) = &target.upstream_path {
+            let uri = http::Uri::try_from(path.as_str()).map_err(|_| {
+                pingora_error::Error::explain(
+                    pingora_error::ErrorType::InternalError,
+                    "invalid upstream path",
+                )
+            })?;
+            request.set_uri(uri);
+        }
+        if target.translate == Translation::MessagesToChat {
+            request.remove_header("anthropic-version");
+            request.remove_header("anthropic-beta");
+        }
+        request.remove_header(&http::header::TRANSFER_ENCODING);
+        request.insert_header(http::header::CONTENT_LENGTH, target.body.len().to_string())?;
+        request.insert_header(http::header::CONTENT_TYPE, "application/json")?;
+        // The client's gateway credentials are not the worker's business.
+        request.remove_header(&http::header::AUTHORIZATION);
+        request.remove_header("x-api-key");
+        // Responses are inspected (translation, accounting): keep them uncompressed.
+        request.remove_header(&http::header::ACCEPT_ENCODING);
+        request.insert_header("x-request-id", request_id)?;
+        if let Some(span) = span {
+            // The upstream's spans hang under this request's span, not the caller's.
+            request.remove_header("traceparent");
+            request.remove_header("tracestate");
+            for (name, value) in span.propagation_headers() {
+                request.insert_header(name, value)?;
+            }
+        }
+        if let Some(provider) = self.provider() {
+            request.insert_header(http::header::HOST, provider.authority.as_str())?;
+            match (provider.config.format, &provider.key) {
+                (ProviderFormat::Openai, Some(key)) => {
+                    request.insert_header(http::header::AUTHORIZATION, format!("Bearer {key}"))?;
+                }
+                (ProviderFormat::Anthropic, key) => {
+                    if let Some(key) = key {
+                        request.insert_header("x-api-key", key.as_str())?;
+                    }
+                    if request.headers.get("anthropic-version").is_none() {
+                        request.insert_header("anthropic-version", "2023-06-01")?;
+                    }
+                }
+                (ProviderFormat::Openai, None) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The upstream's response head (a status below 500, or the last target's), made the
+    /// client's.
+    pub fn answer_head(
+        &mut self,
+        response: &mut ResponseHeader,
+        request_id: &str,
+    ) -> pingora_error::Result<()> {
+        if self.provider().is_some() {
+            headers::keep_from_provider(response);
+        }
+        response.insert_header("x-request-id", request_id)?;
+        if self.explain
+            && let Some(decision) = &self.attempt.decision
+            && let Some(pool) = self.pool()
+        {
+            response.insert_header(EXPLAIN_RESPONSE_HEADER, decision.explain(pool))?;
+        }
+        if let Some(trace) = &self.plan.policy_explain {
+            response.insert_header(POLICY_RESPONSE_HEADER, trace.as_str())?;
+        }
+        if !self.stream() {
+            // A non-streamed answer arrives whole: its prefill is long over.
+            self.attempt.pending = None;
+        }
+        let translate = self.plan.target.translate;
+        let stream = self.stream();
+        self.answer
+            .head(response, translate, stream, &self.client.parsed.model)
+    }
+
+    /// A piece of the upstream's body (`status`: the answer's), made the client's.
+    pub fn answer_body(&mut self, body: &mut Option<Bytes>, end_of_stream: bool, status: u16) {
+        if !self
+            .answer
+            .body(body, end_of_stream, &self.client.parsed.model)
+        {
+            return;
+        }
+        // vLLM streams nothing before the first token: the prefill is done, and the worker's
+        // queue no longer holds it (decoding is counted by `current`).
+        self.attempt.pending = None;
+        if let Some((worker, formula, sent)) = self.attempt.expected_ttft.take()
+            && status < 400
+        {
+            worker.ttft.observe(formula, sent.elapsed().as_secs_f64());
+        }
+    }
+
+    /// The request is over: release the worker and the tenant's slot now rather than when
+    /// Pingora drops the context, settling the tenant's tokens with what the answer reported.
+    pub fn finish(&mut self) {
+        let usage = self.answer.usage.usage;
+        if let Some(admission) = self.admission.as_mut()
+            && usage.reported
+        {
+            admission.settle(usage.prompt_tokens, usage.completion_tokens);
+        }
+        self.admission = None;
+        self.attempt.release();
+    }
+}

@@ -1,0 +1,112 @@
+//! The gateway and the state of one request through its phases (see [`crate::proxy`]).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::api::{ClientFormat, Endpoint};
+use crate::config::ConfigStore;
+use crate::exchange::Exchange;
+use crate::limits::RateLimiter;
+use crate::telemetry::{RequestSpan, Tracer};
+
+/// Proxy-wide settings that do not come from the snapshot.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Largest request body accepted; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// Longest silence allowed while waiting on a worker (a long prefill counts as silence).
+    pub upstream_read_timeout: Duration,
+    /// Longest time to receive a whole request body, from the end of its head.
+    pub body_timeout: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            max_body_bytes: 32 * 1024 * 1024,
+            upstream_read_timeout: Duration::from_secs(600),
+            body_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The gateway: one instance serves every request.
+pub struct Gateway {
+    pub(crate) store: Arc<ConfigStore>,
+    pub(crate) settings: Settings,
+    /// Per-tenant rate limits, kept across snapshots.
+    pub(crate) limiter: Arc<RateLimiter>,
+    /// Request spans, when OTLP export is configured.
+    pub(crate) tracer: Option<Tracer>,
+    /// This listener serves the operator's surface: `/metrics`, `/debug/route` and
+    /// `x-switchyard-explain`. Off on the tenants' listener unless asked for.
+    pub(crate) admin: bool,
+}
+
+impl Gateway {
+    pub fn new(store: Arc<ConfigStore>, settings: Settings) -> Gateway {
+        Gateway {
+            store,
+            settings,
+            limiter: Arc::default(),
+            tracer: None,
+            admin: false,
+        }
+    }
+
+    /// Serve (or not) the operator's surface on this gateway's listener.
+    pub fn with_admin(mut self, admin: bool) -> Gateway {
+        self.admin = admin;
+        self
+    }
+
+    /// A gateway for the admin listener: the same configuration, rate limits and tracer, with
+    /// the operator's surface on.
+    pub fn admin_listener(&self) -> Gateway {
+        Gateway {
+            store: self.store.clone(),
+            settings: self.settings.clone(),
+            limiter: self.limiter.clone(),
+            tracer: self.tracer.clone(),
+            admin: true,
+        }
+    }
+
+    /// Open a span per API request with `tracer`.
+    pub fn with_tracer(mut self, tracer: Option<Tracer>) -> Gateway {
+        self.tracer = tracer;
+        self
+    }
+}
+
+/// Where a request stands.
+#[derive(Debug, Default)]
+pub enum Phase {
+    /// Being read and checked; nothing forwarded.
+    #[default]
+    Admitting,
+    /// Planned and on its way to a target.
+    Forwarding(Box<Exchange>),
+}
+
+/// Per-request state.
+pub struct RequestCtx {
+    pub(crate) request_id: String,
+    pub(crate) started: Instant,
+    pub(crate) format: ClientFormat,
+    pub(crate) endpoint: Option<Endpoint>,
+    pub(crate) phase: Phase,
+    /// The status sent to the client (0: none yet).
+    pub(crate) status: u16,
+    /// The request's trace span (API requests, when tracing is on).
+    pub(crate) span: Option<RequestSpan>,
+}
+
+impl RequestCtx {
+    pub(crate) fn exchange(&mut self) -> Option<&mut Exchange> {
+        match &mut self.phase {
+            Phase::Forwarding(exchange) => Some(exchange),
+            Phase::Admitting => None,
+        }
+    }
+}

@@ -1,0 +1,546 @@
+//! The planner: where a request goes, decided from the routing table and the request alone.
+//!
+//! [`plan`] is a plain function of the live table, the request's head and its parsed body. It
+//! resolves the model alias, checks the tenant's model list, runs the inference policies (with
+//! the prompt's classes and pools' predicted TTFT when a rule reads them), chooses the target,
+//! orders the fallbacks, and prepares the body each target gets (model rewritten, translated,
+//! `cache_salt` set). It touches no connection and counts nothing: the caller records the
+//! outcome ([`Plan::policy`], [`Rejection::reason`]) and runs the plan's CPU work off the event
+//! loop for large bodies. Rate limits are not the planner's business either: they hold state
+//! per tenant and are taken by the gateway once a plan exists.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use switchyard_policy::{
+    ClassSet, Classifier, Context, NoTarget, Outcome as PolicyOutcome, PoolState, RequestFacts,
+    RequestPrompt,
+};
+use switchyard_snapshot::snapshot::{AnthropicMessages, ProviderFormat, Tenant};
+use switchyard_snapshot::{ModelTarget, PoolId};
+
+use crate::api::{ApiError, Endpoint, ErrorKind, client_text};
+use crate::prompt::{self, PromptInfo};
+use crate::request::{self, ParsedRequest};
+use crate::routing::{Destination, PoolRuntime, ProviderRuntime, RoutingTable};
+use crate::scorer;
+use crate::translate;
+use crate::translate_openai;
+
+/// Translation between the client's API and the upstream's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Translation {
+    None,
+    /// Anthropic Messages client, OpenAI Chat Completions upstream.
+    MessagesToChat,
+    /// OpenAI Chat Completions client, Anthropic Messages upstream.
+    ChatToMessages,
+}
+
+/// An inference request as the client sent it: kept for the whole exchange, since every
+/// fallback target is prepared from it again.
+#[derive(Debug, Clone)]
+pub struct ClientRequest {
+    pub endpoint: Endpoint,
+    pub parsed: ParsedRequest,
+    pub body: Bytes,
+}
+
+/// What the planner reads of a request.
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    pub client: &'a ClientRequest,
+    pub headers: &'a http::HeaderMap,
+    /// The authenticated tenant (`None`: authentication is off).
+    pub tenant: Option<&'a Tenant>,
+    /// Keep the policy trace for the client (`x-switchyard-explain`, `/debug/route`).
+    pub explain: bool,
+}
+
+/// The policy outcome of a request, for the `switchyard_policy_decisions_total` counter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// `namespace/policy/rule`, or empty when no rule matched.
+    pub rule: String,
+    /// `route`, `default`, `reject` or `no_local_target`.
+    pub outcome: &'static str,
+}
+
+/// Why a request is not planned: the error for the client and the label it is counted under.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rejection {
+    pub error: ApiError,
+    /// The `reason` label of `switchyard_requests_rejected_total`.
+    pub reason: &'static str,
+    /// Set when a policy rule made the decision.
+    pub verdict: Option<Verdict>,
+}
+
+impl Rejection {
+    pub fn new(error: ApiError, reason: &'static str) -> Box<Rejection> {
+        Box::new(Rejection {
+            error,
+            reason,
+            verdict: None,
+        })
+    }
+}
+
+/// A target made ready: where it goes, which way to translate, and the body to send.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// `pool ns/name` or `provider ns/name`: the accounting label.
+    pub label: String,
+    pub destination: Destination,
+    pub translate: Translation,
+    /// Path sent upstream when it differs from the client's (translation, providers).
+    pub upstream_path: Option<String>,
+    pub upstream_model: String,
+    /// The body sent there.
+    pub body: Bytes,
+    /// Remove the usage chunk the gateway asked for on the client's behalf.
+    pub strip_usage: bool,
+    /// The prompt as the pool's workers tokenize it, when the planner already tokenized it
+    /// (a policy read the pool's predicted TTFT).
+    pub prompt: Option<Arc<PromptInfo>>,
+}
+
+impl Target {
+    pub fn pool(&self) -> Option<&Arc<PoolRuntime>> {
+        match &self.destination {
+            Destination::Pool(pool) => Some(pool),
+            Destination::Provider(_) => None,
+        }
+    }
+
+    pub fn provider(&self) -> Option<&Arc<ProviderRuntime>> {
+        match &self.destination {
+            Destination::Pool(_) => None,
+            Destination::Provider(provider) => Some(provider),
+        }
+    }
+}
+
+/// Where a request goes.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// `namespace/policy/rule` of the policy rule that decided, if any.
+    pub rule: Option<String>,
+    pub verdict: Verdict,
+    /// The policy trace, when the request asked for the explanation.
+    pub policy_explain: Option<String>,
+    /// The `cache_salt` a pool's workers get (the tenant's isolation, the client's own).
+    pub cache_salt: Option<String>,
+    pub target: Target,
+    /// Later targets of the model, tried in order when this one cannot be reached or fails
+    /// before its first byte.
+    pub fallbacks: Vec<ModelTarget>,
+}
+
+/// Decide where `request` goes on `table`.
+pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rejection>> {
+    let client = request.client;
+    let parsed = &client.parsed;
+    // The salt the workers get keys the prompt's block hashes too, as in vLLM.
+    let cache_salt = prompt::worker_cache_salt(request.tenant, parsed.cache_salt.as_deref());
+    let model = table.model(&parsed.model).ok_or_else(|| {
+        Rejection::new(
+            ApiError {
+                kind: ErrorKind::NotFound,
+                code: "model_not_found",
+                param: Some("model"),
+                message: format!(
+                    "the model '{}' does not exist; GET /v1/models lists the models you can use",
+                    client_text(&parsed.model)
+                ),
+                retry_after: None,
+            },
+            "model_not_found",
+        )
+    })?;
+    if let Some(tenant) = request.tenant
+        && !tenant.allows_model(&model.name)
+    {
+        return Err(Rejection::new(
+            ApiError {
+                kind: ErrorKind::Forbidden,
+                code: "model_not_allowed",
+                param: Some("model"),
+                message: format!(
+                    "your API key may not use the model '{}'; GET /v1/models lists the models you can use",
+                    client_text(&parsed.model)
+                ),
+                retry_after: None,
+            },
+            "model_not_allowed",
+        ));
+    }
+
+    // Policies. Predicted TTFT needs the prompt tokenized for the pool in question first.
+    let predictions: Vec<(PoolId, Option<Arc<PromptInfo>>)> = table
+        .evaluator
+        .prediction_pools(&parsed.model)
+        .into_iter()
+        .filter_map(|id| {
+            let pool = table.pool(&id)?;
+            pool.tokenizer.as_ref()?;
+            let prompt = analyse_prompt(pool, client, cache_salt.as_deref());
+            Some((id, prompt))
+        })
+        .collect();
+    let facts = RequestFacts {
+        tenant: request.tenant.map(|t| t.name.as_str()),
+        model: &parsed.model,
+        stream: parsed.stream,
+        max_tokens: parsed.max_tokens,
+    };
+    let mut trace = request.explain.then(Vec::new);
+    let mut context = PolicyContext {
+        table,
+        body: &client.body,
+        headers: request.headers,
+        classes: None,
+        predictions: &predictions,
+    };
+    let decision = table
+        .evaluator
+        .evaluate(&facts, &mut context, trace.as_mut());
+    let rule = decision.rule_name();
+    let chosen = switchyard_policy::targets(&table.snapshot, model, &decision).map_err(|no| {
+        match no {
+            NoTarget::Rejected { status, message } => Box::new(Rejection {
+                error: ApiError::new(ErrorKind::Policy(status), "rejected_by_policy", message),
+                reason: "policy",
+                verdict: Some(Verdict {
+                    rule: rule.clone().unwrap_or_default(),
+                    outcome: "reject",
+                }),
+            }),
+            NoTarget::NoLocalTarget { rule: local_rule } => Box::new(Rejection {
+                error: ApiError::new(
+                    ErrorKind::Unavailable,
+                    "no_local_target",
+                    format!(
+                        "this request must stay on local hardware (policy rule {local_rule}) and model '{}' has no local pool to serve it",
+                        parsed.model
+                    ),
+                ),
+                reason: "no_local_target",
+                verdict: Some(Verdict {
+                    rule: local_rule,
+                    outcome: "no_local_target",
+                }),
+            }),
+        }
+    })?;
+    let verdict = Verdict {
+        rule: rule.clone().unwrap_or_default(),
+        outcome: match decision.outcome {
+            PolicyOutcome::Route(_) => "route",
+            _ => "default",
+        },
+    };
+    let target = table
+        .choose(chosen.strategy, &chosen.targets)
+        .ok_or_else(|| {
+            Rejection::new(
+                ApiError::new(
+                    ErrorKind::Unavailable,
+                    "no_target",
+                    format!("model '{}' has no usable target", model.name),
+                ),
+                "no_target",
+            )
+        })?;
+    let policy_explain = trace.map(|steps| {
+        let mut text = steps
+            .iter()
+            .map(|step| format!("{}/{}: {}", step.policy, step.rule, step.result))
+            .collect::<Vec<_>>()
+            .join("; ");
+        if let Some(classes) = decision.classes {
+            let names = table.evaluator.classifier().names(classes).join(",");
+            text.push_str(&format!("; classes={names}"));
+        }
+        text.push_str(&format!(
+            "; target={} model={}",
+            target.backend, target.upstream_model
+        ));
+        header_safe(&text)
+    });
+    let mut prepared =
+        prepare_target(table, target, client, cache_salt.as_deref()).map_err(|error| {
+            Box::new(Rejection {
+                error,
+                reason: "target_unavailable",
+                verdict: Some(verdict.clone()),
+            })
+        })?;
+    if let Some(pool) = prepared.pool() {
+        prepared.prompt = predictions
+            .iter()
+            .find(|(id, _)| *id == pool.config.id)
+            .and_then(|(_, prompt)| prompt.clone());
+    }
+    let fallbacks = chosen
+        .targets
+        .iter()
+        .filter(|t| !std::ptr::eq(**t, target) && table.usable(t))
+        .map(|t| (*t).clone())
+        .collect();
+    Ok(Plan {
+        rule,
+        verdict,
+        policy_explain,
+        cache_salt,
+        target: prepared,
+        fallbacks,
+    })
+}
+
+/// Prepare the next of `fallbacks` that can be prepared, removing what it skips.
+pub fn next_fallback(
+    table: &RoutingTable,
+    fallbacks: &mut Vec<ModelTarget>,
+    client: &ClientRequest,
+    cache_salt: Option<&str>,
+) -> Option<Target> {
+    while !fallbacks.is_empty() {
+        let target = fallbacks.remove(0);
+        match prepare_target(table, &target, client, cache_salt) {
+            Ok(prepared) => return Some(prepared),
+            Err(error) => {
+                tracing::debug!(target = %target.backend, reason = %error.shown_message(), "fallback target skipped");
+            }
+        }
+    }
+    None
+}
+
+/// Tokenize the prompt for a cache-aware pool. A failure only costs cache affinity: the request
+/// is still routed, by queue alone. CPU work: large bodies are planned off the event loop.
+pub fn analyse_prompt(
+    pool: &PoolRuntime,
+    client: &ClientRequest,
+    cache_salt: Option<&str>,
+) -> Option<Arc<PromptInfo>> {
+    let tokenizer = pool.tokenizer.as_ref()?;
+    let block_size = pool.kv.index.block_size();
+    match prompt::analyse(
+        tokenizer,
+        &pool.kv.prompts,
+        client.endpoint,
+        &client.body,
+        block_size,
+        cache_salt,
+    ) {
+        Ok(info) => Some(info),
+        Err(error) => {
+            tracing::debug!(%error, "prompt not tokenized for routing");
+            None
+        }
+    }
+}
+
+/// A header value: names from configuration may hold characters a header cannot.
+fn header_safe(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c == ' ' || c.is_ascii_graphic() {
+                c
+            } else {
+                '?'
+            }
+        })
+        .collect()
+}
+
+/// What policies may ask about a request: its text (parsed only when a rule needs classes), its
+/// headers, and the live state of pools.
+struct PolicyContext<'a> {
+    table: &'a RoutingTable,
+    body: &'a [u8],
+    headers: &'a http::HeaderMap,
+    classes: Option<ClassSet>,
+    /// Prompts tokenized for the pools whose predicted TTFT rules read.
+    predictions: &'a [(PoolId, Option<Arc<PromptInfo>>)],
+}
+
+impl Context for PolicyContext<'_> {
+    fn classes(&mut self, classifier: &Classifier) -> ClassSet {
+        if let Some(classes) = self.classes {
+            return classes;
+        }
+        let classes = RequestPrompt::parse(self.body)
+            .map(|prompt| classifier.classify(&prompt))
+            .unwrap_or_default();
+        self.classes = Some(classes);
+        classes
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    fn pool_state(&mut self, pool_id: &PoolId, with_prediction: bool) -> Option<PoolState> {
+        let pool = self.table.pool(pool_id)?;
+        let mut state = PoolState::default();
+        let mut kv_usage = 0.0;
+        for worker in &pool.workers {
+            state.queue_depth += worker.load.waiting();
+            state.running += worker.load.running();
+            kv_usage += worker.load.kv_usage();
+        }
+        if !pool.workers.is_empty() {
+            state.kv_usage_percent = (kv_usage * 100.0 / pool.workers.len() as f64).round() as u64;
+        }
+        if with_prediction {
+            let prompt = self
+                .predictions
+                .iter()
+                .find(|(id, _)| id == pool_id)
+                .and_then(|(_, p)| p.as_deref());
+            state.predicted_ttft_ms = scorer::decide_for_prompt(pool, prompt, &[]).and_then(|d| {
+                d.chosen_score()
+                    .map(|s| (s.predicted_ttft_s * 1000.0).round() as u64)
+            });
+        }
+        Some(state)
+    }
+}
+
+/// Prepare `target` for `request`. Used for the first target and again for each fallback.
+/// `cache_salt` is what a vLLM pool's workers get ([`prompt::worker_cache_salt`]); providers
+/// get the body as the client sent it.
+fn prepare_target(
+    table: &RoutingTable,
+    target: &ModelTarget,
+    client: &ClientRequest,
+    cache_salt: Option<&str>,
+) -> Result<Target, ApiError> {
+    let (parsed, body, endpoint) = (&client.parsed, &client.body, client.endpoint);
+    let destination = table.destination(target).ok_or_else(|| {
+        ApiError::new(
+            ErrorKind::Internal,
+            "target_missing",
+            format!("{} is not loaded", target.backend),
+        )
+    })?;
+    let (translate, upstream_path) = match &destination {
+        Destination::Provider(provider) => {
+            if let Some(reason) = &provider.unavailable {
+                return Err(ApiError::new(
+                    ErrorKind::Unavailable,
+                    "provider_unavailable",
+                    format!(
+                        "model '{}' routes to provider {}, which cannot be used: {reason}",
+                        parsed.model, provider.config.id
+                    ),
+                ));
+            }
+            provider_translation(provider, endpoint).ok_or_else(|| {
+                ApiError::new(
+                    ErrorKind::NotImplemented,
+                    "translation_unsupported",
+                    format!(
+                        "model '{}' is served by provider {}, which speaks the Anthropic Messages API: \
+                         use /v1/chat/completions or /v1/messages (legacy completions cannot be translated)",
+                        parsed.model, provider.config.id
+                    ),
+                )
+            })?
+        }
+        Destination::Pool(pool) => {
+            if pool.workers.is_empty() {
+                return Err(ApiError::new(
+                    ErrorKind::Unavailable,
+                    "no_workers",
+                    format!(
+                        "model '{}' has no workers available right now; retry shortly",
+                        parsed.model
+                    ),
+                ));
+            }
+            if endpoint == Endpoint::Messages
+                && pool.config.anthropic_messages == AnthropicMessages::Translate
+            {
+                (
+                    Translation::MessagesToChat,
+                    Some("/v1/chat/completions".to_owned()),
+                )
+            } else {
+                (Translation::None, None)
+            }
+        }
+    };
+    let provider = match &destination {
+        Destination::Provider(provider) => Some(provider),
+        Destination::Pool(_) => None,
+    };
+    let worker_salt = cache_salt.filter(|_| provider.is_none());
+    let mut upstream_body = match translate {
+        Translation::MessagesToChat => {
+            let translated = translate::messages_request_to_chat(body, &target.upstream_model)?;
+            match worker_salt {
+                Some(salt) => request::with_leading_cache_salt(translated, salt),
+                None => translated,
+            }
+        }
+        Translation::ChatToMessages => {
+            translate_openai::chat_request_to_messages(body, &target.upstream_model)?
+        }
+        Translation::None => request::rewrite(body, parsed, &target.upstream_model, worker_salt),
+    };
+    // Streamed OpenAI answers carry usage only when asked: ask on the client's behalf, and
+    // remove that chunk again before it reaches a client that did not ask.
+    let openai_upstream = translate == Translation::None
+        && matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions)
+        && provider.is_none_or(|p| p.config.format == ProviderFormat::Openai);
+    let mut strip_usage = false;
+    if parsed.stream && openai_upstream {
+        let (body, injected) = request::with_stream_usage(upstream_body)?;
+        upstream_body = body;
+        strip_usage = injected;
+    }
+    if parsed.stream && translate == Translation::ChatToMessages {
+        // The translated stream always ends with a usage chunk: keep it only on request.
+        strip_usage = !request::asks_for_stream_usage(body);
+    }
+    Ok(Target {
+        label: target.backend.to_string(),
+        destination,
+        translate,
+        upstream_path,
+        upstream_model: target.upstream_model.clone(),
+        body: upstream_body,
+        strip_usage,
+        prompt: None,
+    })
+}
+
+/// The translation and upstream path for `endpoint` on a provider; `None` when the provider's
+/// API cannot serve it.
+fn provider_translation(
+    provider: &ProviderRuntime,
+    endpoint: Endpoint,
+) -> Option<(Translation, Option<String>)> {
+    let base = &provider.base_path;
+    let (translate, path) = match (endpoint, provider.config.format) {
+        (Endpoint::Messages, ProviderFormat::Anthropic) => (Translation::None, "messages"),
+        (Endpoint::Messages, ProviderFormat::Openai) => {
+            (Translation::MessagesToChat, "chat/completions")
+        }
+        (Endpoint::ChatCompletions, ProviderFormat::Openai) => {
+            (Translation::None, "chat/completions")
+        }
+        (Endpoint::ChatCompletions, ProviderFormat::Anthropic) => {
+            (Translation::ChatToMessages, "messages")
+        }
+        (Endpoint::Completions, ProviderFormat::Openai) => (Translation::None, "completions"),
+        _ => return None,
+    };
+    Some((translate, Some(format!("{base}/{path}"))))
+}
+
+#[cfg(test)]
+mod tests;

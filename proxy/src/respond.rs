@@ -1,0 +1,302 @@
+//! What the gateway answers itself: errors in the client's format, health and readiness, the
+//! model list, `/metrics`, the `/debug/route` explanation, and the error for a failed proxy
+//! attempt.
+
+use bytes::Bytes;
+use pingora_error::{Error, ErrorSource, ErrorType, Result};
+use pingora_http::ResponseHeader;
+use pingora_proxy::Session;
+use serde_json::json;
+
+use crate::admit::{self, Explain};
+use crate::api::{ApiError, Endpoint, ErrorKind, client_format_for_path};
+use crate::exchange::Exchange;
+use crate::gateway::{Gateway, RequestCtx};
+use crate::metrics;
+
+/// Admin path prefix: `POST /debug/route/v1/chat/completions` explains without forwarding.
+pub const DEBUG_ROUTE_PREFIX: &str = "/debug/route";
+
+impl Gateway {
+    /// Write a complete response. When the request body was not read, the connection is closed
+    /// afterwards so unread bytes are never taken for the next request.
+    pub(crate) async fn respond(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        status: u16,
+        content_type: &str,
+        body: Bytes,
+        extra: &[(&'static str, String)],
+    ) -> Result<()> {
+        ctx.status = status;
+        let mut header = ResponseHeader::build(status, Some(4 + extra.len()))?;
+        header.insert_header("content-type", content_type)?;
+        header.insert_header("content-length", body.len().to_string())?;
+        header.insert_header("x-request-id", ctx.request_id.as_str())?;
+        for (name, value) in extra {
+            header.insert_header(*name, value.as_str())?;
+        }
+        if !session.as_mut().is_body_done() {
+            session.set_keepalive(None);
+        }
+        if session.as_ref().as_http1().is_some() && session.get_keepalive().is_none() {
+            header.insert_header("connection", "close")?;
+        }
+        session
+            .write_response_header(Box::new(header), false)
+            .await?;
+        session.write_response_body(Some(body), true).await?;
+        Ok(())
+    }
+
+    async fn respond_json(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        status: u16,
+        body: serde_json::Value,
+    ) -> Result<bool> {
+        let body = Bytes::from(body.to_string());
+        self.respond(session, ctx, status, "application/json", body, &[])
+            .await?;
+        Ok(true)
+    }
+
+    /// Answer `error` in the client's format. Always `Ok(true)`: the request is answered.
+    pub(crate) async fn respond_error(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        error: ApiError,
+    ) -> Result<bool> {
+        tracing::info!(
+            request_id = %ctx.request_id,
+            status = error.status(),
+            code = error.code,
+            reason = %error.shown_message(),
+            "request rejected"
+        );
+        let body = error.body(ctx.format);
+        let mut extra: Vec<(&'static str, String)> = Vec::new();
+        if error.kind == ErrorKind::MethodNotAllowed
+            && let Some(endpoint) = ctx.endpoint
+        {
+            extra.push(("allow", endpoint.method().to_string()));
+        }
+        if let Some(seconds) = error.retry_after {
+            extra.push(("retry-after", seconds.to_string()));
+        }
+        self.respond(
+            session,
+            ctx,
+            error.status(),
+            "application/json",
+            body,
+            &extra,
+        )
+        .await?;
+        Ok(true)
+    }
+
+    /// Answer the endpoints the gateway serves itself. `Ok(false)` for inference endpoints.
+    pub(crate) async fn answer_locally(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        endpoint: Endpoint,
+    ) -> Result<bool> {
+        match endpoint {
+            Endpoint::Health => {
+                self.respond_json(session, ctx, 200, json!({"status": "ok"}))
+                    .await
+            }
+            Endpoint::Ready => {
+                let (status, body) = match self.store.current() {
+                    Some(table) => (
+                        200,
+                        json!({"status": "ready", "config_version": table.snapshot.version}),
+                    ),
+                    None => (
+                        503,
+                        json!({"status": "not ready", "reason": "no configuration loaded yet"}),
+                    ),
+                };
+                self.respond_json(session, ctx, status, body).await
+            }
+            Endpoint::Models => self.list_models(session, ctx).await,
+            Endpoint::Metrics => {
+                let body = Bytes::from(metrics::render(&self.store));
+                self.respond(
+                    session,
+                    ctx,
+                    200,
+                    "text/plain; version=0.0.4; charset=utf-8",
+                    body,
+                    &[],
+                )
+                .await?;
+                Ok(true)
+            }
+            Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => Ok(false),
+        }
+    }
+
+    async fn list_models(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        let table = match admit::live_table(self) {
+            Ok(table) => table,
+            Err(error) => return self.respond_error(session, ctx, error).await,
+        };
+        let headers = &session.req_header().headers;
+        let caller = match admit::authenticate(&table, headers) {
+            Ok(caller) => caller,
+            Err(error) => return self.respond_error(session, ctx, error).await,
+        };
+        let anthropic = headers.contains_key("anthropic-version");
+        let names: Vec<&String> = table.models_for(caller).collect();
+        let body = if anthropic {
+            let data: Vec<_> = names
+                .iter()
+                .map(|name| json!({"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}))
+                .collect();
+            json!({
+                "data": data,
+                "has_more": false,
+                "first_id": names.first(),
+                "last_id": names.last(),
+            })
+        } else {
+            let created = table.created_at;
+            let data: Vec<_> = names
+                .iter()
+                .map(|name| json!({"id": name, "object": "model", "created": created, "owned_by": "switchyard"}))
+                .collect();
+            json!({"object": "list", "data": data})
+        };
+        self.respond_json(session, ctx, 200, body).await
+    }
+
+    /// `POST /debug/route/v1/...`: how the request would be routed, without sending it.
+    pub(crate) async fn debug_route(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        inner: &str,
+    ) -> Result<bool> {
+        let inner = format!("/{}", inner.trim_start_matches('/'));
+        ctx.format = client_format_for_path(&inner);
+        let endpoint = match Endpoint::from_path(&inner) {
+            Some(endpoint) if endpoint.is_inference() => endpoint,
+            _ => {
+                let error = ApiError::new(
+                    ErrorKind::NotFound,
+                    "unknown_url",
+                    format!(
+                        "{DEBUG_ROUTE_PREFIX}{inner}: explains POST /v1/chat/completions, /v1/completions or /v1/messages"
+                    ),
+                );
+                return self.respond_error(session, ctx, error).await;
+            }
+        };
+        ctx.endpoint = Some(endpoint);
+        let mut exchange = match self.admit(session, endpoint, Explain::DryRun).await {
+            Ok(exchange) => exchange,
+            Err(error) => return self.respond_error(session, ctx, error).await,
+        };
+        let chosen = exchange.choose_worker(false);
+        let body = explanation(&exchange, chosen);
+        self.respond_json(session, ctx, 200, body).await
+    }
+}
+
+/// The `/debug/route` answer: the plan and, for a pool, every worker's numbers.
+fn explanation(exchange: &Exchange, chosen: Option<usize>) -> serde_json::Value {
+    let pool = exchange.pool();
+    let address = |position: usize| {
+        pool.and_then(|p| p.workers.get(position))
+            .map(|w| w.address.clone())
+    };
+    let decision = exchange.attempt.decision.as_ref();
+    let scores: Vec<serde_json::Value> = decision
+        .iter()
+        .flat_map(|d| d.scores.iter())
+        .map(|score| {
+            json!({
+                "worker": address(score.position),
+                "matched_blocks": score.matched_blocks,
+                "cached_tokens": score.cached_tokens,
+                "uncached_tokens": score.uncached_tokens,
+                "queued_tokens": score.queued_tokens,
+                "running": score.running,
+                "in_flight": score.in_flight,
+                "healthy": score.healthy,
+                "predicted_ttft_ms": score.predicted_ttft_s * 1000.0,
+                "formula_ttft_ms": score.formula_ttft_s * 1000.0,
+                "learned_speed": {
+                    "observed_over_predicted": score.speed.ratio,
+                    "observations": score.speed.observations,
+                    "relative_to_pool": score.relative_speed,
+                },
+            })
+        })
+        .collect();
+    let prompt = exchange.target().prompt.as_ref();
+    json!({
+        "model": exchange.client.parsed.model,
+        "upstream_model": exchange.target().upstream_model,
+        "tenant": exchange.tenant,
+        "policy_rule": exchange.plan.rule,
+        "policy_trace": exchange.plan.policy_explain,
+        "pool": pool.map(|p| p.config.id.0.clone()),
+        "provider": exchange.provider().map(|p| p.config.id.0.clone()),
+        "load_balancing": pool.map(|p| p.config.load_balancing),
+        "prompt_tokens": prompt.map(|p| p.tokens),
+        "prompt_blocks": prompt.map(|p| p.hashes.len()),
+        "chosen": chosen.and_then(address),
+        "outcome": decision.map(|d| format!("{:?}", d.outcome)),
+        "scores": scores,
+    })
+}
+
+/// The error a client gets when proxying failed with `error` and the gateway decided nothing
+/// more specific. `tried`: how many workers were tried.
+pub fn proxy_failure(error: &Error, tried: usize) -> ApiError {
+    match error.etype() {
+        ErrorType::ConnectTimedout
+        | ErrorType::ConnectRefused
+        | ErrorType::ConnectError
+        | ErrorType::ConnectNoRoute
+        | ErrorType::TLSHandshakeFailure => ApiError::new(
+            ErrorKind::BadGateway,
+            "upstream_unreachable",
+            format!("could not connect to a worker ({tried} tried); retry shortly"),
+        ),
+        ErrorType::ReadTimedout | ErrorType::WriteTimedout => ApiError::new(
+            ErrorKind::GatewayTimeout,
+            "upstream_timeout",
+            "the worker did not answer in time",
+        ),
+        ErrorType::HTTPStatus(status) => ApiError::new(
+            if *status == 503 {
+                ErrorKind::Unavailable
+            } else {
+                ErrorKind::BadGateway
+            },
+            "upstream_error",
+            format!("upstream error {status}"),
+        ),
+        _ => match error.esource() {
+            ErrorSource::Downstream => ApiError::invalid("body", "the request could not be read"),
+            ErrorSource::Internal | ErrorSource::Unset => ApiError::new(
+                ErrorKind::Internal,
+                "internal_error",
+                "internal gateway error",
+            ),
+            ErrorSource::Upstream => ApiError::new(
+                ErrorKind::BadGateway,
+                "upstream_error",
+                "the worker closed the connection before answering",
+            ),
+        },
+    }
+}
