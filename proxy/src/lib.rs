@@ -33,6 +33,7 @@ pub mod scorer;
 pub mod telemetry;
 pub mod translate;
 pub mod translate_openai;
+pub mod wire;
 pub mod worker;
 
 /// Lock a mutex, taking the data even if a thread panicked while holding it: every mutex in the
