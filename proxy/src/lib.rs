@@ -33,6 +33,7 @@ pub mod scorer;
 pub mod telemetry;
 pub mod translate;
 pub mod translate_openai;
+pub mod translate_request;
 pub mod wire;
 pub mod worker;
 

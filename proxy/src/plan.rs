@@ -23,9 +23,8 @@ use crate::prompt::{self, PromptInfo};
 use crate::request::{self, ParsedRequest};
 use crate::routing::{Destination, PoolRuntime, ProviderRuntime, RoutingTable};
 use crate::scorer;
-use crate::translate;
-use crate::translate_openai;
-use crate::wire::RequestBody;
+use crate::translate_request;
+use crate::wire::{self, RequestBody};
 
 /// Translation between the client's API and the upstream's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -270,14 +269,14 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
         ));
         header_safe(&text)
     });
-    let mut prepared =
-        prepare_target(table, target, client, cache_salt.as_deref()).map_err(|error| {
-            Box::new(Rejection {
-                error,
-                reason: "target_unavailable",
-                verdict: Some(verdict.clone()),
-            })
-        })?;
+    let mut prepared = prepare_target(table, target, client, request.body, cache_salt.as_deref())
+        .map_err(|error| {
+        Box::new(Rejection {
+            error,
+            reason: "target_unavailable",
+            verdict: Some(verdict.clone()),
+        })
+    })?;
     // The prompt as the chosen pool's workers tokenize it, for cache-aware worker choice.
     if let Some(pool) = prepared.pool().filter(|p| p.tokenizer.is_some()) {
         let known = predictions.iter().find(|(id, _)| *id == pool.config.id);
@@ -302,16 +301,18 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
     })
 }
 
-/// Prepare the next of `fallbacks` that can be prepared, removing what it skips.
+/// Prepare the next of `fallbacks` that can be prepared, removing what it skips. The body is
+/// parsed again: a fallback is the one path that needs its typed model after planning.
 pub fn next_fallback(
     table: &RoutingTable,
     fallbacks: &mut Vec<ModelTarget>,
     client: &ClientRequest,
     cache_salt: Option<&str>,
 ) -> Option<Target> {
+    let body = wire::parse(&client.body).ok()?;
     while !fallbacks.is_empty() {
         let target = fallbacks.remove(0);
-        match prepare_target(table, &target, client, cache_salt) {
+        match prepare_target(table, &target, client, &body, cache_salt) {
             Ok(prepared) => return Some(prepared),
             Err(error) => {
                 tracing::debug!(target = %target.backend, reason = %error.shown_message(), "fallback target skipped");
@@ -419,6 +420,7 @@ fn prepare_target(
     table: &RoutingTable,
     target: &ModelTarget,
     client: &ClientRequest,
+    typed: &RequestBody<'_>,
     cache_salt: Option<&str>,
 ) -> Result<Target, ApiError> {
     let (parsed, body, endpoint) = (&client.parsed, &client.body, client.endpoint);
@@ -483,14 +485,14 @@ fn prepare_target(
     let worker_salt = cache_salt.filter(|_| provider.is_none());
     let mut upstream_body = match translate {
         Translation::MessagesToChat => {
-            let translated = translate::messages_request_to_chat(body, &target.upstream_model)?;
+            let translated = translate_request::messages_to_chat(typed, &target.upstream_model)?;
             match worker_salt {
                 Some(salt) => request::with_leading_cache_salt(translated, salt),
                 None => translated,
             }
         }
         Translation::ChatToMessages => {
-            translate_openai::chat_request_to_messages(body, &target.upstream_model)?
+            translate_request::chat_to_messages(typed, &target.upstream_model)?
         }
         Translation::None => request::rewrite(body, parsed, &target.upstream_model, worker_salt),
     };

@@ -57,6 +57,25 @@ pub struct RequestBody<'a> {
     pub user: Option<&'a RawValue>,
     #[serde(borrow, default)]
     pub metadata: Option<&'a RawValue>,
+    /// Sampling and stopping fields the translations carry over as they are.
+    #[serde(borrow, default)]
+    pub temperature: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub top_p: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub top_k: Option<&'a RawValue>,
+    /// OpenAI: a string or strings.
+    #[serde(borrow, default)]
+    pub stop: Option<&'a RawValue>,
+    /// Anthropic's `stop`.
+    #[serde(borrow, default)]
+    pub stop_sequences: Option<&'a RawValue>,
+    /// OpenAI: choices asked for.
+    #[serde(borrow, default)]
+    pub n: Option<&'a RawValue>,
+    /// A string (OpenAI) or an object (both).
+    #[serde(borrow, default)]
+    pub tool_choice: Option<&'a RawValue>,
 }
 
 /// OpenAI's `stream_options` (`null` is taken as absent, as vLLM does).
@@ -75,9 +94,87 @@ pub struct Message<'a> {
     pub content: Option<Content<'a>>,
     #[serde(borrow, default)]
     pub name: Option<&'a RawValue>,
-    /// OpenAI assistant tool calls (`function.arguments` is a JSON string).
+    /// OpenAI assistant tool calls (`function.arguments` is a JSON string): see
+    /// [`Message::tool_calls`].
+    #[serde(borrow, default, rename = "tool_calls")]
+    pub raw_tool_calls: Option<&'a RawValue>,
+    /// OpenAI `tool` messages: the call answered.
     #[serde(borrow, default)]
-    pub tool_calls: Option<&'a RawValue>,
+    pub tool_call_id: Option<&'a RawValue>,
+}
+
+/// One OpenAI tool call of an assistant message.
+#[derive(Debug, Default, Deserialize)]
+pub struct ToolCall<'a> {
+    #[serde(borrow, default)]
+    pub id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub function: Option<FunctionCall<'a>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct FunctionCall<'a> {
+    #[serde(borrow, default)]
+    pub name: Option<&'a RawValue>,
+    /// A JSON string holding the arguments (what OpenAI sends), or the arguments themselves.
+    #[serde(borrow, default)]
+    pub arguments: Option<&'a RawValue>,
+}
+
+impl FunctionCall<'_> {
+    /// The arguments as a JSON value: `None` when absent, `Err` when they are a string that is
+    /// not JSON.
+    pub fn arguments_value(&self) -> Option<Result<Value, serde_json::Error>> {
+        let raw = self.arguments?;
+        Some(if raw.get().starts_with('"') {
+            serde_json::from_str::<String>(raw.get()).and_then(|text| serde_json::from_str(&text))
+        } else {
+            serde_json::from_str(raw.get())
+        })
+    }
+}
+
+/// A tool definition: Anthropic's fields at the top, OpenAI's under `function`.
+#[derive(Debug, Default, Deserialize)]
+pub struct ToolDefinition<'a> {
+    #[serde(borrow, default)]
+    pub name: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub description: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub input_schema: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub function: Option<FunctionDefinition<'a>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct FunctionDefinition<'a> {
+    #[serde(borrow, default)]
+    pub name: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub description: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub parameters: Option<&'a RawValue>,
+}
+
+/// A `tool_choice` object of either API.
+#[derive(Debug, Default, Deserialize)]
+pub struct ToolChoice<'a> {
+    #[serde(rename = "type", borrow, default)]
+    pub kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub name: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub function: Option<FunctionDefinition<'a>>,
+}
+
+impl<'a> Message<'a> {
+    /// The message's tool calls (none when absent, `null` or not an array of calls).
+    pub fn tool_calls(&self) -> Vec<ToolCall<'a>> {
+        self.raw_tool_calls
+            .and_then(|raw| serde_json::from_str(raw.get()).ok())
+            .unwrap_or_default()
+    }
 }
 
 /// Message content: a string, or an array of parts (OpenAI) or blocks (Anthropic).
@@ -110,6 +207,38 @@ pub struct PartFields<'a> {
     /// Anthropic `tool_use` blocks carry their arguments as `input`.
     #[serde(borrow, default)]
     pub input: Option<&'a RawValue>,
+    /// Anthropic `tool_use` id and tool name; `tool_result`'s call.
+    #[serde(borrow, default)]
+    pub id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub name: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub tool_use_id: Option<&'a RawValue>,
+    /// Anthropic images.
+    #[serde(borrow, default)]
+    pub source: Option<ImageSource<'a>>,
+    /// OpenAI images.
+    #[serde(borrow, default)]
+    pub image_url: Option<ImageUrl<'a>>,
+}
+
+/// Where an Anthropic image comes from.
+#[derive(Debug, Default, Deserialize)]
+pub struct ImageSource<'a> {
+    #[serde(rename = "type", borrow, default)]
+    pub kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub media_type: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub data: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub url: Option<Cow<'a, str>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct ImageUrl<'a> {
+    #[serde(borrow, default)]
+    pub url: Option<Cow<'a, str>>,
 }
 
 impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
@@ -206,6 +335,13 @@ pub fn parse(body: &[u8]) -> Result<RequestBody<'_>, ApiError> {
     Ok(request)
 }
 
+/// One of two shapes.
+#[derive(Debug)]
+pub enum Either<L, R> {
+    Left(L),
+    Right(R),
+}
+
 /// The text of a prompt (completions) as the worker takes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PromptInput<'a> {
@@ -216,6 +352,31 @@ pub enum PromptInput<'a> {
 }
 
 impl<'a> RequestBody<'a> {
+    /// The tool definitions (none when absent or not an array of objects).
+    pub fn tool_definitions(&self) -> Result<Vec<ToolDefinition<'a>>, String> {
+        match self.tools {
+            None => Ok(Vec::new()),
+            Some(raw) if raw.get() == "null" => Ok(Vec::new()),
+            Some(raw) => {
+                serde_json::from_str(raw.get()).map_err(|e| format!("invalid 'tools': {e}"))
+            }
+        }
+    }
+
+    /// `tool_choice`: a string (OpenAI's `auto`, `none`, `required`) or an object.
+    pub fn tool_choice(&self) -> Option<Result<Either<Cow<'a, str>, ToolChoice<'a>>, String>> {
+        let raw = self.tool_choice.filter(|raw| raw.get() != "null")?;
+        Some(if raw.get().starts_with('"') {
+            serde_json::from_str(raw.get())
+                .map(Either::Left)
+                .map_err(|e| e.to_string())
+        } else {
+            serde_json::from_str(raw.get())
+                .map(Either::Right)
+                .map_err(|e| format!("invalid 'tool_choice': {e}"))
+        })
+    }
+
     /// The legacy completions `prompt`: `None` when absent, `Err` when it is none of the shapes
     /// vLLM takes.
     pub fn prompt_input(&self) -> Option<Result<PromptInput<'a>, String>> {
@@ -343,23 +504,15 @@ impl PromptText for RequestBody<'_> {
             if let Some(content) = &message.content {
                 content.visit_text(visit);
             }
-            if let Some(calls) = message.tool_calls {
-                #[derive(Deserialize)]
-                struct Call<'a> {
-                    #[serde(borrow, default)]
-                    function: Option<Function<'a>>,
-                }
-                #[derive(Deserialize)]
-                struct Function<'a> {
-                    #[serde(borrow, default)]
-                    arguments: Option<Cow<'a, str>>,
-                }
-                let calls: Vec<Call<'_>> = serde_json::from_str(calls.get()).unwrap_or_default();
-                for arguments in calls
-                    .iter()
-                    .filter_map(|c| c.function.as_ref()?.arguments.as_ref())
-                {
-                    visit(arguments);
+            for call in message.tool_calls() {
+                match call.function.and_then(|f| f.arguments) {
+                    Some(raw) if raw.get().starts_with('"') => {
+                        if let Ok(text) = serde_json::from_str::<Cow<'_, str>>(raw.get()) {
+                            visit(&text);
+                        }
+                    }
+                    Some(raw) => visit_strings(raw, visit),
+                    None => {}
                 }
             }
         }

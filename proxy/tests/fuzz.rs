@@ -11,6 +11,7 @@ use switchyard_proxy::api::Endpoint;
 use switchyard_proxy::request;
 use switchyard_proxy::translate::{self, StreamTranslator};
 use switchyard_proxy::translate_openai::{self, MessagesStreamTranslator};
+use switchyard_proxy::translate_request;
 
 /// Keys the two APIs use, so generated objects reach deep into the parsers.
 const KEYS: &[&str] = &[
@@ -197,11 +198,13 @@ proptest! {
 
     #[test]
     fn request_translators_take_any_body(body in any_body()) {
-        if let Ok(chat) = translate::messages_request_to_chat(&body, "m") {
-            prop_assert!(is_json(&chat));
-        }
-        if let Ok(messages) = translate_openai::chat_request_to_messages(&body, "m") {
-            prop_assert!(is_json(&messages));
+        if let Ok(typed) = switchyard_proxy::wire::parse(&body) {
+            if let Ok(chat) = translate_request::messages_to_chat(&typed, "m") {
+                prop_assert!(is_json(&chat));
+            }
+            if let Ok(messages) = translate_request::chat_to_messages(&typed, "m") {
+                prop_assert!(is_json(&messages));
+            }
         }
     }
 
