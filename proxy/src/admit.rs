@@ -16,12 +16,10 @@ use bytes::{Bytes, BytesMut};
 use pingora_proxy::Session;
 use switchyard_snapshot::snapshot::Tenant;
 
-use crate::accounting;
 use crate::api::{ApiError, Endpoint, ErrorKind};
 use crate::exchange::Exchange;
 use crate::gateway::Gateway;
 use crate::limits::{self, Admission, RateLimiter};
-use crate::metrics;
 use crate::plan::{self, ClientRequest, Plan, Rejection, Request};
 use crate::request;
 use crate::routing::{AuthFailure, Caller, RoutingTable};
@@ -110,11 +108,11 @@ impl Gateway {
     ) -> Result<Exchange, ApiError> {
         let table = live_table(self)?;
         let caller = authenticate(&table, &session.req_header().headers).inspect_err(|_| {
-            accounting::rejected_early(None, "unauthenticated");
+            self.metrics.rejected_early(None, "unauthenticated");
         })?;
         let tenant = caller.tenant().map(|t| t.name.clone());
         let counted = |error: ApiError| {
-            accounting::rejected_early(tenant.as_deref(), error.code);
+            self.metrics.rejected_early(tenant.as_deref(), error.code);
             error
         };
         let body = self.read_body(session).await.map_err(counted)?;
@@ -150,9 +148,9 @@ impl Gateway {
         };
         let plan = planned.map_err(|rejection| {
             if let Some(verdict) = &rejection.verdict {
-                metrics::policy_decision(&verdict.rule, verdict.outcome);
+                self.metrics.policy_decision(&verdict.rule, verdict.outcome);
             }
-            accounting::rejected(
+            self.metrics.rejected(
                 &table,
                 tenant.as_deref(),
                 &client.parsed.model,
@@ -160,14 +158,15 @@ impl Gateway {
             );
             rejection.error
         })?;
-        metrics::policy_decision(&plan.verdict.rule, plan.verdict.outcome);
+        self.metrics
+            .policy_decision(&plan.verdict.rule, plan.verdict.outcome);
         // Rate limits, once the request is known to go somewhere: the prompt is counted up
         // front (estimated from the body's size), the completion when the answer's usage
         // arrives. A dry run explains without spending the tenant's allowance.
         let admission = match caller.tenant() {
             Some(tenant) if explain != Explain::DryRun => {
                 admit_rate(&self.limiter, tenant, &client).map_err(|rejection| {
-                    accounting::rejected(
+                    self.metrics.rejected(
                         &table,
                         Some(&tenant.name),
                         &client.parsed.model,
@@ -178,7 +177,13 @@ impl Gateway {
             }
             _ => None,
         };
-        let mut exchange = Exchange::new(table, client, tenant, plan, explained, admission);
+        // The request's accounting series, resolved once: its end only adds to counters.
+        let series = self.metrics.request_series(
+            tenant.as_deref(),
+            &client.parsed.model,
+            &plan.target.label,
+        );
+        let mut exchange = Exchange::new(table, client, tenant, plan, explained, admission, series);
         if exchange.needs_prompt() {
             tokenize(&mut exchange).await;
         }
