@@ -23,6 +23,7 @@ use crate::limits::{self, Admission, RateLimiter};
 use crate::plan::{self, ClientRequest, Plan, Rejection, Request};
 use crate::request;
 use crate::routing::{AuthFailure, Caller, RoutingTable};
+use crate::wire;
 
 /// Bytes Pingora's retry buffer holds (pingora-core `BODY_BUF_LIMIT`).
 const RETRY_BUFFER_BYTES: usize = 64 * 1024;
@@ -116,47 +117,37 @@ impl Gateway {
             error
         };
         let body = self.read_body(session).await.map_err(counted)?;
-        let parsed = request::parse(endpoint, &body).map_err(counted)?;
-        let client = ClientRequest {
-            endpoint,
-            parsed,
-            body,
-        };
         let headers = session.req_header().headers.clone();
         let explained = explain != Explain::No;
-        let planned = if client.body.len() <= INLINE_PLAN_BYTES {
-            plan_with(&table, &client, &headers, caller.tenant(), explained)
+        let planned = if body.len() <= INLINE_PLAN_BYTES {
+            parse_and_plan(&table, endpoint, body, &headers, caller.tenant(), explained)
         } else {
-            let (table, client, tenant) = (table.clone(), client.clone(), tenant.clone());
+            let (table, tenant) = (table.clone(), tenant.clone());
             tokio::task::spawn_blocking(move || {
                 let tenant = tenant
                     .as_deref()
                     .and_then(|t| table.snapshot.tenants.get(t));
-                plan_with(&table, &client, &headers, tenant, explained)
+                parse_and_plan(&table, endpoint, body, &headers, tenant, explained)
             })
             .await
             .unwrap_or_else(|e| {
-                Err(Rejection::new(
-                    ApiError::new(
-                        ErrorKind::Internal,
-                        "internal_error",
-                        format!("planning failed: {e}"),
-                    ),
+                Err(Refusal::Invalid(ApiError::new(
+                    ErrorKind::Internal,
                     "internal_error",
-                ))
+                    format!("planning failed: {e}"),
+                )))
             })
         };
-        let plan = planned.map_err(|rejection| {
-            if let Some(verdict) = &rejection.verdict {
-                self.metrics.policy_decision(&verdict.rule, verdict.outcome);
+        let (client, plan) = planned.map_err(|refusal| match refusal {
+            Refusal::Invalid(error) => counted(error),
+            Refusal::Rejected(model, rejection) => {
+                if let Some(verdict) = &rejection.verdict {
+                    self.metrics.policy_decision(&verdict.rule, verdict.outcome);
+                }
+                self.metrics
+                    .rejected(&table, tenant.as_deref(), &model, rejection.reason);
+                rejection.error
             }
-            self.metrics.rejected(
-                &table,
-                tenant.as_deref(),
-                &client.parsed.model,
-                rejection.reason,
-            );
-            rejection.error
         })?;
         self.metrics
             .policy_decision(&plan.verdict.rule, plan.verdict.outcome);
@@ -183,11 +174,9 @@ impl Gateway {
             &client.parsed.model,
             &plan.target.label,
         );
-        let mut exchange = Exchange::new(table, client, tenant, plan, explained, admission, series);
-        if exchange.needs_prompt() {
-            tokenize(&mut exchange).await;
-        }
-        Ok(exchange)
+        Ok(Exchange::new(
+            table, client, tenant, plan, explained, admission, series,
+        ))
     }
 
     /// Read the whole request body within the size limit (see the module note on buffering).
@@ -277,22 +266,45 @@ impl Gateway {
     }
 }
 
-fn plan_with(
+/// Why a request was not planned.
+enum Refusal {
+    /// The body is not a valid request (or planning itself failed).
+    Invalid(ApiError),
+    /// The planner refused the request for `model`.
+    Rejected(String, Box<Rejection>),
+}
+
+/// Parse the body once into its typed model, check it, and plan it: the CPU work of a request,
+/// run off the event loop for large bodies.
+fn parse_and_plan(
     table: &RoutingTable,
-    client: &ClientRequest,
+    endpoint: Endpoint,
+    body: Bytes,
     headers: &http::HeaderMap,
     tenant: Option<&Tenant>,
     explain: bool,
-) -> Result<Plan, Box<Rejection>> {
-    plan::plan(
+) -> Result<(ClientRequest, Plan), Refusal> {
+    let typed = wire::parse(&body).map_err(Refusal::Invalid)?;
+    let parsed = request::summarise(endpoint, &body, &typed).map_err(Refusal::Invalid)?;
+    let client = ClientRequest {
+        endpoint,
+        parsed,
+        body: body.clone(),
+    };
+    let planned = plan::plan(
         table,
         &Request {
-            client,
+            client: &client,
+            body: &typed,
             headers,
             tenant,
             explain,
         },
-    )
+    );
+    match planned {
+        Ok(plan) => Ok((client, plan)),
+        Err(rejection) => Err(Refusal::Rejected(client.parsed.model, rejection)),
+    }
 }
 
 /// Take the tenant's rate limits for `client`'s request (`None`: the tenant has none).
@@ -322,21 +334,4 @@ fn admit_rate(
             refusal.limit.label(),
         )),
     }
-}
-
-/// Tokenize the prompt for the target's cache-aware pool (large bodies on the blocking pool).
-async fn tokenize(exchange: &mut Exchange) {
-    let Some(pool) = exchange.pool().cloned() else {
-        return;
-    };
-    let salt = exchange.plan.cache_salt.clone();
-    exchange.plan.target.prompt = if exchange.client.body.len() <= INLINE_PLAN_BYTES {
-        plan::analyse_prompt(&pool, &exchange.client, salt.as_deref())
-    } else {
-        let client = exchange.client.clone();
-        tokio::task::spawn_blocking(move || plan::analyse_prompt(&pool, &client, salt.as_deref()))
-            .await
-            .ok()
-            .flatten()
-    };
 }

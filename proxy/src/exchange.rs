@@ -137,14 +137,6 @@ impl Exchange {
         &self.plan.target.body
     }
 
-    /// Whether the current target's pool routes by prompt and the prompt is not tokenized yet.
-    pub fn needs_prompt(&self) -> bool {
-        self.plan.target.prompt.is_none()
-            && self.pool().is_some_and(|pool| {
-                pool.tokenizer.is_some() && pool.config.load_balancing == LoadBalancing::CacheAware
-            })
-    }
-
     /// Move to the next fallback target that can be prepared, counted in `metrics`. `false`
     /// when none is left.
     pub fn fall_back(&mut self, metrics: &Metrics) -> bool {

@@ -24,6 +24,7 @@ pub mod metrics;
 pub mod observe;
 pub mod plan;
 pub mod prompt;
+pub mod provider;
 pub mod proxy;
 pub mod request;
 pub mod respond;
@@ -32,6 +33,8 @@ pub mod scorer;
 pub mod telemetry;
 pub mod translate;
 pub mod translate_openai;
+pub mod wire;
+pub mod worker;
 
 /// Lock a mutex, taking the data even if a thread panicked while holding it: every mutex in the
 /// proxy guards counters or caches that stay usable, and serving must not stop over one panic.

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use bytes::Bytes;
 use switchyard_policy::{
     ClassSet, Classifier, Context, NoTarget, Outcome as PolicyOutcome, PoolState, RequestFacts,
-    RequestPrompt,
 };
 use switchyard_snapshot::snapshot::{AnthropicMessages, ProviderFormat, Tenant};
 use switchyard_snapshot::{ModelTarget, PoolId};
@@ -26,6 +25,7 @@ use crate::routing::{Destination, PoolRuntime, ProviderRuntime, RoutingTable};
 use crate::scorer;
 use crate::translate;
 use crate::translate_openai;
+use crate::wire::RequestBody;
 
 /// Translation between the client's API and the upstream's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +50,8 @@ pub struct ClientRequest {
 #[derive(Debug, Clone, Copy)]
 pub struct Request<'a> {
     pub client: &'a ClientRequest,
+    /// The body's typed model, parsed once (classification and tokenization read it).
+    pub body: &'a RequestBody<'a>,
     pub headers: &'a http::HeaderMap,
     /// The authenticated tenant (`None`: authentication is off).
     pub tenant: Option<&'a Tenant>,
@@ -184,7 +186,7 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
         .filter_map(|id| {
             let pool = table.pool(&id)?;
             pool.tokenizer.as_ref()?;
-            let prompt = analyse_prompt(pool, client, cache_salt.as_deref());
+            let prompt = analyse_prompt(pool, client.endpoint, request.body, cache_salt.as_deref());
             Some((id, prompt))
         })
         .collect();
@@ -197,7 +199,7 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
     let mut trace = request.explain.then(Vec::new);
     let mut context = PolicyContext {
         table,
-        body: &client.body,
+        body: request.body,
         headers: request.headers,
         classes: None,
         predictions: &predictions,
@@ -276,11 +278,13 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
                 verdict: Some(verdict.clone()),
             })
         })?;
-    if let Some(pool) = prepared.pool() {
-        prepared.prompt = predictions
-            .iter()
-            .find(|(id, _)| *id == pool.config.id)
-            .and_then(|(_, prompt)| prompt.clone());
+    // The prompt as the chosen pool's workers tokenize it, for cache-aware worker choice.
+    if let Some(pool) = prepared.pool().filter(|p| p.tokenizer.is_some()) {
+        let known = predictions.iter().find(|(id, _)| *id == pool.config.id);
+        prepared.prompt = match known {
+            Some((_, prompt)) => prompt.clone(),
+            None => analyse_prompt(pool, client.endpoint, request.body, cache_salt.as_deref()),
+        };
     }
     let fallbacks = chosen
         .targets
@@ -321,7 +325,8 @@ pub fn next_fallback(
 /// is still routed, by queue alone. CPU work: large bodies are planned off the event loop.
 pub fn analyse_prompt(
     pool: &PoolRuntime,
-    client: &ClientRequest,
+    endpoint: Endpoint,
+    body: &RequestBody<'_>,
     cache_salt: Option<&str>,
 ) -> Option<Arc<PromptInfo>> {
     let tokenizer = pool.tokenizer.as_ref()?;
@@ -329,8 +334,8 @@ pub fn analyse_prompt(
     match prompt::analyse(
         tokenizer,
         &pool.kv.prompts,
-        client.endpoint,
-        &client.body,
+        endpoint,
+        body,
         block_size,
         cache_salt,
     ) {
@@ -359,7 +364,7 @@ fn header_safe(text: &str) -> String {
 /// headers, and the live state of pools.
 struct PolicyContext<'a> {
     table: &'a RoutingTable,
-    body: &'a [u8],
+    body: &'a RequestBody<'a>,
     headers: &'a http::HeaderMap,
     classes: Option<ClassSet>,
     /// Prompts tokenized for the pools whose predicted TTFT rules read.
@@ -371,9 +376,7 @@ impl Context for PolicyContext<'_> {
         if let Some(classes) = self.classes {
             return classes;
         }
-        let classes = RequestPrompt::parse(self.body)
-            .map(|prompt| classifier.classify(&prompt))
-            .unwrap_or_default();
+        let classes = classifier.classify(self.body);
         self.classes = Some(classes);
         classes
     }
@@ -504,7 +507,7 @@ fn prepare_target(
     }
     if parsed.stream && translate == Translation::ChatToMessages {
         // The translated stream always ends with a usage chunk: keep it only on request.
-        strip_usage = !request::asks_for_stream_usage(body);
+        strip_usage = !parsed.asks_stream_usage;
     }
     Ok(Target {
         label: target.backend.to_string(),

@@ -9,14 +9,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 use switchyard_kv::hash::{SequenceHash, sequence_hashes_keyed};
-use switchyard_kv::tokenize::{PromptTokenizer, anthropic_messages, openai_messages};
+use switchyard_kv::tokenize::PromptTokenizer;
 use switchyard_snapshot::snapshot::Tenant;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::api::Endpoint;
+use crate::wire::{PromptInput, RequestBody};
 
 /// Characters of a prompt tokenized for routing.
 pub const MAX_ROUTING_PROMPT_CHARS: usize = 400_000;
@@ -75,40 +75,28 @@ enum Prompt {
 fn prompt_of(
     tokenizer: &PromptTokenizer,
     endpoint: Endpoint,
-    request: &Value,
+    request: &RequestBody<'_>,
 ) -> Result<Prompt, String> {
+    let render = |with_system: bool| {
+        tokenizer
+            .render_chat(&request.chat_messages(with_system))
+            .map_err(|e| e.to_string())
+    };
     Ok(match endpoint {
-        Endpoint::ChatCompletions => Prompt::Text(
-            tokenizer
-                .render_chat(&openai_messages(request))
-                .map_err(|e| e.to_string())?,
-        ),
-        Endpoint::Messages => Prompt::Text(
-            tokenizer
-                .render_chat(&anthropic_messages(request))
-                .map_err(|e| e.to_string())?,
-        ),
-        Endpoint::Completions => match request.get("prompt") {
-            Some(Value::String(text)) => Prompt::Text(text.clone()),
-            Some(Value::Array(items)) if items.iter().all(Value::is_u64) => Prompt::Tokens(
-                items
-                    .iter()
-                    .filter_map(Value::as_u64)
-                    .map(|t| t as u32)
-                    .collect(),
-            ),
-            Some(Value::Array(items)) => match items.first() {
-                // A batch of prompts: route by the first.
-                Some(Value::String(text)) => Prompt::Text(text.clone()),
-                Some(Value::Array(ids)) => Prompt::Tokens(
-                    ids.iter()
-                        .filter_map(Value::as_u64)
-                        .map(|t| t as u32)
-                        .collect(),
-                ),
-                _ => return Err("empty prompt".into()),
-            },
-            _ => return Err("no prompt".into()),
+        Endpoint::ChatCompletions => Prompt::Text(render(false)?),
+        Endpoint::Messages => Prompt::Text(render(true)?),
+        Endpoint::Completions => match request.prompt_input() {
+            Some(Ok(PromptInput::Text(text))) => Prompt::Text(text.into_owned()),
+            Some(Ok(PromptInput::Tokens(ids))) => Prompt::Tokens(ids),
+            // A batch of prompts: route by the first.
+            Some(Ok(PromptInput::Texts(texts))) => {
+                Prompt::Text(texts.into_iter().next().ok_or("empty prompt")?.into_owned())
+            }
+            Some(Ok(PromptInput::TokenBatches(batches))) => {
+                Prompt::Tokens(batches.into_iter().next().ok_or("empty prompt")?)
+            }
+            Some(Err(error)) => return Err(error),
+            None => return Err("no prompt".into()),
         },
         Endpoint::Models | Endpoint::Health | Endpoint::Ready | Endpoint::Metrics => {
             return Err("no prompt".into());
@@ -143,19 +131,18 @@ pub fn worker_cache_salt(tenant: Option<&Tenant>, client: Option<&str>) -> Optio
     }
 }
 
-/// Tokenize a request body for routing (CPU work: call off the async threads for big bodies).
+/// Tokenize a request for routing (CPU work: call off the async threads for big bodies).
 /// `cache_salt` is the salt the worker will get: it keys the first block, as in vLLM.
 pub fn analyse(
     tokenizer: &PromptTokenizer,
     cache: &PromptCache,
     endpoint: Endpoint,
-    body: &[u8],
+    request: &RequestBody<'_>,
     block_size: usize,
     cache_salt: Option<&str>,
 ) -> Result<Arc<PromptInfo>, String> {
-    let request: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
     let hashes = |tokens: &[u32]| sequence_hashes_keyed(tokens, block_size, &[], cache_salt);
-    let tokens = match prompt_of(tokenizer, endpoint, &request)? {
+    let tokens = match prompt_of(tokenizer, endpoint, request)? {
         Prompt::Tokens(tokens) => tokens,
         Prompt::Text(text) => {
             let text = truncate(&text, MAX_ROUTING_PROMPT_CHARS);
@@ -188,22 +175,41 @@ mod tests {
         let tokenizer = PromptTokenizer::shipped().unwrap();
         let cache = PromptCache::default();
         let body = br#"{"model":"m","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Tell me about rivers, lakes and the sea in some detail please."}]}"#;
-        let info = analyse(&tokenizer, &cache, Endpoint::ChatCompletions, body, 4, None).unwrap();
+        let parsed = crate::wire::parse(body).unwrap();
+        let info = analyse(
+            &tokenizer,
+            &cache,
+            Endpoint::ChatCompletions,
+            &parsed,
+            4,
+            None,
+        )
+        .unwrap();
         let rendered = tokenizer
-            .render_chat(&openai_messages(&serde_json::from_slice(body).unwrap()))
+            .render_chat(&switchyard_kv::tokenize::openai_messages(
+                &serde_json::from_slice(body).unwrap(),
+            ))
             .unwrap();
         let tokens = tokenizer.encode(&rendered).unwrap();
         assert_eq!(info.tokens, tokens.len());
         assert_eq!(info.hashes, sequence_hashes_keyed(&tokens, 4, &[], None));
         // The second time comes from the cache (same Arc).
-        let again = analyse(&tokenizer, &cache, Endpoint::ChatCompletions, body, 4, None).unwrap();
+        let again = analyse(
+            &tokenizer,
+            &cache,
+            Endpoint::ChatCompletions,
+            &parsed,
+            4,
+            None,
+        )
+        .unwrap();
         assert!(Arc::ptr_eq(&info, &again));
         // A salted request hashes apart (and is cached apart).
         let salted = analyse(
             &tokenizer,
             &cache,
             Endpoint::ChatCompletions,
-            body,
+            &parsed,
             4,
             Some("t:1"),
         )
@@ -253,7 +259,7 @@ mod tests {
             &tokenizer,
             &cache,
             Endpoint::Completions,
-            br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#,
+            &crate::wire::parse(br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#).unwrap(),
             4,
             None,
         )
@@ -265,7 +271,7 @@ mod tests {
                 &tokenizer,
                 &cache,
                 Endpoint::Completions,
-                br#"{"model":"m"}"#,
+                &crate::wire::parse(br#"{"model":"m"}"#).unwrap(),
                 4,
                 None
             )

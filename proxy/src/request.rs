@@ -4,14 +4,12 @@
 //! prompt), and the model name is replaced by splicing bytes so everything else reaches the worker
 //! exactly as the client sent it.
 
-use std::borrow::Cow;
 use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
-use serde::Deserialize;
-use serde_json::value::RawValue;
 
 use crate::api::{ApiError, Endpoint};
+use crate::wire::{self, Message, RequestBody};
 
 /// What routing needs from a request body.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,6 +21,8 @@ pub struct ParsedRequest {
     pub max_tokens: Option<u64>,
     /// vLLM's `cache_salt` as the client sent it.
     pub cache_salt: Option<String>,
+    /// `stream_options.include_usage` is set: the client wants usage in its stream.
+    pub asks_stream_usage: bool,
     /// Byte range of the `"model"` value (quotes included) in the body.
     model_span: Range<usize>,
     /// Byte range of the `"cache_salt"` value, when there is one.
@@ -31,61 +31,19 @@ pub struct ParsedRequest {
     object_start: usize,
 }
 
-#[derive(Deserialize)]
-struct MessageHead<'a> {
-    #[serde(borrow)]
-    #[allow(dead_code)] // read to require it; routing by role arrives with the policy engine
-    role: Cow<'a, str>,
-}
-
-#[derive(Deserialize)]
-struct RequestHead<'a> {
-    #[serde(borrow, default)]
-    model: Option<&'a RawValue>,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(borrow, default)]
-    messages: Option<Vec<MessageHead<'a>>>,
-    #[serde(borrow, default)]
-    prompt: Option<&'a RawValue>,
-    #[serde(default)]
-    max_tokens: Option<u64>,
-    #[serde(default)]
-    max_completion_tokens: Option<u64>,
-    #[serde(borrow, default)]
-    cache_salt: Option<&'a RawValue>,
-}
-
-/// Parse and validate a request body for `endpoint`.
+/// Parse and validate a request body for `endpoint` (tests and tools; the gateway parses once
+/// with [`wire::parse`] and summarises with [`summarise`]).
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError> {
-    let first = body.iter().find(|b| !b.is_ascii_whitespace());
-    if first != Some(&b'{') {
-        return Err(ApiError::invalid(
-            "body",
-            if body.iter().all(u8::is_ascii_whitespace) {
-                "request body is empty: send a JSON object with at least \"model\"".to_owned()
-            } else {
-                "request body must be a JSON object".to_owned()
-            },
-        ));
-    }
-    let mut deserializer = serde_json::Deserializer::from_slice(body);
-    let head: RequestHead<'_> =
-        serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            if inner.is_syntax() || inner.is_eof() {
-                ApiError::invalid("body", format!("malformed JSON: {inner}"))
-            } else if path == "." {
-                ApiError::invalid("body", format!("invalid request: {inner}"))
-            } else {
-                ApiError::invalid("body", format!("invalid field '{path}': {inner}"))
-            }
-        })?;
-    deserializer
-        .end()
-        .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?;
+    summarise(endpoint, body, &wire::parse(body)?)
+}
 
+/// Validate a parsed request for `endpoint` and summarise what routing needs. `body` is the
+/// bytes `head` was parsed from (for the byte ranges of the fields the gateway rewrites).
+pub fn summarise(
+    endpoint: Endpoint,
+    body: &[u8],
+    head: &RequestBody<'_>,
+) -> Result<ParsedRequest, ApiError> {
     let raw_model = head
         .model
         .ok_or_else(|| ApiError::invalid("model", "missing required field 'model'"))?;
@@ -115,7 +73,16 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
                 }
             }
         }
-        Endpoint::Completions => require_prompt(head.prompt)?,
+        Endpoint::Completions => match head.prompt_input() {
+            None => {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    "missing required field 'prompt'",
+                ));
+            }
+            Some(Err(message)) => return Err(ApiError::invalid("prompt", message)),
+            Some(Ok(_)) => {}
+        },
         Endpoint::Models | Endpoint::Health | Endpoint::Ready | Endpoint::Metrics => {}
     }
 
@@ -145,6 +112,11 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
         model,
         stream: head.stream.unwrap_or(false),
         max_tokens: head.max_tokens.or(head.max_completion_tokens),
+        asks_stream_usage: head
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
         cache_salt,
         model_span,
         cache_salt_span,
@@ -194,26 +166,7 @@ pub fn with_stream_usage(body: Bytes) -> Result<(Bytes, bool), ApiError> {
     Ok((Bytes::from(bytes), true))
 }
 
-/// Whether an OpenAI request asks for usage in its stream (`stream_options.include_usage`).
-pub fn asks_for_stream_usage(body: &[u8]) -> bool {
-    #[derive(Deserialize)]
-    struct Head {
-        #[serde(default)]
-        stream_options: Option<Options>,
-    }
-    #[derive(Deserialize)]
-    struct Options {
-        #[serde(default)]
-        include_usage: Option<bool>,
-    }
-    serde_json::from_slice::<Head>(body)
-        .ok()
-        .and_then(|h| h.stream_options)
-        .and_then(|o| o.include_usage)
-        .unwrap_or(false)
-}
-
-fn require_messages(messages: Option<&[MessageHead<'_>]>) -> Result<(), ApiError> {
+fn require_messages(messages: Option<&[Message<'_>]>) -> Result<(), ApiError> {
     match messages {
         None => Err(ApiError::invalid(
             "messages",
@@ -224,32 +177,6 @@ fn require_messages(messages: Option<&[MessageHead<'_>]>) -> Result<(), ApiError
             "'messages' must contain at least one message",
         )),
         Some(_) => Ok(()),
-    }
-}
-
-fn require_prompt(prompt: Option<&RawValue>) -> Result<(), ApiError> {
-    let prompt =
-        prompt.ok_or_else(|| ApiError::invalid("prompt", "missing required field 'prompt'"))?;
-    let value: serde_json::Value = serde_json::from_str(prompt.get())
-        .map_err(|e| ApiError::invalid("prompt", format!("invalid 'prompt': {e}")))?;
-    let valid = match &value {
-        serde_json::Value::String(_) => true,
-        serde_json::Value::Array(items) if !items.is_empty() => {
-            items.iter().all(|i| i.is_string())
-                || items.iter().all(|i| i.is_u64())
-                || items
-                    .iter()
-                    .all(|i| i.as_array().is_some_and(|t| t.iter().all(|x| x.is_u64())))
-        }
-        _ => false,
-    };
-    if valid {
-        Ok(())
-    } else {
-        Err(ApiError::invalid(
-            "prompt",
-            "'prompt' must be a string, a non-empty array of strings, or token ids",
-        ))
     }
 }
 

@@ -5,173 +5,21 @@
 //! [`EndpointRegistry`] and is shared by every table that names the same worker address.
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-use pingora_core::protocols::tls::CaType;
-use pingora_core::utils::tls::{WrappedX509, parse_x509};
 use rand::Rng;
 use sha2::{Digest, Sha256};
 use switchyard_kv::index::WorkerId;
 use switchyard_kv::tokenize::{PromptTokenizer, TokenizeError};
 use switchyard_policy::Evaluator;
 use switchyard_policy::classify::ClassifierError;
-use switchyard_snapshot::snapshot::{
-    Backend, Credentials, LoadBalancing, Provider, ProviderId, TargetStrategy, Tenant,
-};
+use switchyard_snapshot::snapshot::{Backend, LoadBalancing, ProviderId, TargetStrategy, Tenant};
 use switchyard_snapshot::{ModelTarget, Pool, PoolId, Snapshot};
 
-use crate::calibration::TtftCalibration;
-use crate::kv::{KvRegistry, PoolKv, WorkerLoad};
-
-/// One worker as this proxy sees it.
-#[derive(Debug)]
-pub struct WorkerState {
-    /// `host:port` as configured.
-    pub address: String,
-    /// Resolved when the table was built; `None` when the name did not resolve.
-    pub socket: Option<SocketAddr>,
-    /// Uncached prompt tokens this proxy sent that have not produced a first token yet.
-    pending_prefill_tokens: AtomicUsize,
-    /// When the worker started on the oldest of those (microseconds on [`clock_micros`]): the
-    /// queue is worked off first come, first served, so part of it is done already.
-    prefill_started_us: AtomicU64,
-    /// Queue as the worker's metrics report it, and this proxy's own requests there.
-    pub load: Arc<WorkerLoad>,
-    /// Observed against predicted time to first token, learned from this proxy's requests.
-    pub ttft: TtftCalibration,
-}
-
-/// Microseconds since the first call: a cheap monotonic clock shared by all workers.
-fn clock_micros() -> u64 {
-    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    EPOCH
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_micros() as u64
-}
-
-impl WorkerState {
-    /// This proxy's requests at the worker now.
-    pub fn in_flight(&self) -> usize {
-        self.load.own_in_flight() as usize
-    }
-
-    pub fn pending_prefill_tokens(&self) -> usize {
-        self.pending_prefill_tokens.load(Ordering::Relaxed)
-    }
-
-    /// How long the worker has been on the oldest of this proxy's pending prefills (zero when
-    /// none is pending).
-    pub fn prefill_elapsed(&self) -> std::time::Duration {
-        if self.load.own_pending() == 0 {
-            return std::time::Duration::ZERO;
-        }
-        let started = self.prefill_started_us.load(Ordering::Relaxed);
-        std::time::Duration::from_micros(clock_micros().saturating_sub(started))
-    }
-}
-
-/// Counts prefill work sent to a worker until its first token (or the end of the request).
-#[derive(Debug)]
-pub struct PendingPrefill {
-    worker: Arc<WorkerState>,
-    tokens: usize,
-}
-
-impl PendingPrefill {
-    pub fn start(worker: &Arc<WorkerState>, tokens: usize) -> PendingPrefill {
-        if worker.load.own_pending() == 0 {
-            worker
-                .prefill_started_us
-                .store(clock_micros(), Ordering::Relaxed);
-        }
-        worker
-            .pending_prefill_tokens
-            .fetch_add(tokens, Ordering::Relaxed);
-        worker.load.own_pending.fetch_add(1, Ordering::Relaxed);
-        PendingPrefill {
-            worker: worker.clone(),
-            tokens,
-        }
-    }
-}
-
-impl Drop for PendingPrefill {
-    fn drop(&mut self) {
-        self.worker
-            .pending_prefill_tokens
-            .fetch_sub(self.tokens, Ordering::Relaxed);
-        self.worker.load.own_pending.fetch_sub(1, Ordering::Relaxed);
-        // The next pending prefill (if any) starts now.
-        self.worker
-            .prefill_started_us
-            .store(clock_micros(), Ordering::Relaxed);
-    }
-}
-
-/// Counts a request against a worker for as long as it lives.
-#[derive(Debug)]
-pub struct InFlight(Arc<WorkerState>);
-
-impl InFlight {
-    pub fn start(worker: &Arc<WorkerState>) -> InFlight {
-        worker.load.own_in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(worker.clone())
-    }
-
-    pub fn worker(&self) -> &Arc<WorkerState> {
-        &self.0
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.load.own_in_flight.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// Worker state shared across snapshots, keyed by address.
-#[derive(Debug, Default)]
-pub struct EndpointRegistry {
-    workers: Mutex<HashMap<String, Arc<WorkerState>>>,
-}
-
-impl EndpointRegistry {
-    /// The state for `address`, created (and resolved) the first time it is seen.
-    fn worker(&self, address: &str) -> Arc<WorkerState> {
-        let mut workers = crate::lock(&self.workers);
-        if let Some(existing) = workers.get(address)
-            && existing.socket.is_some()
-        {
-            return existing.clone();
-        }
-        let socket = address.to_socket_addrs().ok().and_then(|mut a| a.next());
-        if socket.is_none() {
-            tracing::warn!(
-                worker = address,
-                "worker address does not resolve; it will not be chosen"
-            );
-        }
-        let state = Arc::new(WorkerState {
-            address: address.to_owned(),
-            socket,
-            pending_prefill_tokens: AtomicUsize::new(0),
-            prefill_started_us: AtomicU64::new(0),
-            load: Arc::default(),
-            ttft: TtftCalibration::default(),
-        });
-        workers.insert(address.to_owned(), state.clone());
-        state
-    }
-
-    /// Forget workers no table uses any more.
-    fn retain(&self, live: &[Arc<WorkerState>]) {
-        let mut workers = crate::lock(&self.workers);
-        workers.retain(|address, _| live.iter().any(|w| &w.address == address));
-    }
-}
+use crate::kv::{KvRegistry, PoolKv};
+pub use crate::provider::ProviderRuntime;
+pub use crate::worker::{EndpointRegistry, InFlight, PendingPrefill, WorkerState};
 
 /// A pool ready for routing.
 #[derive(Debug)]
@@ -239,40 +87,6 @@ impl PoolRuntime {
     }
 }
 
-/// An external provider ready for requests: its address resolved and its key read.
-pub struct ProviderRuntime {
-    pub config: Provider,
-    /// `None` while the provider cannot be used (see `unavailable`).
-    pub socket: Option<SocketAddr>,
-    /// Why requests cannot go there (a host that does not resolve, a missing credential).
-    pub unavailable: Option<String>,
-    pub tls: bool,
-    /// Host name for SNI and the `Host` header.
-    pub host: String,
-    /// `host[:port]` as written in the base URL (the `Host` header).
-    pub authority: String,
-    /// Path of the base URL (`/v1`), without a trailing `/`.
-    pub base_path: String,
-    /// The credential; never logged (Debug prints it redacted).
-    pub key: Option<String>,
-    /// CA certificates trusted for this provider (`caFile`); `None`: the system's roots.
-    pub ca: Option<Arc<CaType>>,
-    /// Keeps this provider's pooled connections apart from any other peer's.
-    pub group_key: u64,
-}
-
-impl std::fmt::Debug for ProviderRuntime {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProviderRuntime")
-            .field("id", &self.config.id)
-            .field("socket", &self.socket)
-            .field("unavailable", &self.unavailable)
-            .field("tls", &self.tls)
-            .field("key", &self.key.as_ref().map(|_| "<redacted>"))
-            .finish()
-    }
-}
-
 /// Why a snapshot could not become a routing table (the current one stays).
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
@@ -285,117 +99,6 @@ pub enum BuildError {
         provider: ProviderId,
         message: String,
     },
-}
-
-impl ProviderRuntime {
-    fn build(config: &Provider) -> Result<ProviderRuntime, BuildError> {
-        let fail = |message: String| BuildError::Provider {
-            provider: config.id.clone(),
-            message,
-        };
-        let (scheme, rest) = config
-            .base_url
-            .split_once("://")
-            .ok_or_else(|| fail(format!("base URL '{}' has no scheme", config.base_url)))?;
-        let tls = scheme == "https";
-        let (authority, path) = match rest.find('/') {
-            Some(at) => rest.split_at(at),
-            None => (rest, ""),
-        };
-        let (host, port) = match authority.rsplit_once(':') {
-            Some((host, port)) if !host.ends_with(']') || authority.starts_with('[') => (
-                host,
-                port.parse::<u16>()
-                    .map_err(|_| fail(format!("invalid port in '{}'", config.base_url)))?,
-            ),
-            _ => (authority, if tls { 443 } else { 80 }),
-        };
-        let host = host
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_owned();
-        let mut unavailable = None;
-        let socket = (host.as_str(), port)
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next());
-        if socket.is_none() {
-            unavailable = Some(format!("its host '{host}' does not resolve"));
-        }
-        let mut read_key = |result: Result<String, String>| match result {
-            Ok(key) if !key.trim().is_empty() => Some(key.trim().to_owned()),
-            Ok(_) => None,
-            Err(reason) => {
-                unavailable.get_or_insert(reason);
-                None
-            }
-        };
-        let key = match &config.credentials {
-            None => None,
-            Some(Credentials::File(path)) => read_key(
-                std::fs::read_to_string(path)
-                    .map_err(|e| format!("its credentials file {path} cannot be read: {e}")),
-            ),
-            Some(Credentials::Env(name)) => read_key(
-                std::env::var(name).map_err(|_| format!("environment variable {name} is not set")),
-            ),
-            Some(Credentials::Key(value)) => read_key(Ok(value.expose().to_owned())),
-            Some(Credentials::Secret(secret)) => read_key(Err(format!(
-                "its key lives in Secret {}/{}, which only the control process reads \
-                 (switchyard-control serve --kubernetes --read-secrets); outside Kubernetes use \
-                 credentials.file or credentials.env",
-                secret.name, secret.key
-            ))),
-        };
-        let ca = match &config.ca_file {
-            Some(path) if tls => match load_ca(path) {
-                Ok(ca) => Some(ca),
-                Err(reason) => {
-                    unavailable.get_or_insert(reason);
-                    None
-                }
-            },
-            _ => None,
-        };
-        if let Some(reason) = &unavailable {
-            tracing::error!(provider = %config.id, %reason, "external provider unavailable");
-        }
-        Ok(ProviderRuntime {
-            config: config.clone(),
-            socket,
-            unavailable,
-            tls,
-            host,
-            authority: authority.to_owned(),
-            base_path: path.trim_end_matches('/').to_owned(),
-            key,
-            ca,
-            group_key: {
-                use std::hash::{Hash, Hasher};
-                let mut hasher = std::collections::hash_map::DefaultHasher::new();
-                (&config.id, &config.ca_file).hash(&mut hasher);
-                hasher.finish()
-            },
-        })
-    }
-}
-
-/// Read a PEM file of CA certificates for one provider's TLS connections.
-fn load_ca(path: &str) -> Result<Arc<CaType>, String> {
-    let text = std::fs::read(path).map_err(|e| format!("its caFile {path} cannot be read: {e}"))?;
-    let mut reader = std::io::BufReader::new(text.as_slice());
-    let mut certificates = Vec::new();
-    for item in rustls_pemfile::certs(&mut reader) {
-        let der = item.map_err(|e| format!("its caFile {path} is not valid PEM: {e}"))?;
-        // pingora's wrapper parses the certificate again and panics on bad DER: check first.
-        x509_parser::parse_x509_certificate(der.as_ref())
-            .map_err(|e| format!("its caFile {path} holds an invalid certificate: {e}"))?;
-        certificates.push(WrappedX509::new(der.to_vec(), parse_x509));
-    }
-    if certificates.is_empty() {
-        return Err(format!("its caFile {path} holds no certificate"));
-    }
-    Ok(Arc::from(certificates))
 }
 
 /// Compare two digests without an early exit, so timing does not reveal how much matched.
@@ -471,7 +174,15 @@ impl RoutingTable {
         let evaluator = Evaluator::new(&snapshot)?;
         let mut providers = HashMap::with_capacity(snapshot.providers.len());
         for (id, provider) in &snapshot.providers {
-            providers.insert(id.clone(), Arc::new(ProviderRuntime::build(provider)?));
+            providers.insert(
+                id.clone(),
+                Arc::new(ProviderRuntime::build(provider).map_err(|message| {
+                    BuildError::Provider {
+                        provider: id.clone(),
+                        message,
+                    }
+                })?),
+            );
         }
         let mut keys = Vec::new();
         for tenant in snapshot.tenants.values() {

@@ -186,7 +186,13 @@ proptest! {
         {
             prop_assert!(is_json(&with_usage));
         }
-        let _ = request::asks_for_stream_usage(&body);
+        // The typed model takes any body without panicking, and every reader of it too.
+        if let Ok(typed) = switchyard_proxy::wire::parse(&body) {
+            let _ = typed.chat_messages(true);
+            let _ = typed.prompt_input();
+            let mut texts = 0usize;
+            switchyard_policy::classify::PromptText::for_each_text(&typed, &mut |_| texts += 1);
+        }
     }
 
     #[test]

@@ -119,10 +119,12 @@ fn plan_for(
     headers: &HeaderMap,
     tenant: Option<&Tenant>,
 ) -> Result<Plan, Box<Rejection>> {
+    let body = crate::wire::parse(&client.body).unwrap();
     plan(
         table,
         &Request {
             client,
+            body: &body,
             headers,
             tenant,
             explain: true,
@@ -303,8 +305,9 @@ fn an_isolated_tenants_requests_carry_its_cache_salt_to_pools_only() {
     // The prompt tokenized for the pool is keyed by that salt: another tenant's cache can't match.
     let pool = plan.target.pool().unwrap();
     let request = chat("assistant", &ordinary());
-    let salted = analyse_prompt(pool, &request, Some(&salt)).unwrap();
-    let plain = analyse_prompt(pool, &request, None).unwrap();
+    let body = crate::wire::parse(&request.body).unwrap();
+    let salted = analyse_prompt(pool, request.endpoint, &body, Some(&salt)).unwrap();
+    let plain = analyse_prompt(pool, request.endpoint, &body, None).unwrap();
     assert_eq!(salted.tokens, plain.tokens);
     assert_ne!(salted.hashes.first(), plain.hashes.first());
 }

@@ -1,0 +1,160 @@
+//! One worker as this proxy sees it, shared by every routing table that names its address:
+//! what this proxy has sent it (requests in flight, prefill not yet answered), its queue as its
+//! metrics report it, and its learned speed. Data only: the scorer and the attempt phase read
+//! and count here.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::calibration::TtftCalibration;
+use crate::kv::WorkerLoad;
+
+/// One worker as this proxy sees it.
+#[derive(Debug)]
+pub struct WorkerState {
+    /// `host:port` as configured.
+    pub address: String,
+    /// Resolved when the table was built; `None` when the name did not resolve.
+    pub socket: Option<SocketAddr>,
+    /// Uncached prompt tokens this proxy sent that have not produced a first token yet.
+    pending_prefill_tokens: AtomicUsize,
+    /// When the worker started on the oldest of those (microseconds on [`clock_micros`]): the
+    /// queue is worked off first come, first served, so part of it is done already.
+    prefill_started_us: AtomicU64,
+    /// Queue as the worker's metrics report it, and this proxy's own requests there.
+    pub load: Arc<WorkerLoad>,
+    /// Observed against predicted time to first token, learned from this proxy's requests.
+    pub ttft: TtftCalibration,
+}
+
+/// Microseconds since the first call: a cheap monotonic clock shared by all workers.
+fn clock_micros() -> u64 {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    EPOCH
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_micros() as u64
+}
+
+impl WorkerState {
+    /// This proxy's requests at the worker now.
+    pub fn in_flight(&self) -> usize {
+        self.load.own_in_flight() as usize
+    }
+
+    pub fn pending_prefill_tokens(&self) -> usize {
+        self.pending_prefill_tokens.load(Ordering::Relaxed)
+    }
+
+    /// How long the worker has been on the oldest of this proxy's pending prefills (zero when
+    /// none is pending).
+    pub fn prefill_elapsed(&self) -> std::time::Duration {
+        if self.load.own_pending() == 0 {
+            return std::time::Duration::ZERO;
+        }
+        let started = self.prefill_started_us.load(Ordering::Relaxed);
+        std::time::Duration::from_micros(clock_micros().saturating_sub(started))
+    }
+}
+
+/// Counts prefill work sent to a worker until its first token (or the end of the request).
+#[derive(Debug)]
+pub struct PendingPrefill {
+    worker: Arc<WorkerState>,
+    tokens: usize,
+}
+
+impl PendingPrefill {
+    pub fn start(worker: &Arc<WorkerState>, tokens: usize) -> PendingPrefill {
+        if worker.load.own_pending() == 0 {
+            worker
+                .prefill_started_us
+                .store(clock_micros(), Ordering::Relaxed);
+        }
+        worker
+            .pending_prefill_tokens
+            .fetch_add(tokens, Ordering::Relaxed);
+        worker.load.own_pending.fetch_add(1, Ordering::Relaxed);
+        PendingPrefill {
+            worker: worker.clone(),
+            tokens,
+        }
+    }
+}
+
+impl Drop for PendingPrefill {
+    fn drop(&mut self) {
+        self.worker
+            .pending_prefill_tokens
+            .fetch_sub(self.tokens, Ordering::Relaxed);
+        self.worker.load.own_pending.fetch_sub(1, Ordering::Relaxed);
+        // The next pending prefill (if any) starts now.
+        self.worker
+            .prefill_started_us
+            .store(clock_micros(), Ordering::Relaxed);
+    }
+}
+
+/// Counts a request against a worker for as long as it lives.
+#[derive(Debug)]
+pub struct InFlight(Arc<WorkerState>);
+
+impl InFlight {
+    pub fn start(worker: &Arc<WorkerState>) -> InFlight {
+        worker.load.own_in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(worker.clone())
+    }
+
+    pub fn worker(&self) -> &Arc<WorkerState> {
+        &self.0
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.load.own_in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Worker state shared across snapshots, keyed by address.
+#[derive(Debug, Default)]
+pub struct EndpointRegistry {
+    workers: Mutex<HashMap<String, Arc<WorkerState>>>,
+}
+
+impl EndpointRegistry {
+    /// The state for `address`, created (and resolved) the first time it is seen.
+    pub(crate) fn worker(&self, address: &str) -> Arc<WorkerState> {
+        let mut workers = crate::lock(&self.workers);
+        if let Some(existing) = workers.get(address)
+            && existing.socket.is_some()
+        {
+            return existing.clone();
+        }
+        let socket = address.to_socket_addrs().ok().and_then(|mut a| a.next());
+        if socket.is_none() {
+            tracing::warn!(
+                worker = address,
+                "worker address does not resolve; it will not be chosen"
+            );
+        }
+        let state = Arc::new(WorkerState {
+            address: address.to_owned(),
+            socket,
+            pending_prefill_tokens: AtomicUsize::new(0),
+            prefill_started_us: AtomicU64::new(0),
+            load: Arc::default(),
+            ttft: TtftCalibration::default(),
+        });
+        workers.insert(address.to_owned(), state.clone());
+        state
+    }
+
+    /// Forget workers no table uses any more.
+    pub(crate) fn retain(&self, live: &[Arc<WorkerState>]) {
+        let mut workers = crate::lock(&self.workers);
+        workers.retain(|address, _| live.iter().any(|w| &w.address == address));
+    }
+}
