@@ -16,12 +16,10 @@ use bytes::{Bytes, BytesMut};
 use pingora_proxy::Session;
 use switchyard_snapshot::snapshot::Tenant;
 
-use crate::accounting;
 use crate::api::{ApiError, Endpoint, ErrorKind};
 use crate::exchange::Exchange;
 use crate::gateway::Gateway;
 use crate::limits::{self, Admission, RateLimiter};
-use crate::metrics;
 use crate::plan::{self, ClientRequest, Plan, Rejection, Request};
 use crate::request;
 use crate::routing::{AuthFailure, Caller, RoutingTable};
@@ -111,11 +109,11 @@ impl Gateway {
     ) -> Result<Exchange, ApiError> {
         let table = live_table(self)?;
         let caller = authenticate(&table, &session.req_header().headers).inspect_err(|_| {
-            accounting::rejected_early(None, "unauthenticated");
+            self.metrics.rejected_early(None, "unauthenticated");
         })?;
         let tenant = caller.tenant().map(|t| t.name.clone());
         let counted = |error: ApiError| {
-            accounting::rejected_early(tenant.as_deref(), error.code);
+            self.metrics.rejected_early(tenant.as_deref(), error.code);
             error
         };
         let body = self.read_body(session).await.map_err(counted)?;
@@ -144,20 +142,22 @@ impl Gateway {
             Refusal::Invalid(error) => counted(error),
             Refusal::Rejected(model, rejection) => {
                 if let Some(verdict) = &rejection.verdict {
-                    metrics::policy_decision(&verdict.rule, verdict.outcome);
+                    self.metrics.policy_decision(&verdict.rule, verdict.outcome);
                 }
-                accounting::rejected(&table, tenant.as_deref(), &model, rejection.reason);
+                self.metrics
+                    .rejected(&table, tenant.as_deref(), &model, rejection.reason);
                 rejection.error
             }
         })?;
-        metrics::policy_decision(&plan.verdict.rule, plan.verdict.outcome);
+        self.metrics
+            .policy_decision(&plan.verdict.rule, plan.verdict.outcome);
         // Rate limits, once the request is known to go somewhere: the prompt is counted up
         // front (estimated from the body's size), the completion when the answer's usage
         // arrives. A dry run explains without spending the tenant's allowance.
         let admission = match caller.tenant() {
             Some(tenant) if explain != Explain::DryRun => {
                 admit_rate(&self.limiter, tenant, &client).map_err(|rejection| {
-                    accounting::rejected(
+                    self.metrics.rejected(
                         &table,
                         Some(&tenant.name),
                         &client.parsed.model,
@@ -168,8 +168,14 @@ impl Gateway {
             }
             _ => None,
         };
+        // The request's accounting series, resolved once: its end only adds to counters.
+        let series = self.metrics.request_series(
+            tenant.as_deref(),
+            &client.parsed.model,
+            &plan.target.label,
+        );
         Ok(Exchange::new(
-            table, client, tenant, plan, explained, admission,
+            table, client, tenant, plan, explained, admission, series,
         ))
     }
 

@@ -39,7 +39,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::api::{ApiError, ErrorKind, client_format_for_path};
-use crate::metrics;
+use crate::metrics::Metrics;
 
 /// The HTTP/2 connection preface a cleartext HTTP/2 client opens with.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -136,19 +136,22 @@ impl Drop for Slot<'_> {
     }
 }
 
-/// The listener's application: `app` behind the limits and deadlines of [`ConnectionSettings`].
+/// The listener's application: `app` behind the limits and deadlines of [`ConnectionSettings`],
+/// counting connections (open, refused) into `metrics`.
 pub struct Guarded<A> {
     app: Arc<A>,
     settings: ConnectionSettings,
     open: OpenConnections,
+    metrics: Arc<Metrics>,
 }
 
 impl<A> Guarded<A> {
-    pub fn new(app: A, settings: ConnectionSettings) -> Guarded<A> {
+    pub fn new(app: A, settings: ConnectionSettings, metrics: Arc<Metrics>) -> Guarded<A> {
         Guarded {
             app: Arc::new(app),
             settings,
             open: OpenConnections::default(),
+            metrics,
         }
     }
 }
@@ -169,7 +172,7 @@ where
         let _slot = match self.open.admit(client, &self.settings) {
             Ok(slot) => slot,
             Err(reason) => {
-                metrics::connection_refused(reason);
+                self.metrics.connection_refused(reason);
                 let error = ApiError::new(
                     ErrorKind::Unavailable,
                     "too_many_connections",
@@ -179,8 +182,7 @@ where
                 return None;
             }
         };
-        metrics::connection_opened();
-        let _open = OpenGauge;
+        let _open = self.metrics.connection_opened();
 
         let h2c = self.settings.h2c && stream.get_ssl_digest().is_none();
         let head = match read_head(&mut stream, &self.settings, h2c).await {
@@ -197,12 +199,16 @@ where
                 return ServerApp::process_new(&self.app, stream, shutdown).await;
             }
             Err(HeadError::Closed) => return None,
+            Err(HeadError::Silent) => {
+                self.metrics.connection_refused("head_timeout");
+                return None;
+            }
             Err(HeadError::Refused {
                 reason,
                 error,
                 path,
             }) => {
-                metrics::connection_refused(reason);
+                self.metrics.connection_refused(reason);
                 refuse(&mut stream, error, path.as_deref(), &[]).await;
                 return None;
             }
@@ -261,19 +267,10 @@ where
             biased;
             served = &mut served => Some(served),
             () = signal.expired(deadline) => {
-                metrics::connection_refused("head_timeout");
+                self.metrics.connection_refused("head_timeout");
                 None
             }
         }
-    }
-}
-
-/// Counts an open connection in `switchyard_open_connections` while it lives.
-struct OpenGauge;
-
-impl Drop for OpenGauge {
-    fn drop(&mut self) {
-        metrics::connection_closed();
     }
 }
 
@@ -315,8 +312,10 @@ pub fn head_read(context: &(dyn Any + Send + Sync)) {
 /// Why a request head was not handed on.
 #[derive(Debug)]
 enum HeadError {
-    /// The client went away (or never sent anything before the deadline): nothing to answer.
+    /// The client went away: nothing to answer.
     Closed,
+    /// Nothing arrived before the deadline: closed without an answer, counted as `head_timeout`.
+    Silent,
     /// Answer `error` and close.
     Refused {
         /// Label of `switchyard_connections_refused_total`.
@@ -385,10 +384,7 @@ where
         match tokio::time::timeout_at(deadline, stream.read_buf(&mut buf)).await {
             Ok(Ok(0)) | Ok(Err(_)) => return Err(HeadError::Closed),
             Ok(Ok(_)) => {}
-            Err(_) if buf.is_empty() => {
-                metrics::connection_refused("head_timeout");
-                return Err(HeadError::Closed);
-            }
+            Err(_) if buf.is_empty() => return Err(HeadError::Silent),
             Err(_) => {
                 return Err(HeadError::Refused {
                     reason: "head_timeout",
@@ -647,7 +643,7 @@ mod tests {
         let (_client, mut server) = tokio::io::duplex(1024);
         assert!(matches!(
             read_head(&mut server, &settings, true).await,
-            Err(HeadError::Closed)
+            Err(HeadError::Silent)
         ));
         // Larger than the limit.
         let (mut client, mut server) = tokio::io::duplex(64 * 1024);

@@ -21,7 +21,7 @@ use crate::api::{ApiError, ErrorKind};
 use crate::headers;
 use crate::kv::Prediction;
 use crate::limits::Admission;
-use crate::metrics;
+use crate::metrics::{Metrics, RequestSeries};
 use crate::plan::{self, ClientRequest, Plan, Target, Translation};
 use crate::routing::{
     InFlight, PendingPrefill, PoolRuntime, ProviderRuntime, RoutingTable, WorkerState,
@@ -85,6 +85,8 @@ pub struct Exchange {
     pub failure: Option<ApiError>,
     /// Set when the current attempt is abandoned for the next target: that error is retried.
     pub fallback_requested: bool,
+    /// The accounting series of (tenant, model, current target) the request ends in.
+    pub series: Arc<RequestSeries>,
 }
 
 impl Exchange {
@@ -95,6 +97,7 @@ impl Exchange {
         plan: Plan,
         explain: bool,
         admission: Option<Admission>,
+        series: Arc<RequestSeries>,
     ) -> Exchange {
         let answer = Answer::new(UsageTap::new(client.parsed.stream, plan.target.strip_usage));
         Exchange {
@@ -109,6 +112,7 @@ impl Exchange {
             last_connect_error: None,
             failure: None,
             fallback_requested: false,
+            series,
         }
     }
 
@@ -133,8 +137,9 @@ impl Exchange {
         &self.plan.target.body
     }
 
-    /// Move to the next fallback target that can be prepared. `false` when none is left.
-    pub fn fall_back(&mut self) -> bool {
+    /// Move to the next fallback target that can be prepared, counted in `metrics`. `false`
+    /// when none is left.
+    pub fn fall_back(&mut self, metrics: &Metrics) -> bool {
         let Some(target) = plan::next_fallback(
             &self.table,
             &mut self.plan.fallbacks,
@@ -144,7 +149,12 @@ impl Exchange {
             return false;
         };
         tracing::info!(from = %self.plan.target.label, to = %target.label, "falling back to the next target");
-        metrics::fallback(&self.plan.target.label, &target.label);
+        metrics.fallback(&self.plan.target.label, &target.label);
+        self.series = metrics.request_series(
+            self.tenant.as_deref(),
+            &self.client.parsed.model,
+            &target.label,
+        );
         self.answer = Answer::new(UsageTap::new(self.stream(), target.strip_usage));
         self.plan.target = target;
         self.attempt = Attempt::default();
@@ -280,13 +290,13 @@ impl Exchange {
 
     /// A connection to the current attempt's peer failed: whether to try again (another worker
     /// of the pool, or the next target).
-    pub fn retry_after_connect_failure(&mut self, error: &str) -> bool {
+    pub fn retry_after_connect_failure(&mut self, error: &str, metrics: &Metrics) -> bool {
         self.last_connect_error = Some(error.to_owned());
         let attempts = self.attempt.tried.len();
         let another_worker = self.pool().is_some_and(|pool| {
             attempts < pool.config.max_attempts as usize && pool.pick(&self.attempt.tried).is_some()
         });
-        another_worker || self.fall_back()
+        another_worker || self.fall_back(metrics)
     }
 
     /// The connection broke after it was made. A pooled connection the worker had already
@@ -309,8 +319,8 @@ impl Exchange {
 
     /// The upstream answered `status` before any byte reached the client: a 5xx moves to the
     /// next target when there is one (`true`: abandon this answer).
-    pub fn fall_back_on_status(&mut self, status: u16) -> bool {
-        if status < 500 || !self.fall_back() {
+    pub fn fall_back_on_status(&mut self, status: u16, metrics: &Metrics) -> bool {
+        if status < 500 || !self.fall_back(metrics) {
             return false;
         }
         self.fallback_requested = true;

@@ -7,6 +7,7 @@ use crate::api::{ClientFormat, Endpoint};
 use crate::config::ConfigStore;
 use crate::exchange::Exchange;
 use crate::limits::RateLimiter;
+use crate::metrics::Metrics;
 use crate::telemetry::{RequestSpan, Tracer};
 
 /// Proxy-wide settings that do not come from the snapshot.
@@ -38,14 +39,18 @@ pub struct Gateway {
     pub(crate) limiter: Arc<RateLimiter>,
     /// Request spans, when OTLP export is configured.
     pub(crate) tracer: Option<Tracer>,
+    /// The proxy's metrics, shared by both listeners and the connection layer.
+    pub(crate) metrics: Arc<Metrics>,
     /// This listener serves the operator's surface: `/metrics`, `/debug/route` and
     /// `x-switchyard-explain`. Off on the tenants' listener unless asked for.
     pub(crate) admin: bool,
 }
 
 impl Gateway {
+    /// A gateway over `store`, with metrics of its own (see [`Gateway::metrics`]).
     pub fn new(store: Arc<ConfigStore>, settings: Settings) -> Gateway {
         Gateway {
+            metrics: Arc::new(Metrics::new(store.clone())),
             store,
             settings,
             limiter: Arc::default(),
@@ -54,20 +59,27 @@ impl Gateway {
         }
     }
 
+    /// The metrics this gateway counts into and serves: hand them to the connection layer
+    /// ([`crate::connection::Guarded`]) so that one `/metrics` shows both.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
     /// Serve (or not) the operator's surface on this gateway's listener.
     pub fn with_admin(mut self, admin: bool) -> Gateway {
         self.admin = admin;
         self
     }
 
-    /// A gateway for the admin listener: the same configuration, rate limits and tracer, with
-    /// the operator's surface on.
+    /// A gateway for the admin listener: the same configuration, rate limits, tracer and
+    /// metrics, with the operator's surface on.
     pub fn admin_listener(&self) -> Gateway {
         Gateway {
             store: self.store.clone(),
             settings: self.settings.clone(),
             limiter: self.limiter.clone(),
             tracer: self.tracer.clone(),
+            metrics: self.metrics.clone(),
             admin: true,
         }
     }

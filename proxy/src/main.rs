@@ -168,13 +168,16 @@ fn main() -> anyhow::Result<()> {
     let admin = (args.admin_listen != "off").then(|| gateway.admin_listener());
     let gateway = gateway.with_admin(args.admin_on_main_listener);
     let server_conf = server.configuration.clone();
+    // Both listeners count their connections into the gateway's metrics.
+    let metrics = gateway.metrics().clone();
     let listener = |gateway: Gateway, name: &str, address: &str| {
         let mut app = pingora_proxy::http_proxy(&server_conf, gateway);
         let mut server_options = HttpServerOptions::default();
         server_options.h2c = true;
         server_options.h2_idle_timeout = Some(connections.idle_timeout);
         app.server_options = Some(server_options);
-        let mut service = Service::new(name.to_owned(), Guarded::new(app, connections.clone()));
+        let guarded = Guarded::new(app, connections.clone(), metrics.clone());
+        let mut service = Service::new(name.to_owned(), guarded);
         service.add_tcp(address);
         service
     };

@@ -4,10 +4,9 @@
 use opentelemetry::KeyValue;
 use pingora_error::{Error, ErrorSource, ErrorType};
 
-use crate::accounting::{self, Finished};
 use crate::api::Endpoint;
 use crate::gateway::{Phase, RequestCtx};
-use crate::metrics;
+use crate::metrics::{Finished, Metrics};
 
 /// Who made a request fail, which decides the level of its log line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,8 +39,8 @@ impl Failure {
     }
 }
 
-/// Close the request's span, write its log line and account for it.
-pub fn finished(error: Option<&Error>, ctx: &mut RequestCtx) {
+/// Close the request's span, write its log line and account for it in `metrics`.
+pub fn finished(metrics: &Metrics, error: Option<&Error>, ctx: &mut RequestCtx) {
     if let Some(span) = ctx.span.take() {
         span.end(
             span_attributes(ctx),
@@ -51,7 +50,7 @@ pub fn finished(error: Option<&Error>, ctx: &mut RequestCtx) {
     }
     let failure = error.map(|e| Failure::of(e, ctx.status));
     if failure == Some(Failure::Client) {
-        metrics::client_disconnected();
+        metrics.client_disconnected();
     }
     log_line(error, failure, ctx);
     let Phase::Forwarding(exchange) = &mut ctx.phase else {
@@ -60,10 +59,7 @@ pub fn finished(error: Option<&Error>, ctx: &mut RequestCtx) {
     if let (Some(decision), Some(pool)) = (&exchange.attempt.decision, exchange.pool()) {
         tracing::debug!(request_id = %ctx.request_id, route = %decision.explain(pool), "routing decision");
     }
-    accounting::finished(&Finished {
-        tenant: exchange.tenant.as_deref(),
-        model: &exchange.client.parsed.model,
-        target: &exchange.target().label,
+    exchange.series.finished(&Finished {
         status: ctx.status,
         usage: exchange.answer.usage.usage,
         ttft: exchange

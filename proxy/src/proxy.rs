@@ -175,7 +175,7 @@ impl ProxyHttp for Gateway {
         // A 5xx before any byte reached the client: the next target, if there is one.
         if ctx
             .exchange()
-            .is_some_and(|x| x.fall_back_on_status(status))
+            .is_some_and(|x| x.fall_back_on_status(status, &self.metrics))
         {
             tracing::warn!(request_id = %request_id, status, "upstream failed; trying the next target");
             return Err(Error::explain(
@@ -237,7 +237,7 @@ impl ProxyHttp for Gateway {
                 error = e.etype().as_str(),
                 "could not connect to worker"
             );
-            e.set_retry(exchange.retry_after_connect_failure(e.etype().as_str()));
+            e.set_retry(exchange.retry_after_connect_failure(e.etype().as_str(), &self.metrics));
         }
         e
     }
@@ -306,6 +306,6 @@ impl ProxyHttp for Gateway {
     }
 
     async fn logging(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
-        observe::finished(e, ctx);
+        observe::finished(&self.metrics, e, ctx);
     }
 }

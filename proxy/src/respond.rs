@@ -126,16 +126,17 @@ impl Gateway {
             }
             Endpoint::Models => self.list_models(session, ctx).await,
             Endpoint::Metrics => {
-                let body = Bytes::from(metrics::render(&self.store));
-                self.respond(
-                    session,
-                    ctx,
-                    200,
-                    "text/plain; version=0.0.4; charset=utf-8",
-                    body,
-                    &[],
-                )
-                .await?;
+                let Ok(text) = self.metrics.encode() else {
+                    let error = ApiError::new(
+                        ErrorKind::Internal,
+                        "internal_error",
+                        "the metrics could not be encoded",
+                    );
+                    return self.respond_error(session, ctx, error).await;
+                };
+                let body = Bytes::from(text);
+                self.respond(session, ctx, 200, metrics::CONTENT_TYPE, body, &[])
+                    .await?;
                 Ok(true)
             }
             Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => Ok(false),

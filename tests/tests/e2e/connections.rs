@@ -279,11 +279,17 @@ async fn operator_surface(base: &str) -> (u16, bool, u16, bool) {
     let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
     let metrics = http.get(format!("{base}/metrics")).send().await.unwrap();
     let metrics_status = metrics.status().as_u16();
-    let gauge = metrics
-        .text()
-        .await
-        .unwrap()
-        .contains("switchyard_open_connections");
+    if metrics_status == 200 {
+        assert_eq!(
+            metrics.headers()["content-type"],
+            "application/openmetrics-text; version=1.0.0; charset=utf-8"
+        );
+    }
+    let text = metrics.text().await.unwrap();
+    let gauge = text.contains("switchyard_open_connections");
+    if gauge {
+        assert!(text.ends_with("# EOF\n"), "not OpenMetrics text:\n{text}");
+    }
     let debug = http
         .post(format!("{base}/debug/route/v1/chat/completions"))
         .json(&chat)

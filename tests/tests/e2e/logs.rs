@@ -75,7 +75,7 @@ async fn a_client_aborting_a_stream_logs_nothing_at_warn_or_above() {
     );
     let metrics = proxy.metrics().await;
     assert!(
-        metrics.contains("switchyard_client_disconnects_total{} 3"),
+        metrics.contains("switchyard_client_disconnects_total 3\n"),
         "{metrics}"
     );
 }

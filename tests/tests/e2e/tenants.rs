@@ -156,7 +156,7 @@ async fn token_totals_equal_the_usage_upstreams_reported() {
         metric(
             &metrics,
             "switchyard_tenant_request_duration_seconds_bucket",
-            "tenant=\"team-a\",model=\"chat\",le=\"+Inf\""
+            "le=\"+Inf\",tenant=\"team-a\",model=\"chat\""
         ),
         5.0
     );
