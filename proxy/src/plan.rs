@@ -15,26 +15,15 @@ use bytes::Bytes;
 use switchyard_policy::{
     ClassSet, Classifier, Context, NoTarget, Outcome as PolicyOutcome, PoolState, RequestFacts,
 };
-use switchyard_snapshot::snapshot::{AnthropicMessages, ProviderFormat, Tenant};
+use switchyard_snapshot::snapshot::Tenant;
 use switchyard_snapshot::{ModelTarget, PoolId};
 
 use crate::api::{ApiError, Endpoint, ErrorKind, client_text};
 use crate::prompt::{self, PromptInfo};
-use crate::request::{self, ParsedRequest};
-use crate::routing::{Destination, PoolRuntime, ProviderRuntime, RoutingTable};
+use crate::request::ParsedRequest;
+use crate::routing::{PoolRuntime, RoutingTable};
 use crate::scorer;
-use crate::translate_request;
 use crate::wire::{self, RequestBody};
-
-/// Translation between the client's API and the upstream's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Translation {
-    None,
-    /// Anthropic Messages client, OpenAI Chat Completions upstream.
-    MessagesToChat,
-    /// OpenAI Chat Completions client, Anthropic Messages upstream.
-    ChatToMessages,
-}
 
 /// An inference request as the client sent it: kept for the whole exchange, since every
 /// fallback target is prepared from it again.
@@ -84,41 +73,6 @@ impl Rejection {
             reason,
             verdict: None,
         })
-    }
-}
-
-/// A target made ready: where it goes, which way to translate, and the body to send.
-#[derive(Debug, Clone)]
-pub struct Target {
-    /// `pool ns/name` or `provider ns/name`: the accounting label.
-    pub label: String,
-    pub destination: Destination,
-    pub translate: Translation,
-    /// Path sent upstream when it differs from the client's (translation, providers).
-    pub upstream_path: Option<String>,
-    pub upstream_model: String,
-    /// The body sent there.
-    pub body: Bytes,
-    /// Remove the usage chunk the gateway asked for on the client's behalf.
-    pub strip_usage: bool,
-    /// The prompt as the pool's workers tokenize it, when the planner already tokenized it
-    /// (a policy read the pool's predicted TTFT).
-    pub prompt: Option<Arc<PromptInfo>>,
-}
-
-impl Target {
-    pub fn pool(&self) -> Option<&Arc<PoolRuntime>> {
-        match &self.destination {
-            Destination::Pool(pool) => Some(pool),
-            Destination::Provider(_) => None,
-        }
-    }
-
-    pub fn provider(&self) -> Option<&Arc<ProviderRuntime>> {
-        match &self.destination {
-            Destination::Pool(_) => None,
-            Destination::Provider(provider) => Some(provider),
-        }
     }
 }
 
@@ -413,139 +367,10 @@ impl Context for PolicyContext<'_> {
     }
 }
 
-/// Prepare `target` for `request`. Used for the first target and again for each fallback.
-/// `cache_salt` is what a vLLM pool's workers get ([`prompt::worker_cache_salt`]); providers
-/// get the body as the client sent it.
-fn prepare_target(
-    table: &RoutingTable,
-    target: &ModelTarget,
-    client: &ClientRequest,
-    typed: &RequestBody<'_>,
-    cache_salt: Option<&str>,
-) -> Result<Target, ApiError> {
-    let (parsed, body, endpoint) = (&client.parsed, &client.body, client.endpoint);
-    let destination = table.destination(target).ok_or_else(|| {
-        ApiError::new(
-            ErrorKind::Internal,
-            "target_missing",
-            format!("{} is not loaded", target.backend),
-        )
-    })?;
-    let (translate, upstream_path) = match &destination {
-        Destination::Provider(provider) => {
-            if let Some(reason) = &provider.unavailable {
-                return Err(ApiError::new(
-                    ErrorKind::Unavailable,
-                    "provider_unavailable",
-                    format!(
-                        "model '{}' routes to provider {}, which cannot be used: {reason}",
-                        parsed.model, provider.config.id
-                    ),
-                ));
-            }
-            provider_translation(provider, endpoint).ok_or_else(|| {
-                ApiError::new(
-                    ErrorKind::NotImplemented,
-                    "translation_unsupported",
-                    format!(
-                        "model '{}' is served by provider {}, which speaks the Anthropic Messages API: \
-                         use /v1/chat/completions or /v1/messages (legacy completions cannot be translated)",
-                        parsed.model, provider.config.id
-                    ),
-                )
-            })?
-        }
-        Destination::Pool(pool) => {
-            if pool.workers.is_empty() {
-                return Err(ApiError::new(
-                    ErrorKind::Unavailable,
-                    "no_workers",
-                    format!(
-                        "model '{}' has no workers available right now; retry shortly",
-                        parsed.model
-                    ),
-                ));
-            }
-            if endpoint == Endpoint::Messages
-                && pool.config.anthropic_messages == AnthropicMessages::Translate
-            {
-                (
-                    Translation::MessagesToChat,
-                    Some("/v1/chat/completions".to_owned()),
-                )
-            } else {
-                (Translation::None, None)
-            }
-        }
-    };
-    let provider = match &destination {
-        Destination::Provider(provider) => Some(provider),
-        Destination::Pool(_) => None,
-    };
-    let worker_salt = cache_salt.filter(|_| provider.is_none());
-    let mut upstream_body = match translate {
-        Translation::MessagesToChat => {
-            let translated = translate_request::messages_to_chat(typed, &target.upstream_model)?;
-            match worker_salt {
-                Some(salt) => request::with_leading_cache_salt(translated, salt),
-                None => translated,
-            }
-        }
-        Translation::ChatToMessages => {
-            translate_request::chat_to_messages(typed, &target.upstream_model)?
-        }
-        Translation::None => request::rewrite(body, parsed, &target.upstream_model, worker_salt),
-    };
-    // Streamed OpenAI answers carry usage only when asked: ask on the client's behalf, and
-    // remove that chunk again before it reaches a client that did not ask.
-    let openai_upstream = translate == Translation::None
-        && matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions)
-        && provider.is_none_or(|p| p.config.format == ProviderFormat::Openai);
-    let mut strip_usage = false;
-    if parsed.stream && openai_upstream {
-        let (body, injected) = request::with_stream_usage(upstream_body)?;
-        upstream_body = body;
-        strip_usage = injected;
-    }
-    if parsed.stream && translate == Translation::ChatToMessages {
-        // The translated stream always ends with a usage chunk: keep it only on request.
-        strip_usage = !parsed.asks_stream_usage;
-    }
-    Ok(Target {
-        label: target.backend.to_string(),
-        destination,
-        translate,
-        upstream_path,
-        upstream_model: target.upstream_model.clone(),
-        body: upstream_body,
-        strip_usage,
-        prompt: None,
-    })
-}
+mod target;
 
-/// The translation and upstream path for `endpoint` on a provider; `None` when the provider's
-/// API cannot serve it.
-fn provider_translation(
-    provider: &ProviderRuntime,
-    endpoint: Endpoint,
-) -> Option<(Translation, Option<String>)> {
-    let base = &provider.base_path;
-    let (translate, path) = match (endpoint, provider.config.format) {
-        (Endpoint::Messages, ProviderFormat::Anthropic) => (Translation::None, "messages"),
-        (Endpoint::Messages, ProviderFormat::Openai) => {
-            (Translation::MessagesToChat, "chat/completions")
-        }
-        (Endpoint::ChatCompletions, ProviderFormat::Openai) => {
-            (Translation::None, "chat/completions")
-        }
-        (Endpoint::ChatCompletions, ProviderFormat::Anthropic) => {
-            (Translation::ChatToMessages, "messages")
-        }
-        (Endpoint::Completions, ProviderFormat::Openai) => (Translation::None, "completions"),
-        _ => return None,
-    };
-    Some((translate, Some(format!("{base}/{path}"))))
-}
+use target::prepare_target;
+pub use target::{Target, Translation};
 
 #[cfg(test)]
 mod tests;

@@ -94,7 +94,7 @@ fn client(endpoint: Endpoint, body: &str) -> ClientRequest {
     let body = Bytes::from(body.to_owned());
     ClientRequest {
         endpoint,
-        parsed: request::parse(endpoint, &body).unwrap(),
+        parsed: crate::request::parse(endpoint, &body).unwrap(),
         body,
     }
 }

@@ -1,0 +1,87 @@
+use switchyard_policy::classify::PromptText;
+
+use super::*;
+
+fn texts(body: &str) -> (Vec<String>, Vec<String>, usize) {
+    let request = parse(body.as_bytes()).unwrap();
+    let mut main = Vec::new();
+    request.for_each_text(&mut |t| main.push(t.to_owned()));
+    let mut other = Vec::new();
+    request.for_each_other_text(&mut |t| other.push(t.to_owned()));
+    (main, other, request.user_turns())
+}
+
+#[test]
+fn reads_openai_anthropic_and_completion_text_like_the_policy_crate() {
+    let bodies = [
+        r#"{"model":"m","messages":[{"role":"system","content":"sys"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}}]},{"role":"assistant","content":null,"tool_calls":[{"function":{"name":"f","arguments":"{\"q\":1}"}}]},{"role":"user","content":"b","name":"bob"}],"tools":[{"type":"function","function":{"name":"lookup","description":"d"}}],"user":"u1"}"#,
+        r#"{"model":"m","system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"r"}]}]},{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"n","input":{"email":"e"}}]}],"metadata":{"user_id":"x"}}"#,
+        r#"{"model":"m","prompt":["one","two"]}"#,
+    ];
+    for body in bodies {
+        let policy = switchyard_policy::RequestPrompt::parse(body.as_bytes()).unwrap();
+        let mut main = Vec::new();
+        policy.for_each_text(&mut |t| main.push(t.to_owned()));
+        let mut other = Vec::new();
+        policy.for_each_other_text(&mut |t| other.push(t.to_owned()));
+        other.sort();
+        let (ours, mut ours_other, turns) = texts(body);
+        ours_other.sort();
+        assert_eq!(ours, main, "{body}");
+        assert_eq!(ours_other, other, "{body}");
+        assert_eq!(turns, policy.user_turns(), "{body}");
+    }
+    let (main, _, turns) = texts(bodies[0]);
+    assert_eq!(main, ["sys", "a", "{\"q\":1}", "b"]);
+    assert_eq!(turns, 2);
+}
+
+#[test]
+fn the_chat_template_gets_the_same_messages_as_from_a_value() {
+    let body = r#"{"model":"m","system":"Be brief.","messages":[{"role":"user","content":[{"type":"text","text":"line\none"},{"type":"image_url","image_url":{"url":"data:x"}}]},{"role":"assistant","content":null}]}"#;
+    let value: Value = serde_json::from_str(body).unwrap();
+    let expected = switchyard_kv::tokenize::anthropic_messages(&value);
+    let ours = parse(body.as_bytes()).unwrap().chat_messages(true);
+    assert_eq!(
+        ours.iter()
+            .map(|m| (&m.role, &m.content))
+            .collect::<Vec<_>>(),
+        expected
+            .iter()
+            .map(|m| (&m.role, &m.content))
+            .collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn text_is_borrowed_unless_escapes_force_a_copy() {
+    let body = br#"{"model":"m","messages":[{"role":"user","content":"plain"},{"role":"user","content":"esc\naped"}]}"#;
+    let request = parse(body).unwrap();
+    let messages = request.messages.unwrap();
+    assert!(matches!(
+        &messages[0].content,
+        Some(Content::Text(Cow::Borrowed("plain")))
+    ));
+    assert!(matches!(&messages[1].content, Some(Content::Text(Cow::Owned(t))) if t == "esc\naped"));
+}
+
+#[test]
+fn prompt_shapes() {
+    let shape = |prompt: &str| {
+        let body = format!(r#"{{"model":"m","prompt":{prompt}}}"#);
+        let request = parse(body.as_bytes()).unwrap();
+        request.prompt_input().map(|r| r.map(|p| format!("{p:?}")))
+    };
+    assert_eq!(shape(r#""hi""#), Some(Ok(r#"Text("hi")"#.to_owned())));
+    assert_eq!(shape("[1,2]"), Some(Ok("Tokens([1, 2])".to_owned())));
+    assert_eq!(
+        shape(r#"["a","b"]"#),
+        Some(Ok(r#"Texts(["a", "b"])"#.to_owned()))
+    );
+    assert_eq!(
+        shape("[[1],[2,3]]"),
+        Some(Ok("TokenBatches([[1], [2, 3]])".to_owned()))
+    );
+    assert!(matches!(shape("[]"), Some(Err(_))));
+    assert!(matches!(shape("7"), Some(Err(_))));
+}
