@@ -3,9 +3,9 @@
 //! families it feeds live in [`crate::metrics`].
 
 use bytes::{Bytes, BytesMut};
-use serde_json::Value;
 
 use crate::translate::find_event_end;
+use crate::wire::answer::{self, AnswerUsage, StreamData, UsageFields};
 
 /// Token counts an upstream reported for one request.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -18,35 +18,30 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// Read OpenAI (`prompt_tokens`, `completion_tokens`, `prompt_tokens_details.cached_tokens`)
+    /// Take OpenAI (`prompt_tokens`, `completion_tokens`, `prompt_tokens_details.cached_tokens`)
     /// or Anthropic (`input_tokens`, `output_tokens`, `cache_read_input_tokens`) usage; fields
     /// present overwrite earlier values (Anthropic streams report input first, output last).
-    fn merge(&mut self, usage: &Value) {
-        let field = |name: &str| usage.get(name).and_then(Value::as_u64);
-        if let Some(prompt) = field("prompt_tokens") {
+    fn merge(&mut self, usage: &UsageFields) {
+        if let Some(prompt) = usage.prompt_tokens {
             self.prompt_tokens = prompt;
             self.reported = true;
         }
-        if let Some(completion) = field("completion_tokens") {
+        if let Some(completion) = usage.completion_tokens {
             self.completion_tokens = completion;
             self.reported = true;
         }
-        if let Some(cached) = usage
-            .get("prompt_tokens_details")
-            .and_then(|d| d.get("cached_tokens"))
-            .and_then(Value::as_u64)
-        {
+        if let Some(cached) = usage.cached_tokens() {
             self.cached_tokens = cached;
         }
-        if let Some(input) = field("input_tokens") {
+        if let Some(input) = usage.input_tokens {
             // Anthropic counts cached input apart from `input_tokens`.
-            let cached = field("cache_read_input_tokens").unwrap_or(0);
-            let created = field("cache_creation_input_tokens").unwrap_or(0);
+            let cached = usage.cache_read_input_tokens.unwrap_or(0);
+            let created = usage.cache_creation_input_tokens.unwrap_or(0);
             self.prompt_tokens = input + cached + created;
             self.cached_tokens = cached;
             self.reported = true;
         }
-        if let Some(output) = field("output_tokens") {
+        if let Some(output) = usage.output_tokens {
             self.completion_tokens = output;
             self.reported = true;
         }
@@ -115,10 +110,10 @@ impl UsageTap {
     pub fn finish(&mut self) -> Bytes {
         if !self.stream {
             if !self.overflowed
-                && let Ok(body) = serde_json::from_slice::<Value>(&self.pending)
-                && let Some(usage) = body.get("usage")
+                && let Some(usage) =
+                    answer::parse::<AnswerUsage>(&self.pending).and_then(|a| a.usage)
             {
-                self.usage.merge(usage);
+                self.usage.merge(&usage);
             }
             self.pending = BytesMut::new();
             return Bytes::new();
@@ -150,20 +145,13 @@ impl UsageTap {
             let Some(data) = line.strip_prefix("data:") else {
                 continue;
             };
-            let Ok(value) = serde_json::from_str::<Value>(data.trim()) else {
+            let Some(payload) = answer::parse::<StreamData<'_>>(data.trim().as_bytes()) else {
                 continue;
             };
             // Anthropic: message_start carries `message.usage`, message_delta `usage`.
-            let usage = value
-                .get("usage")
-                .filter(|u| u.is_object())
-                .or_else(|| value.get("message").and_then(|m| m.get("usage")));
-            if let Some(usage) = usage.filter(|u| u.is_object()) {
+            if let Some(usage) = payload.reported_usage() {
                 self.usage.merge(usage);
-                let usage_only = value
-                    .get("choices")
-                    .and_then(Value::as_array)
-                    .is_some_and(Vec::is_empty);
+                let usage_only = payload.choices.as_ref().is_some_and(Vec::is_empty);
                 return self.strip_injected_usage && usage_only;
             }
         }

@@ -25,8 +25,10 @@ pub struct ParsedRequest {
     pub asks_stream_usage: bool,
     /// Byte range of the `"model"` value (quotes included) in the body.
     model_span: Range<usize>,
-    /// Byte range of the `"cache_salt"` value, when there is one.
+    /// Byte range of the `"cache_salt"` value (`null` included), when there is one.
     cache_salt_span: Option<Range<usize>>,
+    /// Byte range of the `"stream_options"` value (an object or `null`), when there is one.
+    stream_options_span: Option<Range<usize>>,
     /// Where a new first field goes: just after the object's opening brace.
     object_start: usize,
 }
@@ -44,14 +46,7 @@ pub fn summarise(
     body: &[u8],
     head: &RequestBody<'_>,
 ) -> Result<ParsedRequest, ApiError> {
-    let raw_model = head
-        .model
-        .ok_or_else(|| ApiError::invalid("model", "missing required field 'model'"))?;
-    let model: String = serde_json::from_str(raw_model.get())
-        .map_err(|_| ApiError::invalid("model", "'model' must be a string"))?;
-    if model.trim().is_empty() {
-        return Err(ApiError::invalid("model", "'model' must not be empty"));
-    }
+    let (model, raw_model) = head.model_name()?;
 
     match endpoint {
         Endpoint::ChatCompletions => require_messages(head.messages.as_deref())?,
@@ -88,22 +83,10 @@ pub fn summarise(
 
     let model_span = span_within(body, raw_model.get())
         .ok_or_else(|| ApiError::invalid("model", "could not locate 'model' in the body"))?;
-    // As vLLM checks it: a non-empty string, or null for none.
-    let (cache_salt, cache_salt_span) = match head.cache_salt {
-        Some(raw) if raw.get() != "null" => {
-            let salt: String = serde_json::from_str(raw.get())
-                .ok()
-                .filter(|salt: &String| !salt.is_empty())
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        "cache_salt",
-                        "'cache_salt' must be a non-empty string if provided",
-                    )
-                })?;
-            (Some(salt), span_within(body, raw.get()))
-        }
-        _ => (None, None),
-    };
+    let cache_salt = head.cache_salt_value()?.map(|(salt, _)| salt);
+    // A `null` salt is replaced in place too: one added before it would lose to it.
+    let cache_salt_span = head.cache_salt.and_then(|raw| span_within(body, raw.get()));
+    let stream_options = head.stream_options()?;
     let object_start = body
         .iter()
         .position(|b| *b == b'{')
@@ -112,58 +95,15 @@ pub fn summarise(
         model,
         stream: head.stream.unwrap_or(false),
         max_tokens: head.max_tokens.or(head.max_completion_tokens),
-        asks_stream_usage: head
-            .stream_options
-            .as_ref()
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false),
+        asks_stream_usage: stream_options.include_usage.unwrap_or(false),
         cache_salt,
         model_span,
         cache_salt_span,
+        stream_options_span: head
+            .raw_stream_options
+            .and_then(|raw| span_within(body, raw.get())),
         object_start,
     })
-}
-
-/// Ask for `usage` in a streamed OpenAI answer (`stream_options.include_usage`). Returns the
-/// body and whether the proxy added the request (so the usage chunk is the proxy's to remove);
-/// a body whose client already asked is returned unchanged.
-pub fn with_stream_usage(body: Bytes) -> Result<(Bytes, bool), ApiError> {
-    if !body.windows(16).any(|w| w == b"\"stream_options\"") {
-        // No stream_options at all: add ours right after the opening brace, bytes untouched.
-        // Only an object can take it: anything else is left for the parser to refuse.
-        return Ok(
-            match with_first_field(&body, br#""stream_options":{"include_usage":true}"#) {
-                Some(out) => (out, true),
-                None => (body, false),
-            },
-        );
-    }
-    let mut request: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?;
-    let options = request
-        .entry("stream_options")
-        .or_insert_with(|| serde_json::Value::Object(serde_json::Map::new()));
-    // `"stream_options": null` is what several client libraries send; vLLM takes it as absent.
-    if options.is_null() {
-        *options = serde_json::Value::Object(serde_json::Map::new());
-    }
-    let Some(options) = options.as_object_mut() else {
-        return Err(ApiError::invalid(
-            "stream_options",
-            "'stream_options' must be an object",
-        ));
-    };
-    if options
-        .get("include_usage")
-        .and_then(serde_json::Value::as_bool)
-        == Some(true)
-    {
-        return Ok((body, false));
-    }
-    options.insert("include_usage".into(), serde_json::Value::Bool(true));
-    let bytes = serde_json::to_vec(&request)
-        .map_err(|e| ApiError::invalid("body", format!("cannot rewrite the body: {e}")))?;
-    Ok((Bytes::from(bytes), true))
 }
 
 fn require_messages(messages: Option<&[Message<'_>]>) -> Result<(), ApiError> {
@@ -189,19 +129,43 @@ fn span_within(whole: &[u8], part: &str) -> Option<Range<usize>> {
 
 /// The body with its `"model"` value replaced by `upstream_model` (no copy when unchanged).
 pub fn with_model(body: &Bytes, parsed: &ParsedRequest, upstream_model: &str) -> Bytes {
-    rewrite(body, parsed, upstream_model, None)
+    rewrite(body, parsed, upstream_model, None, false).map_or_else(|_| body.clone(), |(out, _)| out)
 }
 
-/// The body with its `"model"` value replaced by `upstream_model` and, when `cache_salt` is
-/// given, its `"cache_salt"` set to it (replaced in place, or added as the first field). Every
-/// other byte stays as the client sent it; no copy when nothing changes.
+/// The body with its `"model"` value replaced by `upstream_model`; when `cache_salt` is given,
+/// its `"cache_salt"` set to it (replaced in place, or added as the first field); and with
+/// `ask_usage`, `stream_options.include_usage` set (streamed OpenAI answers carry usage only
+/// when asked). Every other byte stays as the client sent it; no copy when nothing changes.
+/// Returns the body and whether the gateway asked for usage on the client's behalf.
 pub fn rewrite(
     body: &Bytes,
     parsed: &ParsedRequest,
     upstream_model: &str,
     cache_salt: Option<&str>,
-) -> Bytes {
+    ask_usage: bool,
+) -> Result<(Bytes, bool), ApiError> {
     let mut edits: Vec<(Range<usize>, String)> = Vec::new();
+    let mut asked = false;
+    if ask_usage && !parsed.asks_stream_usage {
+        asked = true;
+        match &parsed.stream_options_span {
+            None => edits.push((
+                parsed.object_start..parsed.object_start,
+                r#""stream_options":{"include_usage":true},"#.to_owned(),
+            )),
+            Some(span) => {
+                let options = body
+                    .get(span.clone())
+                    .and_then(|raw| std::str::from_utf8(raw).ok())
+                    .unwrap_or("null");
+                // `null` is what several client libraries send; vLLM takes it as absent.
+                let options = if options == "null" { "{}" } else { options };
+                if let Some(options) = wire::with_include_usage(options)? {
+                    edits.push((span.clone(), options));
+                }
+            }
+        }
+    }
     if parsed.model != upstream_model {
         let encoded = serde_json::Value::String(upstream_model.to_owned()).to_string();
         edits.push((parsed.model_span.clone(), encoded));
@@ -219,21 +183,21 @@ pub fn rewrite(
         }
     }
     if edits.is_empty() {
-        return body.clone();
+        return Ok((body.clone(), asked));
     }
     edits.sort_by_key(|(span, _)| span.start);
     let mut out = BytesMut::with_capacity(body.len() + 64);
     let mut at = 0;
     for (span, replacement) in edits {
         let Some(kept) = body.get(at..span.start) else {
-            return body.clone();
+            return Ok((body.clone(), false));
         };
         out.extend_from_slice(kept);
         out.extend_from_slice(replacement.as_bytes());
         at = span.end;
     }
     out.extend_from_slice(body.get(at..).unwrap_or_default());
-    out.freeze()
+    Ok((out.freeze(), asked))
 }
 
 /// A translated body (a JSON object the gateway wrote) with `"cache_salt"` added first.
@@ -277,7 +241,7 @@ mod tests {
         );
         let parsed = chat(std::str::from_utf8(&body).unwrap()).unwrap();
         assert_eq!(parsed.cache_salt.as_deref(), Some("mine"));
-        let out = rewrite(&body, &parsed, "upstream/m", Some("c:mine"));
+        let (out, _) = rewrite(&body, &parsed, "upstream/m", Some("c:mine"), false).unwrap();
         assert_eq!(
             &out[..],
             br#" {"cache_salt":"c:mine","model":"upstream/m","messages":[{"role":"user","content":"x"}]}"#
@@ -287,16 +251,29 @@ mod tests {
             Bytes::from_static(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#);
         let parsed = chat(std::str::from_utf8(&body).unwrap()).unwrap();
         assert_eq!(parsed.cache_salt, None);
-        let out = rewrite(&body, &parsed, "m", Some("t:1"));
+        let (out, _) = rewrite(&body, &parsed, "m", Some("t:1"), false).unwrap();
         assert_eq!(
             &out[..],
             br#"{"cache_salt":"t:1","model":"m","messages":[{"role":"user","content":"x"}]}"#
         );
-        assert_eq!(rewrite(&body, &parsed, "m", None), body);
+        assert_eq!(rewrite(&body, &parsed, "m", None, false).unwrap().0, body);
         // null is none; anything else but a non-empty string is refused, as vLLM does.
-        let parsed =
-            chat(r#"{"model":"m","cache_salt":null,"messages":[{"role":"user"}]}"#).unwrap();
+        let null = r#"{"model":"m","cache_salt":null,"messages":[{"role":"user"}]}"#;
+        let parsed = chat(null).unwrap();
         assert_eq!(parsed.cache_salt, None);
+        // ...and a tenant's salt takes its place (a null after it would win).
+        let (out, _) = rewrite(
+            &Bytes::from_static(null.as_bytes()),
+            &parsed,
+            "m",
+            Some("t:1"),
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            &out[..],
+            br#"{"model":"m","cache_salt":"t:1","messages":[{"role":"user"}]}"#
+        );
         for bad in [r#""""#, "3", r#"["a"]"#] {
             let error = chat(&format!(
                 r#"{{"model":"m","cache_salt":{bad},"messages":[{{"role":"user"}}]}}"#
@@ -312,37 +289,68 @@ mod tests {
 
     #[test]
     fn stream_usage_is_requested_once() {
-        let (body, injected) =
-            with_stream_usage(Bytes::from_static(br#"{"model":"m","stream":true}"#)).unwrap();
+        let ask = |body: &'static str| {
+            let bytes = Bytes::from_static(body.as_bytes());
+            let parsed = chat(body).unwrap();
+            rewrite(&bytes, &parsed, "m", None, true)
+        };
+        const HI: &str = r#""messages":[{"role":"user","content":"hi"}]"#;
+        let plain: &'static str =
+            Box::leak(format!(r#"{{"model":"m","stream":true,{HI}}}"#).into_boxed_str());
+        let (body, injected) = ask(plain).unwrap();
         assert!(injected);
         assert_eq!(
-            &body[..],
-            br#"{"stream_options":{"include_usage":true},"model":"m","stream":true}"#
+            String::from_utf8_lossy(&body),
+            format!(
+                r#"{{"stream_options":{{"include_usage":true}},"model":"m","stream":true,{HI}}}"#
+            )
         );
-        let asked =
-            Bytes::from_static(br#"{"stream":true,"stream_options":{"include_usage":true}}"#);
-        assert_eq!(with_stream_usage(asked.clone()).unwrap(), (asked, false));
-        let (body, injected) = with_stream_usage(Bytes::from_static(
-            br#"{"stream":true,"stream_options":{"include_usage":false,"x":1}}"#,
-        ))
-        .unwrap();
+        let asked: &'static str = Box::leak(
+            format!(
+                r#"{{"model":"m","stream":true,"stream_options":{{"include_usage":true}},{HI}}}"#
+            )
+            .into_boxed_str(),
+        );
+        let (body, injected) = ask(asked).unwrap();
+        assert!(!injected);
+        assert_eq!(body, Bytes::from_static(asked.as_bytes()));
+        let other: &'static str = Box::leak(
+            format!(r#"{{"model":"m","stream":true,"stream_options":{{"include_usage":false,"x":1}},{HI}}}"#)
+                .into_boxed_str(),
+        );
+        let (body, injected) = ask(other).unwrap();
         assert!(injected);
         let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(
             value["stream_options"],
             serde_json::json!({"include_usage": true, "x": 1})
         );
-        assert!(with_stream_usage(Bytes::from_static(br#"{"stream_options":3}"#)).is_err());
-        // Not an object: left alone (the first brace is inside a string here).
-        let array = Bytes::from_static(br#"[["{"]]"#);
-        assert_eq!(with_stream_usage(array.clone()).unwrap(), (array, false));
+        assert_eq!(value["messages"][0]["content"], "hi");
+        // Not an object: refused when the body is read.
+        assert!(chat(&format!(r#"{{"model":"m","stream_options":3,{HI}}}"#)).is_err());
         // A null stream_options is no stream_options, as vLLM reads it.
-        let (body, added) = with_stream_usage(Bytes::from_static(
-            br#"{"stream":true,"stream_options":null}"#,
-        ))
-        .unwrap();
+        let null: &'static str = Box::leak(
+            format!(r#"{{"model":"m","stream":true,"stream_options":null,{HI}}}"#).into_boxed_str(),
+        );
+        let (body, added) = ask(null).unwrap();
         assert!(added);
         let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(value["stream_options"]["include_usage"], true);
+        // Together with the model and the cache salt.
+        let parsed = chat(plain).unwrap();
+        let (body, _) = rewrite(
+            &Bytes::from_static(plain.as_bytes()),
+            &parsed,
+            "up",
+            Some("s"),
+            true,
+        )
+        .unwrap();
+        let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            (value["model"].as_str(), value["cache_salt"].as_str()),
+            (Some("up"), Some("s"))
+        );
         assert_eq!(value["stream_options"]["include_usage"], true);
     }
 

@@ -4,9 +4,12 @@
 //! event (streaming) so a translated stream still reaches the client chunk by chunk.
 
 use bytes::{Bytes, BytesMut};
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use crate::api::{ApiError, ErrorKind};
+use crate::wire::Content;
+use crate::wire::answer::{self, ChatCompletion, ErrorBody, StreamData, UsageFields};
 
 fn stop_reason(finish_reason: Option<&str>) -> Value {
     match finish_reason {
@@ -18,63 +21,53 @@ fn stop_reason(finish_reason: Option<&str>) -> Value {
     }
 }
 
-fn anthropic_usage(usage: Option<&Value>) -> Value {
-    let number = |key: &str| {
-        usage
-            .and_then(|u| u.get(key))
-            .and_then(Value::as_u64)
-            .unwrap_or(0)
-    };
-    let cached = usage
-        .and_then(|u| u.get("prompt_tokens_details"))
-        .and_then(|d| d.get("cached_tokens"))
-        .and_then(Value::as_u64)
-        .unwrap_or(0);
+fn anthropic_usage(usage: Option<&UsageFields>) -> Value {
+    let usage = usage.cloned().unwrap_or_default();
+    let cached = usage.cached_tokens().unwrap_or(0);
     json!({
-        "input_tokens": number("prompt_tokens").saturating_sub(cached),
-        "output_tokens": number("completion_tokens"),
+        "input_tokens": usage.prompt_tokens.unwrap_or(0).saturating_sub(cached),
+        "output_tokens": usage.completion_tokens.unwrap_or(0),
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
     })
 }
 
+/// A raw value as a tree (it was valid JSON when the answer was parsed).
+fn value(raw: Option<&RawValue>) -> Value {
+    raw.and_then(|raw| serde_json::from_str(raw.get()).ok())
+        .unwrap_or(Value::Null)
+}
+
 /// Translate a whole (non-streaming) Chat Completions response into a Messages response.
 pub fn chat_response_to_message(body: &[u8], client_model: &str) -> Bytes {
-    let Ok(response) = serde_json::from_slice::<Value>(body) else {
+    let Some(response) = answer::parse::<ChatCompletion<'_>>(body) else {
         return error_to_anthropic(502, body);
     };
-    let choice = response.get("choices").and_then(|c| c.get(0));
-    let message = choice.and_then(|c| c.get("message"));
+    let choice = response.choices.as_deref().and_then(<[_]>::first);
+    let message = choice.and_then(|c| c.message.as_ref());
     let mut content = Vec::new();
-    if let Some(text) = message
-        .and_then(|m| m.get("content"))
-        .and_then(Value::as_str)
+    if let Some(Content::Text(text)) = message.and_then(|m| m.content.as_ref())
         && !text.is_empty()
     {
         content.push(json!({"type": "text", "text": text}));
     }
-    if let Some(calls) = message
-        .and_then(|m| m.get("tool_calls"))
-        .and_then(Value::as_array)
+    for call in message
+        .and_then(|m| m.tool_calls.as_deref())
+        .unwrap_or_default()
     {
-        for call in calls {
-            let function = call.get("function");
-            let arguments = function
-                .and_then(|f| f.get("arguments"))
-                .and_then(Value::as_str)
-                .unwrap_or("{}");
-            content.push(json!({
-                "type": "tool_use",
-                "id": call.get("id"),
-                "name": function.and_then(|f| f.get("name")),
-                "input": serde_json::from_str::<Value>(arguments).unwrap_or_else(|_| json!({})),
-            }));
-        }
+        let function = call.function.as_ref();
+        let input = match function.and_then(|f| f.arguments_value()) {
+            Some(Ok(input)) => input,
+            _ => json!({}),
+        };
+        content.push(json!({
+            "type": "tool_use",
+            "id": value(call.id),
+            "name": value(function.and_then(|f| f.name)),
+            "input": input,
+        }));
     }
-    let id = response
-        .get("id")
-        .and_then(Value::as_str)
-        .unwrap_or("unknown");
+    let id = response.id.as_deref().unwrap_or("unknown");
     Bytes::from(
         json!({
             "id": format!("msg_{id}"),
@@ -82,9 +75,9 @@ pub fn chat_response_to_message(body: &[u8], client_model: &str) -> Bytes {
             "role": "assistant",
             "model": client_model,
             "content": content,
-            "stop_reason": stop_reason(choice.and_then(|c| c.get("finish_reason")).and_then(Value::as_str)),
+            "stop_reason": stop_reason(choice.and_then(|c| c.finish_reason.as_deref())),
             "stop_sequence": Value::Null,
-            "usage": anthropic_usage(response.get("usage")),
+            "usage": anthropic_usage(response.usage.as_ref()),
         })
         .to_string(),
     )
@@ -93,22 +86,8 @@ pub fn chat_response_to_message(body: &[u8], client_model: &str) -> Bytes {
 /// The message of an upstream error body (`error.message`, `error` as a string, or a top-level
 /// `message`), whatever API it speaks.
 pub(crate) fn upstream_error_message(status: u16, body: &[u8]) -> String {
-    let parsed = serde_json::from_slice::<Value>(body).ok();
-    parsed
-        .as_ref()
-        .and_then(|v| v.get("error"))
-        .and_then(|e| {
-            e.get("message")
-                .and_then(Value::as_str)
-                .or_else(|| e.as_str())
-        })
-        .or_else(|| {
-            parsed
-                .as_ref()
-                .and_then(|v| v.get("message"))
-                .and_then(Value::as_str)
-        })
-        .map(str::to_owned)
+    answer::parse::<ErrorBody<'_>>(body)
+        .and_then(|error| error.message())
         .unwrap_or_else(|| format!("upstream answered with status {status}"))
 }
 
@@ -137,7 +116,7 @@ pub struct StreamTranslator {
     open_block: Option<(usize, OpenBlock)>,
     next_block: usize,
     stop_reason: Value,
-    usage: Option<Value>,
+    usage: Option<UsageFields>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,14 +183,10 @@ impl StreamTranslator {
             self.close(out);
             return;
         }
-        let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+        let Some(chunk) = answer::parse::<StreamData<'_>>(data.as_bytes()) else {
             return;
         };
-        if let Some(error) = chunk.get("error") {
-            let message = error
-                .get("message")
-                .and_then(Value::as_str)
-                .unwrap_or("upstream error");
+        if let Some(message) = chunk.error_message() {
             emit(
                 out,
                 "error",
@@ -220,15 +195,15 @@ impl StreamTranslator {
             self.finished = true;
             return;
         }
-        self.start(&chunk, out);
-        if let Some(usage) = chunk.get("usage").filter(|u| !u.is_null()) {
+        self.start(chunk.id.as_deref(), out);
+        if let Some(usage) = &chunk.usage {
             self.usage = Some(usage.clone());
         }
-        let Some(choice) = chunk.get("choices").and_then(|c| c.get(0)) else {
+        let Some(choice) = chunk.choices.as_deref().and_then(<[_]>::first) else {
             return;
         };
-        let delta = choice.get("delta");
-        if let Some(text) = delta.and_then(|d| d.get("content")).and_then(Value::as_str)
+        let delta = choice.delta.as_ref();
+        if let Some(text) = delta.and_then(|d| d.content.as_deref())
             && !text.is_empty()
         {
             if !matches!(self.open_block, Some((_, OpenBlock::Text))) {
@@ -246,51 +221,46 @@ impl StreamTranslator {
                 &json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}),
             );
         }
-        if let Some(calls) = delta
-            .and_then(|d| d.get("tool_calls"))
-            .and_then(Value::as_array)
+        for call in delta
+            .and_then(|d| d.tool_calls.as_deref())
+            .unwrap_or_default()
         {
-            for call in calls {
-                let openai_index = call.get("index").and_then(Value::as_u64).unwrap_or(0);
-                let function = call.get("function");
-                if !matches!(self.open_block, Some((_, OpenBlock::Tool { openai_index: open })) if open == openai_index)
-                {
-                    let index = self.open(OpenBlock::Tool { openai_index }, out);
-                    emit(
-                        out,
-                        "content_block_start",
-                        &json!({
-                            "type": "content_block_start",
-                            "index": index,
-                            "content_block": {"type": "tool_use", "id": call.get("id"), "name": function.and_then(|f| f.get("name")), "input": {}},
-                        }),
-                    );
-                }
-                if let Some(arguments) = function
-                    .and_then(|f| f.get("arguments"))
-                    .and_then(Value::as_str)
-                    && !arguments.is_empty()
-                {
-                    let index = self.open_block.map_or(0, |(i, _)| i);
-                    emit(
-                        out,
-                        "content_block_delta",
-                        &json!({"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": arguments}}),
-                    );
-                }
+            let openai_index = call.index.unwrap_or(0);
+            let function = call.function.as_ref();
+            if !matches!(self.open_block, Some((_, OpenBlock::Tool { openai_index: open })) if open == openai_index)
+            {
+                let index = self.open(OpenBlock::Tool { openai_index }, out);
+                emit(
+                    out,
+                    "content_block_start",
+                    &json!({
+                        "type": "content_block_start",
+                        "index": index,
+                        "content_block": {"type": "tool_use", "id": value(call.id), "name": value(function.and_then(|f| f.name)), "input": {}},
+                    }),
+                );
+            }
+            let arguments = function.and_then(|f| f.arguments_text());
+            if let Some(arguments) = arguments.filter(|a| !a.is_empty()) {
+                let index = self.open_block.map_or(0, |(i, _)| i);
+                emit(
+                    out,
+                    "content_block_delta",
+                    &json!({"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": arguments}}),
+                );
             }
         }
-        if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
+        if let Some(reason) = choice.finish_reason.as_deref() {
             self.stop_reason = stop_reason(Some(reason));
         }
     }
 
-    fn start(&mut self, chunk: &Value, out: &mut String) {
+    fn start(&mut self, id: Option<&str>, out: &mut String) {
         if self.started {
             return;
         }
         self.started = true;
-        let id = chunk.get("id").and_then(Value::as_str).unwrap_or("unknown");
+        let id = id.unwrap_or("unknown");
         emit(
             out,
             "message_start",
@@ -329,7 +299,7 @@ impl StreamTranslator {
         }
         self.finished = true;
         if !self.started {
-            self.start(&Value::Null, out);
+            self.start(None, out);
         }
         self.close_block(out);
         let usage = anthropic_usage(self.usage.as_ref());

@@ -3,10 +3,12 @@
 //! direction lives in `translate`.
 
 use bytes::{Bytes, BytesMut};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use crate::api::{ApiError, ClientFormat, ErrorKind};
 use crate::translate::{find_event_end, upstream_error_message};
+use crate::wire::answer::{self, MessageResponse, StreamData, UsageFields};
 
 fn finish_reason(stop_reason: Option<&str>) -> Value {
     match stop_reason {
@@ -20,11 +22,11 @@ fn finish_reason(stop_reason: Option<&str>) -> Value {
 }
 
 /// Anthropic usage in OpenAI's shape (cached input counted in the prompt, as OpenAI does).
-fn openai_usage(usage: &Value) -> Value {
-    let number = |key: &str| usage.get(key).and_then(Value::as_u64).unwrap_or(0);
-    let cached = number("cache_read_input_tokens");
-    let prompt = number("input_tokens") + cached + number("cache_creation_input_tokens");
-    let completion = number("output_tokens");
+fn openai_usage(usage: &UsageFields) -> Value {
+    let cached = usage.cache_read_input_tokens.unwrap_or(0);
+    let prompt =
+        usage.input_tokens.unwrap_or(0) + cached + usage.cache_creation_input_tokens.unwrap_or(0);
+    let completion = usage.output_tokens.unwrap_or(0);
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -33,27 +35,28 @@ fn openai_usage(usage: &Value) -> Value {
     })
 }
 
+/// A raw value as a tree (it was valid JSON when the answer was parsed).
+fn value(raw: Option<&RawValue>) -> Value {
+    raw.and_then(|raw| serde_json::from_str(raw.get()).ok())
+        .unwrap_or(Value::Null)
+}
+
 /// Translate a whole Messages response into a Chat Completions response.
 pub fn message_response_to_chat(body: &[u8], client_model: &str) -> Bytes {
-    let Ok(response) = serde_json::from_slice::<Value>(body) else {
+    let Some(response) = answer::parse::<MessageResponse<'_>>(body) else {
         return error_to_openai(502, body);
     };
     let mut text = String::new();
     let mut tool_calls = Vec::new();
-    for block in response
-        .get("content")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
-        match block.get("type").and_then(Value::as_str) {
-            Some("text") => text.push_str(block.get("text").and_then(Value::as_str).unwrap_or_default()),
+    for block in response.content.iter().flatten() {
+        match block.kind.as_deref() {
+            Some("text") => text.push_str(block.text.as_deref().unwrap_or_default()),
             Some("tool_use") => tool_calls.push(json!({
-                "id": block.get("id"),
+                "id": value(block.id),
                 "type": "function",
                 "function": {
-                    "name": block.get("name"),
-                    "arguments": block.get("input").map_or_else(|| "{}".to_owned(), Value::to_string),
+                    "name": value(block.name),
+                    "arguments": block.input.map_or_else(|| "{}".to_owned(), |input| value(Some(input)).to_string()),
                 }
             })),
             _ => {}
@@ -72,10 +75,7 @@ pub fn message_response_to_chat(body: &[u8], client_model: &str) -> Bytes {
     if !tool_calls.is_empty() {
         message.insert("tool_calls".into(), Value::Array(tool_calls));
     }
-    let id = response
-        .get("id")
-        .and_then(Value::as_str)
-        .unwrap_or("unknown");
+    let id = response.id.as_deref().unwrap_or("unknown");
     Bytes::from(
         json!({
             "id": format!("chatcmpl-{id}"),
@@ -85,9 +85,9 @@ pub fn message_response_to_chat(body: &[u8], client_model: &str) -> Bytes {
             "choices": [{
                 "index": 0,
                 "message": message,
-                "finish_reason": finish_reason(response.get("stop_reason").and_then(Value::as_str)),
+                "finish_reason": finish_reason(response.stop_reason.as_deref()),
             }],
-            "usage": openai_usage(response.get("usage").unwrap_or(&Value::Null)),
+            "usage": openai_usage(&response.usage.unwrap_or_default()),
         })
         .to_string(),
     )
@@ -125,7 +125,7 @@ pub struct MessagesStreamTranslator {
     /// Anthropic block index → OpenAI tool-call index, for tool_use blocks.
     tool_blocks: Vec<(u64, u64)>,
     /// Usage fields as they arrive (input in message_start, output in message_delta).
-    usage: Map<String, Value>,
+    usage: UsageFields,
     finished: bool,
 }
 
@@ -137,7 +137,7 @@ impl MessagesStreamTranslator {
             id: "chatcmpl-unknown".to_owned(),
             created: unix_now(),
             tool_blocks: Vec::new(),
-            usage: Map::new(),
+            usage: UsageFields::default(),
             finished: false,
         }
     }
@@ -185,22 +185,17 @@ impl MessagesStreamTranslator {
         if self.finished {
             return;
         }
-        let Ok(event) = serde_json::from_str::<Value>(data) else {
+        let Some(event) = answer::parse::<StreamData<'_>>(data.as_bytes()) else {
             return;
         };
-        match event.get("type").and_then(Value::as_str) {
+        match event.kind.as_deref() {
             Some("message_start") => {
-                let message = event.get("message");
-                if let Some(id) = message.and_then(|m| m.get("id")).and_then(Value::as_str) {
+                let message = event.message.as_ref();
+                if let Some(id) = message.and_then(|m| m.id.as_deref()) {
                     self.id = format!("chatcmpl-{id}");
                 }
-                if let Some(usage) = message
-                    .and_then(|m| m.get("usage"))
-                    .and_then(Value::as_object)
-                {
-                    for (key, value) in usage {
-                        self.usage.insert(key.clone(), value.clone());
-                    }
+                if let Some(usage) = message.and_then(|m| m.usage.as_ref()) {
+                    self.usage.update(usage);
                 }
                 self.chunk(
                     json!({"role": "assistant", "content": ""}),
@@ -209,40 +204,37 @@ impl MessagesStreamTranslator {
                 );
             }
             Some("content_block_start") => {
-                let block = event.get("content_block");
-                if block.and_then(|b| b.get("type")).and_then(Value::as_str) == Some("tool_use") {
-                    let anthropic_index = event.get("index").and_then(Value::as_u64).unwrap_or(0);
+                let block = event.content_block.as_ref();
+                if block.and_then(|b| b.kind.as_deref()) == Some("tool_use") {
+                    let anthropic_index = event.index.unwrap_or(0);
                     let openai_index = self.tool_blocks.len() as u64;
                     self.tool_blocks.push((anthropic_index, openai_index));
                     self.chunk(
-                        json!({"tool_calls": [{"index": openai_index, "id": block.and_then(|b| b.get("id")), "type": "function", "function": {"name": block.and_then(|b| b.get("name")), "arguments": ""}}]}),
+                        json!({"tool_calls": [{"index": openai_index, "id": value(block.and_then(|b| b.id)), "type": "function", "function": {"name": value(block.and_then(|b| b.name)), "arguments": ""}}]}),
                         Value::Null,
                         out,
                     );
                 }
             }
             Some("content_block_delta") => {
-                let delta = event.get("delta");
-                match delta.and_then(|d| d.get("type")).and_then(Value::as_str) {
+                let delta = event.delta.as_ref();
+                match delta.and_then(|d| d.kind.as_deref()) {
                     Some("text_delta") => {
                         let text = delta
-                            .and_then(|d| d.get("text"))
-                            .cloned()
-                            .unwrap_or(json!(""));
+                            .and_then(|d| d.text)
+                            .map_or_else(|| json!(""), |raw| value(Some(raw)));
                         self.chunk(json!({"content": text}), Value::Null, out);
                     }
                     Some("input_json_delta") => {
-                        let anthropic_index =
-                            event.get("index").and_then(Value::as_u64).unwrap_or(0);
+                        let anthropic_index = event.index.unwrap_or(0);
                         let openai_index = self
                             .tool_blocks
                             .iter()
                             .find(|(a, _)| *a == anthropic_index)
                             .map_or(0, |(_, o)| *o);
                         let partial = delta
-                            .and_then(|d| d.get("partial_json"))
-                            .cloned()
-                            .unwrap_or(json!(""));
+                            .and_then(|d| d.partial_json)
+                            .map_or_else(|| json!(""), |raw| value(Some(raw)));
                         self.chunk(
                             json!({"tool_calls": [{"index": openai_index, "function": {"arguments": partial}}]}),
                             Value::Null,
@@ -253,15 +245,10 @@ impl MessagesStreamTranslator {
                 }
             }
             Some("message_delta") => {
-                if let Some(usage) = event.get("usage").and_then(Value::as_object) {
-                    for (key, value) in usage {
-                        self.usage.insert(key.clone(), value.clone());
-                    }
+                if let Some(usage) = &event.usage {
+                    self.usage.update(usage);
                 }
-                let stop = event
-                    .get("delta")
-                    .and_then(|d| d.get("stop_reason"))
-                    .and_then(Value::as_str);
+                let stop = event.delta.as_ref().and_then(|d| d.stop_reason.as_deref());
                 self.chunk(json!({}), finish_reason(stop.or(Some("end_turn"))), out);
             }
             Some("message_stop") => {
@@ -273,7 +260,7 @@ impl MessagesStreamTranslator {
                     "created": self.created,
                     "model": self.client_model,
                     "choices": [],
-                    "usage": openai_usage(&Value::Object(self.usage.clone())),
+                    "usage": openai_usage(&self.usage),
                 });
                 out.push_str("data: ");
                 out.push_str(&usage.to_string());
@@ -282,10 +269,8 @@ impl MessagesStreamTranslator {
             }
             Some("error") => {
                 let message = event
-                    .get("error")
-                    .and_then(|e| e.get("message"))
-                    .and_then(Value::as_str)
-                    .unwrap_or("upstream error");
+                    .error_message()
+                    .unwrap_or_else(|| "upstream error".to_owned());
                 out.push_str("data: ");
                 out.push_str(&json!({"error": {"message": message, "type": "server_error", "param": null, "code": "upstream_error"}}).to_string());
                 out.push_str("\n\ndata: [DONE]\n\n");

@@ -63,12 +63,8 @@ pub fn messages_to_chat(
             out.insert(name.into(), value(raw));
         }
     }
-    if let Some(user) = request
-        .metadata
-        .map(value)
-        .and_then(|m| m.get("user_id").cloned())
-    {
-        out.insert("user".into(), user);
+    if let Some(user) = request.metadata_user_id() {
+        out.insert("user".into(), value(user));
     }
     if request.stream == Some(true) {
         out.insert("stream".into(), Value::Bool(true));

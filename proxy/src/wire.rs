@@ -27,14 +27,20 @@ pub struct RequestBody<'a> {
     pub model: Option<&'a RawValue>,
     #[serde(default)]
     pub stream: Option<bool>,
-    #[serde(default)]
-    pub stream_options: Option<StreamOptions>,
+    /// OpenAI's `stream_options` as sent: see [`RequestBody::stream_options`].
+    #[serde(
+        borrow,
+        default,
+        rename = "stream_options",
+        deserialize_with = "present"
+    )]
+    pub raw_stream_options: Option<&'a RawValue>,
     #[serde(default)]
     pub max_tokens: Option<u64>,
     #[serde(default)]
     pub max_completion_tokens: Option<u64>,
-    /// vLLM's prefix-cache salt, as sent (checked by [`crate::request::parse`]).
-    #[serde(borrow, default)]
+    /// vLLM's prefix-cache salt, as sent (`null` included: it is rewritten in place).
+    #[serde(borrow, default, deserialize_with = "present")]
     pub cache_salt: Option<&'a RawValue>,
     /// Anthropic: the system prompt, a string or text blocks.
     #[serde(borrow, default)]
@@ -77,11 +83,29 @@ pub struct RequestBody<'a> {
     pub tool_choice: Option<&'a RawValue>,
 }
 
+/// A field that is present, `null` included (serde's `Option` makes `null` absent): the
+/// gateway rewrites these in place, and a `null` left after an added field would win.
+fn present<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&'de RawValue>::deserialize(deserializer).map(Some)
+}
+
 /// OpenAI's `stream_options` (`null` is taken as absent, as vLLM does).
 #[derive(Debug, Default, Deserialize)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: Option<bool>,
+}
+
+/// `stream_options` (an object, as sent) with `include_usage` set; `None` when it already was.
+pub fn with_include_usage(options: &str) -> Result<Option<String>, ApiError> {
+    let not_object = || ApiError::invalid("stream_options", "'stream_options' must be an object");
+    let mut fields: serde_json::Map<String, Value> =
+        serde_json::from_str(options).map_err(|_| not_object())?;
+    if fields.get("include_usage") == Some(&Value::Bool(true)) {
+        return Ok(None);
+    }
+    fields.insert("include_usage".into(), Value::Bool(true));
+    Ok(Some(Value::Object(fields).to_string()))
 }
 
 /// One message of a conversation.
@@ -121,6 +145,11 @@ pub struct FunctionCall<'a> {
 }
 
 impl FunctionCall<'_> {
+    /// The arguments as the JSON text OpenAI streams them in (a string value), if they are one.
+    pub fn arguments_text(&self) -> Option<String> {
+        serde_json::from_str::<String>(self.arguments?.get()).ok()
+    }
+
     /// The arguments as a JSON value: `None` when absent, `Err` when they are a string that is
     /// not JSON.
     pub fn arguments_value(&self) -> Option<Result<Value, serde_json::Error>> {
@@ -351,6 +380,58 @@ pub enum PromptInput<'a> {
 }
 
 impl<'a> RequestBody<'a> {
+    /// The requested model name: `Err` names what is wrong with it.
+    pub fn model_name(&self) -> Result<(String, &'a RawValue), ApiError> {
+        let raw = self
+            .model
+            .ok_or_else(|| ApiError::invalid("model", "missing required field 'model'"))?;
+        let name: String = serde_json::from_str(raw.get())
+            .map_err(|_| ApiError::invalid("model", "'model' must be a string"))?;
+        if name.trim().is_empty() {
+            return Err(ApiError::invalid("model", "'model' must not be empty"));
+        }
+        Ok((name, raw))
+    }
+
+    /// vLLM's `cache_salt`, checked as vLLM checks it: a non-empty string, or null for none.
+    pub fn cache_salt_value(&self) -> Result<Option<(String, &'a RawValue)>, ApiError> {
+        let Some(raw) = self.cache_salt.filter(|raw| raw.get() != "null") else {
+            return Ok(None);
+        };
+        serde_json::from_str::<String>(raw.get())
+            .ok()
+            .filter(|salt| !salt.is_empty())
+            .map(|salt| Some((salt, raw)))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "cache_salt",
+                    "'cache_salt' must be a non-empty string if provided",
+                )
+            })
+    }
+
+    /// `stream_options` (absent or `null`: the defaults).
+    pub fn stream_options(&self) -> Result<StreamOptions, ApiError> {
+        match self.raw_stream_options.filter(|raw| raw.get() != "null") {
+            None => Ok(StreamOptions::default()),
+            Some(raw) => serde_json::from_str(raw.get()).map_err(|_| {
+                ApiError::invalid("stream_options", "'stream_options' must be an object")
+            }),
+        }
+    }
+
+    /// Anthropic's `metadata.user_id`.
+    pub fn metadata_user_id(&self) -> Option<&'a RawValue> {
+        #[derive(Deserialize)]
+        struct Metadata<'a> {
+            #[serde(borrow, default)]
+            user_id: Option<&'a RawValue>,
+        }
+        serde_json::from_str::<Metadata<'a>>(self.metadata?.get())
+            .ok()?
+            .user_id
+    }
+
     /// The tool definitions (none when absent or not an array of objects).
     pub fn tool_definitions(&self) -> Result<Vec<ToolDefinition<'a>>, String> {
         match self.tools {
@@ -451,6 +532,7 @@ fn compact(raw: &RawValue) -> String {
         .map_or_else(|_| raw.get().to_owned(), |v| v.to_string())
 }
 
+pub mod answer;
 mod classify;
 
 #[cfg(test)]

@@ -182,10 +182,13 @@ proptest! {
                 prop_assert_eq!(&value["model"], "upstream/model-1");
             }
         }
-        if let Ok((with_usage, _)) = request::with_stream_usage(Bytes::from(body.clone()))
-            && is_json(&body)
-        {
-            prop_assert!(is_json(&with_usage));
+        for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
+            if let Ok(parsed) = request::parse(endpoint, &body) {
+                let bytes = Bytes::from(body.clone());
+                if let Ok((out, _)) = request::rewrite(&bytes, &parsed, "up", Some("salt"), true) {
+                    prop_assert!(is_json(&out));
+                }
+            }
         }
         // The typed model takes any body without panicking, and every reader of it too.
         if let Ok(typed) = switchyard_proxy::wire::parse(&body) {

@@ -130,7 +130,14 @@ pub(super) fn prepare_target(
         Destination::Pool(_) => None,
     };
     let worker_salt = cache_salt.filter(|_| provider.is_none());
-    let mut upstream_body = match translate {
+    // Streamed OpenAI answers carry usage only when asked: ask on the client's behalf, and
+    // remove that chunk again before it reaches a client that did not ask.
+    let openai_upstream = translate == Translation::None
+        && matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions)
+        && provider.is_none_or(|p| p.config.format == ProviderFormat::Openai);
+    let ask_usage = parsed.stream && openai_upstream;
+    let mut strip_usage = false;
+    let upstream_body = match translate {
         Translation::MessagesToChat => {
             let translated = translate_request::messages_to_chat(typed, &target.upstream_model)?;
             match worker_salt {
@@ -141,19 +148,13 @@ pub(super) fn prepare_target(
         Translation::ChatToMessages => {
             translate_request::chat_to_messages(typed, &target.upstream_model)?
         }
-        Translation::None => request::rewrite(body, parsed, &target.upstream_model, worker_salt),
+        Translation::None => {
+            let (rewritten, asked) =
+                request::rewrite(body, parsed, &target.upstream_model, worker_salt, ask_usage)?;
+            strip_usage = asked;
+            rewritten
+        }
     };
-    // Streamed OpenAI answers carry usage only when asked: ask on the client's behalf, and
-    // remove that chunk again before it reaches a client that did not ask.
-    let openai_upstream = translate == Translation::None
-        && matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions)
-        && provider.is_none_or(|p| p.config.format == ProviderFormat::Openai);
-    let mut strip_usage = false;
-    if parsed.stream && openai_upstream {
-        let (body, injected) = request::with_stream_usage(upstream_body)?;
-        upstream_body = body;
-        strip_usage = injected;
-    }
     if parsed.stream && translate == Translation::ChatToMessages {
         // The translated stream always ends with a usage chunk: keep it only on request.
         strip_usage = !parsed.asks_stream_usage;
