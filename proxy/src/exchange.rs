@@ -449,3 +449,6 @@ impl Exchange {
         self.attempt.release();
     }
 }
+
+#[cfg(test)]
+mod tests;

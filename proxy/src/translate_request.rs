@@ -146,11 +146,15 @@ fn chat_messages_of(
         }
     };
     let mut parts = Vec::new();
+    let mut texts: Vec<&str> = Vec::new();
     let mut tool_calls = Vec::new();
     for block in blocks {
         let fields = &block.fields;
         match kind(block) {
-            Some("text") => parts.push(json!({"type": "text", "text": fields.text})),
+            Some("text") => {
+                texts.extend(fields.text.as_deref());
+                parts.push(json!({"type": "text", "text": fields.text}));
+            }
             Some("image") => {
                 let source = fields.source.as_ref();
                 let url = match source.and_then(|s| s.kind.as_deref()) {
@@ -198,18 +202,14 @@ fn chat_messages_of(
         }
     }
     if role == "assistant" {
-        let text: Vec<&str> = parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect();
         let mut message = Map::new();
         message.insert("role".into(), json!("assistant"));
         message.insert(
             "content".into(),
-            if text.is_empty() {
+            if texts.is_empty() {
                 Value::Null
             } else {
-                Value::String(text.join(""))
+                Value::String(texts.join(""))
             },
         );
         if !tool_calls.is_empty() {

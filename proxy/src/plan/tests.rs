@@ -302,6 +302,16 @@ fn an_isolated_tenants_requests_carry_its_cache_salt_to_pools_only() {
     let salt = plan.cache_salt.clone().unwrap();
     assert!(salt.starts_with("t:"), "{salt}");
     assert_eq!(body_of(&plan.target)["cache_salt"], salt.as_str());
+    // A client's `null` salt does not undo the tenant's (a null after an added field would win).
+    let nulled = client(
+        Endpoint::ChatCompletions,
+        &format!(
+            r#"{{"model":"assistant","cache_salt":null,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+            ordinary()
+        ),
+    );
+    let plan_of_null = plan_for(&table, &nulled, &HeaderMap::new(), Some(analytics)).unwrap();
+    assert_eq!(body_of(&plan_of_null.target)["cache_salt"], salt.as_str());
     // The prompt tokenized for the pool is keyed by that salt: another tenant's cache can't match.
     let pool = plan.target.pool().unwrap();
     let request = chat("assistant", &ordinary());

@@ -1,0 +1,153 @@
+//! The attempt phase without a network: worker choice, retries on connect failures and broken
+//! pooled connections, fallbacks on 5xx, and the guards released at the end.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::HeaderMap;
+
+use super::*;
+use crate::api::Endpoint;
+use crate::config::ConfigStore;
+use crate::kv::KvRegistry;
+use crate::plan::{self, Request};
+use crate::routing::EndpointRegistry;
+
+const CONFIG: &str = r#"
+apiVersion: switchyard.dev/v1alpha1
+kind: InferencePool
+metadata: {name: first}
+spec: {model: served-a, endpoints: ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"], maxAttempts: 2}
+---
+apiVersion: switchyard.dev/v1alpha1
+kind: InferencePool
+metadata: {name: second}
+spec: {model: served-b, endpoints: ["127.0.0.1:4"]}
+---
+apiVersion: switchyard.dev/v1alpha1
+kind: InferenceModel
+metadata: {name: chain}
+spec: {strategy: ordered, targets: [{pool: first}, {pool: second}]}
+"#;
+
+fn exchange(metrics: &Metrics) -> Exchange {
+    let snapshot = switchyard_snapshot::load_str("test", CONFIG).unwrap();
+    let table = Arc::new(
+        RoutingTable::build(
+            Arc::new(snapshot),
+            &EndpointRegistry::default(),
+            &KvRegistry::default(),
+        )
+        .unwrap(),
+    );
+    let body =
+        Bytes::from_static(br#"{"model":"chain","messages":[{"role":"user","content":"hi"}]}"#);
+    let typed = crate::wire::parse(&body).unwrap();
+    let client = ClientRequest {
+        endpoint: Endpoint::ChatCompletions,
+        parsed: crate::request::summarise(Endpoint::ChatCompletions, &body, &typed).unwrap(),
+        body: body.clone(),
+    };
+    let plan = plan::plan(
+        &table,
+        &Request {
+            client: &client,
+            body: &typed,
+            headers: &HeaderMap::new(),
+            tenant: None,
+            explain: false,
+        },
+    )
+    .unwrap();
+    let series = metrics.request_series(None, "chain", &plan.target.label);
+    Exchange::new(table, client, None, plan, false, None, series)
+}
+
+fn metrics() -> Metrics {
+    Metrics::new(Arc::new(ConfigStore::default()))
+}
+
+const TIMEOUT: Duration = Duration::from_secs(1);
+
+#[test]
+fn connect_failures_try_another_worker_then_the_next_target() {
+    let metrics = metrics();
+    let mut exchange = exchange(&metrics);
+    assert_eq!(exchange.target().label, "pool default/first");
+    let first = exchange.next_peer(TIMEOUT).unwrap();
+    let pool = exchange.pool().unwrap().clone();
+    let in_flight = |pool: &PoolRuntime| pool.workers.iter().map(|w| w.in_flight()).sum::<usize>();
+    assert_eq!(in_flight(&pool), 1, "the attempt counts against its worker");
+    // maxAttempts 2: one more worker of the pool...
+    assert!(exchange.retry_after_connect_failure("ConnectRefused", &metrics));
+    assert_eq!(exchange.target().label, "pool default/first");
+    let second = exchange.next_peer(TIMEOUT).unwrap();
+    assert_ne!(first._address, second._address, "another worker");
+    assert_eq!(in_flight(&pool), 1, "the failed attempt no longer counts");
+    // ...then the next target, with a fresh attempt and its own body.
+    assert!(exchange.retry_after_connect_failure("ConnectRefused", &metrics));
+    assert_eq!(exchange.target().label, "pool default/second");
+    assert!(exchange.attempt.tried.is_empty());
+    let body: serde_json::Value = serde_json::from_slice(exchange.upstream_body()).unwrap();
+    assert_eq!(body["model"], "served-b");
+    assert_eq!(
+        exchange.last_connect_error.as_deref(),
+        Some("ConnectRefused")
+    );
+    exchange.next_peer(TIMEOUT).unwrap();
+    // Nothing is left after the last target.
+    assert!(!exchange.retry_after_connect_failure("ConnectRefused", &metrics));
+    let text = metrics.encode().unwrap();
+    assert!(
+        text.contains(r#"switchyard_target_fallbacks_total{from="pool default/first",to="pool default/second"} 1"#),
+        "{text}"
+    );
+    exchange.finish();
+    assert_eq!(in_flight(&pool), 0);
+    assert_eq!(
+        in_flight(exchange.pool().unwrap()),
+        0,
+        "finish releases the worker"
+    );
+}
+
+#[test]
+fn a_closed_pooled_connection_is_resent_to_the_same_worker_only_before_an_answer() {
+    let metrics = metrics();
+    let mut exchange = exchange(&metrics);
+    exchange.next_peer(TIMEOUT).unwrap();
+    let worker = exchange.attempt.tried.clone();
+    // A fresh connection that broke: not retried.
+    assert!(!exchange.retry_after_broken_connection(false, false));
+    // A reused one before any answer: the same worker again, on a new connection.
+    assert!(exchange.retry_after_broken_connection(true, false));
+    exchange.next_peer(TIMEOUT).unwrap();
+    assert_eq!(exchange.attempt.tried, worker, "no new worker was tried");
+    // Never once the answer started.
+    assert!(!exchange.retry_after_broken_connection(true, true));
+    // At most maxAttempts times.
+    assert!(exchange.retry_after_broken_connection(true, false));
+    assert!(!exchange.retry_after_broken_connection(true, false));
+}
+
+#[test]
+fn a_5xx_before_the_first_byte_moves_to_the_next_target_once() {
+    let metrics = metrics();
+    let mut exchange = exchange(&metrics);
+    exchange.next_peer(TIMEOUT).unwrap();
+    assert!(
+        !exchange.fall_back_on_status(404, &metrics),
+        "4xx answers stand"
+    );
+    assert!(exchange.fall_back_on_status(503, &metrics));
+    assert_eq!(exchange.target().label, "pool default/second");
+    // The abandoned answer's error is retried once, on the new target.
+    assert!(exchange.retry_after_broken_connection(false, true));
+    assert!(!exchange.retry_after_broken_connection(false, true));
+    exchange.next_peer(TIMEOUT).unwrap();
+    assert!(
+        !exchange.fall_back_on_status(503, &metrics),
+        "no target left"
+    );
+}
