@@ -17,6 +17,8 @@ pub enum Endpoint {
     Completions,
     Messages,
     Models,
+    /// `GET /v1/models/{id}` (the id may hold slashes, raw or percent-encoded).
+    Model,
     Health,
     Ready,
     Metrics,
@@ -38,6 +40,9 @@ impl Endpoint {
             "/health" => Endpoint::Health,
             "/ready" => Endpoint::Ready,
             "/metrics" => Endpoint::Metrics,
+            _ if path.len() > MODEL_PREFIX.len() && path.starts_with(MODEL_PREFIX) => {
+                Endpoint::Model
+            }
             _ => return None,
         })
     }
@@ -47,9 +52,11 @@ impl Endpoint {
             Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => {
                 http::Method::POST
             }
-            Endpoint::Models | Endpoint::Health | Endpoint::Ready | Endpoint::Metrics => {
-                http::Method::GET
-            }
+            Endpoint::Models
+            | Endpoint::Model
+            | Endpoint::Health
+            | Endpoint::Ready
+            | Endpoint::Metrics => http::Method::GET,
         }
     }
 
@@ -60,6 +67,7 @@ impl Endpoint {
             Endpoint::Completions => "/v1/completions",
             Endpoint::Messages => "/v1/messages",
             Endpoint::Models => "/v1/models",
+            Endpoint::Model => MODEL_PREFIX,
             Endpoint::Health => "/health",
             Endpoint::Ready => "/ready",
             Endpoint::Metrics => "/metrics",
@@ -82,6 +90,7 @@ impl Endpoint {
                 | Endpoint::Completions
                 | Endpoint::Messages
                 | Endpoint::Models
+                | Endpoint::Model
         )
     }
 
@@ -91,6 +100,7 @@ impl Endpoint {
             Endpoint::Completions => "completions",
             Endpoint::Messages => "messages",
             Endpoint::Models => "models",
+            Endpoint::Model => "model",
             Endpoint::Health => "health",
             Endpoint::Ready => "ready",
             Endpoint::Metrics => "metrics",
@@ -98,12 +108,55 @@ impl Endpoint {
     }
 }
 
-/// The client format of a path, known or not: `/v1/messages` speaks Anthropic, everything else OpenAI.
+/// Path prefix of `GET /v1/models/{id}`.
+const MODEL_PREFIX: &str = "/v1/models/";
+
+/// The model id of a `GET /v1/models/{id}` path, percent-decoded (`None`: not such a path, or
+/// not UTF-8 once decoded).
+pub fn model_id_of(path: &str) -> Option<String> {
+    let raw = path.strip_prefix(MODEL_PREFIX)?.as_bytes();
+    let mut out = Vec::with_capacity(raw.len());
+    let mut at = 0;
+    while let Some(&byte) = raw.get(at) {
+        let hex = raw
+            .get(at + 1..at + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (byte, hex) {
+            (b'%', Some(decoded)) => {
+                out.push(decoded);
+                at += 3;
+            }
+            _ => {
+                out.push(byte);
+                at += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok().filter(|id| !id.is_empty())
+}
+
+/// The client format of a path, known or not: `/v1/messages` (and paths under it) speak
+/// Anthropic, everything else OpenAI.
 pub fn client_format_for_path(path: &str) -> ClientFormat {
-    if path.trim_end_matches('/') == "/v1/messages" {
+    let path = path.trim_end_matches('/');
+    if path == "/v1/messages" || path.starts_with("/v1/messages/") {
         ClientFormat::Anthropic
     } else {
         ClientFormat::OpenAi
+    }
+}
+
+/// The client format of a request: its path's, or Anthropic's for the shared paths
+/// (`/v1/models`) when the client sends `anthropic-version`, as Anthropic's SDKs do.
+pub fn client_format(path: &str, headers: &http::HeaderMap) -> ClientFormat {
+    match client_format_for_path(path) {
+        ClientFormat::OpenAi
+            if path.starts_with("/v1/models") && headers.contains_key("anthropic-version") =>
+        {
+            ClientFormat::Anthropic
+        }
+        format => format,
     }
 }
 
@@ -312,6 +365,43 @@ fn bounded(text: &str, max_chars: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn model_paths_and_formats() {
+        assert_eq!(
+            Endpoint::from_path("/v1/models/org/beta"),
+            Some(Endpoint::Model)
+        );
+        assert_eq!(Endpoint::from_path("/v1/models/"), Some(Endpoint::Models));
+        assert_eq!(
+            model_id_of("/v1/models/org/beta").as_deref(),
+            Some("org/beta")
+        );
+        assert_eq!(
+            model_id_of("/v1/models/org%2Fbeta").as_deref(),
+            Some("org/beta")
+        );
+        assert_eq!(model_id_of("/v1/models/a%2").as_deref(), Some("a%2"));
+        assert_eq!(model_id_of("/v1/models/%FF"), None);
+        let mut headers = http::HeaderMap::new();
+        assert_eq!(
+            client_format("/v1/models/x", &headers),
+            ClientFormat::OpenAi
+        );
+        assert_eq!(
+            client_format("/v1/messages/count_tokens", &headers),
+            ClientFormat::Anthropic
+        );
+        headers.insert("anthropic-version", "2023-06-01".parse().unwrap());
+        assert_eq!(
+            client_format("/v1/models/x", &headers),
+            ClientFormat::Anthropic
+        );
+        assert_eq!(
+            client_format("/v1/chat/completions", &headers),
+            ClientFormat::OpenAi
+        );
+    }
 
     #[test]
     fn openai_error_shape() {

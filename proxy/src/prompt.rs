@@ -98,7 +98,11 @@ fn prompt_of(
             Some(Err(error)) => return Err(error),
             None => return Err("no prompt".into()),
         },
-        Endpoint::Models | Endpoint::Health | Endpoint::Ready | Endpoint::Metrics => {
+        Endpoint::Models
+        | Endpoint::Model
+        | Endpoint::Health
+        | Endpoint::Ready
+        | Endpoint::Metrics => {
             return Err("no prompt".into());
         }
     })

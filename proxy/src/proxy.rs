@@ -16,7 +16,7 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 
 use crate::admit::{self, Explain};
-use crate::api::{ApiError, ClientFormat, Endpoint, ErrorKind, client_format_for_path};
+use crate::api::{ApiError, Endpoint, ErrorKind, client_format};
 use crate::gateway::{Gateway, Phase, RequestCtx};
 use crate::observe;
 use crate::respond::{self, DEBUG_ROUTE_PREFIX};
@@ -45,7 +45,7 @@ impl ProxyHttp for Gateway {
         RequestCtx {
             request_id: String::new(),
             started: Instant::now(),
-            format: ClientFormat::OpenAi,
+            format: crate::api::ClientFormat::OpenAi,
             endpoint: None,
             phase: Phase::Admitting,
             status: 0,
@@ -57,7 +57,7 @@ impl ProxyHttp for Gateway {
         let request = session.req_header();
         ctx.request_id = admit::request_id(&request.headers);
         let path = request.uri.path().to_owned();
-        ctx.format = client_format_for_path(&path);
+        ctx.format = client_format(&path, &request.headers);
         if let Some(inner) = path.strip_prefix(DEBUG_ROUTE_PREFIX)
             && self.admin
         {
@@ -70,7 +70,7 @@ impl ProxyHttp for Gateway {
                 "unknown_url",
                 format!(
                     "unknown path '{path}'; this gateway serves POST /v1/chat/completions, \
-                     /v1/completions, /v1/messages and GET /v1/models"
+                     /v1/completions, /v1/messages and GET /v1/models, /v1/models/{{id}}"
                 ),
             );
             return self.respond_error(session, ctx, error).await;

@@ -78,7 +78,11 @@ pub fn summarise(
             Some(Err(message)) => return Err(ApiError::invalid("prompt", message)),
             Some(Ok(_)) => {}
         },
-        Endpoint::Models | Endpoint::Health | Endpoint::Ready | Endpoint::Metrics => {}
+        Endpoint::Models
+        | Endpoint::Model
+        | Endpoint::Health
+        | Endpoint::Ready
+        | Endpoint::Metrics => {}
     }
 
     let model_span = span_within(body, raw_model.get())

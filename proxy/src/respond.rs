@@ -2,6 +2,8 @@
 //! model list, `/metrics`, the `/debug/route` explanation, and the error for a failed proxy
 //! attempt.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use pingora_error::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::ResponseHeader;
@@ -9,10 +11,11 @@ use pingora_proxy::Session;
 use serde_json::json;
 
 use crate::admit::{self, Explain};
-use crate::api::{ApiError, Endpoint, ErrorKind, client_format_for_path};
+use crate::api::{ApiError, Endpoint, ErrorKind, client_format_for_path, client_text, model_id_of};
 use crate::exchange::Exchange;
 use crate::gateway::{Gateway, RequestCtx};
 use crate::metrics;
+use crate::routing::RoutingTable;
 
 /// Admin path prefix: `POST /debug/route/v1/chat/completions` explains without forwarding.
 pub const DEBUG_ROUTE_PREFIX: &str = "/debug/route";
@@ -125,6 +128,7 @@ impl Gateway {
                 self.respond_json(session, ctx, status, body).await
             }
             Endpoint::Models => self.list_models(session, ctx).await,
+            Endpoint::Model => self.get_model(session, ctx).await,
             Endpoint::Metrics => {
                 let Ok(text) = self.metrics.encode() else {
                     let error = ApiError::new(
@@ -144,37 +148,70 @@ impl Gateway {
     }
 
     async fn list_models(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
-        let table = match admit::live_table(self) {
-            Ok(table) => table,
+        let (table, names, anthropic) = match self.visible_models(session) {
+            Ok(visible) => visible,
             Err(error) => return self.respond_error(session, ctx, error).await,
         };
-        let headers = &session.req_header().headers;
-        let caller = match admit::authenticate(&table, headers) {
-            Ok(caller) => caller,
-            Err(error) => return self.respond_error(session, ctx, error).await,
-        };
-        let anthropic = headers.contains_key("anthropic-version");
-        let names: Vec<&String> = table.models_for(caller).collect();
+        let names: Vec<&String> = names.iter().collect();
+        let objects: Vec<_> = names
+            .iter()
+            .map(|name| model_object(name, table.created_at, anthropic))
+            .collect();
         let body = if anthropic {
-            let data: Vec<_> = names
-                .iter()
-                .map(|name| json!({"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}))
-                .collect();
             json!({
-                "data": data,
+                "data": objects,
                 "has_more": false,
                 "first_id": names.first(),
                 "last_id": names.last(),
             })
         } else {
-            let created = table.created_at;
-            let data: Vec<_> = names
-                .iter()
-                .map(|name| json!({"id": name, "object": "model", "created": created, "owned_by": "switchyard"}))
-                .collect();
-            json!({"object": "list", "data": data})
+            json!({"object": "list", "data": objects})
         };
         self.respond_json(session, ctx, 200, body).await
+    }
+
+    /// `GET /v1/models/{id}`: one model the caller may use, or 404 in the caller's format.
+    async fn get_model(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        let id = model_id_of(session.req_header().uri.path());
+        let (table, names, anthropic) = match self.visible_models(session) {
+            Ok(visible) => visible,
+            Err(error) => return self.respond_error(session, ctx, error).await,
+        };
+        match id.filter(|id| names.contains(id)) {
+            Some(id) => {
+                let body = model_object(&id, table.created_at, anthropic);
+                self.respond_json(session, ctx, 200, body).await
+            }
+            None => {
+                let shown = model_id_of(session.req_header().uri.path()).unwrap_or_default();
+                let error = ApiError {
+                    kind: ErrorKind::NotFound,
+                    code: "model_not_found",
+                    param: Some("model"),
+                    message: format!(
+                        "the model '{}' does not exist; GET /v1/models lists the models you can use",
+                        client_text(&shown)
+                    ),
+                    retry_after: None,
+                };
+                self.respond_error(session, ctx, error).await
+            }
+        }
+    }
+
+    /// The live table, the names of the models the caller may use (sorted), and whether the
+    /// caller speaks Anthropic's API (`anthropic-version`).
+    fn visible_models(
+        &self,
+        session: &Session,
+    ) -> std::result::Result<(Arc<RoutingTable>, Vec<String>, bool), ApiError> {
+        let table = admit::live_table(self)?;
+        let headers = &session.req_header().headers;
+        let names = {
+            let caller = admit::authenticate(&table, headers)?;
+            table.models_for(caller).cloned().collect()
+        };
+        Ok((table, names, headers.contains_key("anthropic-version")))
     }
 
     /// `POST /debug/route/v1/...`: how the request would be routed, without sending it.
@@ -207,6 +244,15 @@ impl Gateway {
         let chosen = exchange.choose_worker(false);
         let body = explanation(&exchange, chosen);
         self.respond_json(session, ctx, 200, body).await
+    }
+}
+
+/// A model as `/v1/models` lists it, in OpenAI's or Anthropic's shape.
+fn model_object(name: &str, created: u64, anthropic: bool) -> serde_json::Value {
+    if anthropic {
+        json!({"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"})
+    } else {
+        json!({"id": name, "object": "model", "created": created, "owned_by": "switchyard"})
     }
 }
 

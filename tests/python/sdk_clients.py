@@ -33,6 +33,13 @@ def main(base: str) -> None:
 
     ids = sorted(m.id for m in oa.models.list())
     assert ids == ["chat-model", "claude-compat"], ids
+    model = oa.models.retrieve("claude-compat")
+    assert (model.id, model.object) == ("claude-compat", "model"), model
+    try:
+        oa.models.retrieve("no-such-model")
+        raise AssertionError("unknown model retrieved")
+    except openai.NotFoundError as error:
+        assert error.body["code"] == "model_not_found", error.body
     print("ok: openai models")
 
     try:
@@ -49,6 +56,15 @@ def main(base: str) -> None:
     print("ok: openai errors")
 
     an = anthropic.Anthropic(base_url=base, api_key="test-key", max_retries=0)
+    info = an.models.retrieve("chat-model")
+    assert (info.id, info.type) == ("chat-model", "model"), info
+    assert [m.id for m in an.models.list()] == ["chat-model", "claude-compat"]
+    try:
+        an.models.retrieve("no-such-model")
+        raise AssertionError("unknown model retrieved")
+    except anthropic.NotFoundError as error:
+        assert error.body["error"]["type"] == "not_found_error", error.body
+    print("ok: anthropic models")
     message = an.messages.create(
         model="chat-model", max_tokens=8, messages=[{"role": "user", "content": "hello"}]
     )

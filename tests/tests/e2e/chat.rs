@@ -237,6 +237,41 @@ async fn models_lists_the_aliases() {
         .unwrap();
     assert_eq!(anthropic["data"][0]["type"], "model");
     assert_eq!(anthropic["has_more"], false);
+    // One model, by id: slashes raw or percent-encoded; unknown ids are 404 in the caller's
+    // format.
+    for path in ["org/beta", "org%2Fbeta"] {
+        let one: Value = client
+            .get(format!("{}/v1/models/{path}", proxy.url()))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(
+            (one["id"].as_str(), one["object"].as_str()),
+            (Some("org/beta"), Some("model"))
+        );
+    }
+    let missing = client
+        .get(format!("{}/v1/models/gamma", proxy.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+    let missing: Value = missing.json().await.unwrap();
+    assert_eq!(missing["error"]["code"], "model_not_found");
+    let missing: Value = client
+        .get(format!("{}/v1/models/gamma", proxy.url()))
+        .header("anthropic-version", "2023-06-01")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(missing["type"], "error");
+    assert_eq!(missing["error"]["type"], "not_found_error");
     let health = client
         .get(format!("{}/health", proxy.url()))
         .send()

@@ -45,6 +45,7 @@ async fn official_sdks_work_through_the_proxy_streaming_included() {
         "openai stream",
         "openai models",
         "openai errors",
+        "anthropic models",
         "anthropic native",
         "anthropic stream translated",
         "anthropic errors",
