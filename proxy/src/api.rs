@@ -60,6 +60,22 @@ impl Endpoint {
         }
     }
 
+    /// The methods the endpoint takes, for `Allow` (`HEAD` and `OPTIONS` wherever `GET` is).
+    pub fn allowed_methods(self) -> &'static str {
+        if self.method() == http::Method::GET {
+            "GET, HEAD, OPTIONS"
+        } else {
+            "POST, OPTIONS"
+        }
+    }
+
+    /// Whether `method` is served on this endpoint (`HEAD` wherever `GET` is; `OPTIONS` is
+    /// answered apart).
+    pub fn takes(self, method: &http::Method) -> bool {
+        *method == self.method()
+            || (*method == http::Method::HEAD && self.method() == http::Method::GET)
+    }
+
     /// The path sent upstream.
     pub fn upstream_path(self) -> &'static str {
         match self {

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use crate::api::{ClientFormat, Endpoint};
 use crate::config::ConfigStore;
+use crate::cors::Cors;
 use crate::exchange::Exchange;
 use crate::limits::RateLimiter;
 use crate::metrics::Metrics;
@@ -19,6 +20,8 @@ pub struct Settings {
     pub upstream_read_timeout: Duration,
     /// Longest time to receive a whole request body, from the end of its head.
     pub body_timeout: Duration,
+    /// Origins browser clients may call from (none by default).
+    pub cors: Cors,
 }
 
 impl Default for Settings {
@@ -27,6 +30,7 @@ impl Default for Settings {
             max_body_bytes: 32 * 1024 * 1024,
             upstream_read_timeout: Duration::from_secs(600),
             body_timeout: Duration::from_secs(60),
+            cors: Cors::default(),
         }
     }
 }
@@ -112,6 +116,8 @@ pub struct RequestCtx {
     pub(crate) status: u16,
     /// The request's trace span (API requests, when tracing is on).
     pub(crate) span: Option<RequestSpan>,
+    /// `Access-Control-Allow-Origin` for the request's origin, when CORS allows it.
+    pub(crate) cors_allow: Option<String>,
 }
 
 impl RequestCtx {

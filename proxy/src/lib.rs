@@ -13,6 +13,7 @@ pub mod calibration;
 pub mod config;
 pub mod connection;
 pub mod control;
+pub mod cors;
 pub mod exchange;
 pub mod feeds;
 pub mod gateway;

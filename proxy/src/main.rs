@@ -13,6 +13,7 @@ use pingora_core::services::listening::Service;
 use switchyard_proxy::config::{self, ConfigStore, FileWatcher};
 use switchyard_proxy::connection::{ConnectionSettings, Guarded};
 use switchyard_proxy::control::ControlClient;
+use switchyard_proxy::cors::Cors;
 use switchyard_proxy::feeds::KvService;
 use switchyard_proxy::gateway::{Gateway, Settings};
 
@@ -66,6 +67,10 @@ struct Args {
     /// Largest request body accepted, in bytes; larger requests get 413.
     #[arg(long, default_value_t = 32 * 1024 * 1024)]
     max_body_bytes: usize,
+    /// Origins browser clients may call from, comma-separated (`https://app.example.com`, or
+    /// `*` for any); none by default. Preflights are answered by the gateway.
+    #[arg(long, default_value = "")]
+    cors_allow_origins: String,
     /// How often configuration files are checked for changes, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     reload_interval_ms: u64,
@@ -152,6 +157,8 @@ fn main() -> anyhow::Result<()> {
         max_body_bytes: args.max_body_bytes,
         upstream_read_timeout: Duration::from_secs(args.upstream_read_timeout_s),
         body_timeout: seconds(args.body_timeout_s, "body-timeout-s")?,
+        cors: Cors::parse(&args.cors_allow_origins)
+            .map_err(|e| anyhow::anyhow!("--cors-allow-origins: {e}"))?,
     };
     let connections = ConnectionSettings {
         header_timeout: seconds(args.header_timeout_s, "header-timeout-s")?,

@@ -17,6 +17,7 @@ use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 
 use crate::admit::{self, Explain};
 use crate::api::{ApiError, Endpoint, ErrorKind, client_format};
+use crate::cors;
 use crate::gateway::{Gateway, Phase, RequestCtx};
 use crate::observe;
 use crate::respond::{self, DEBUG_ROUTE_PREFIX};
@@ -50,6 +51,7 @@ impl ProxyHttp for Gateway {
             phase: Phase::Admitting,
             status: 0,
             span: None,
+            cors_allow: None,
         }
     }
 
@@ -58,6 +60,7 @@ impl ProxyHttp for Gateway {
         ctx.request_id = admit::request_id(&request.headers);
         let path = request.uri.path().to_owned();
         ctx.format = client_format(&path, &request.headers);
+        ctx.cors_allow = self.settings.cors.allow(&request.headers);
         if let Some(inner) = path.strip_prefix(DEBUG_ROUTE_PREFIX)
             && self.admin
         {
@@ -83,7 +86,10 @@ impl ProxyHttp for Gateway {
             ctx.span = Some(tracer.start(name, &request.headers));
         }
         let method = &request.method;
-        if *method != endpoint.method() {
+        if *method == http::Method::OPTIONS {
+            return self.answer_options(session, ctx, endpoint).await;
+        }
+        if !endpoint.takes(method) {
             let error = ApiError::new(
                 ErrorKind::MethodNotAllowed,
                 "method_not_allowed",
@@ -184,6 +190,7 @@ impl ProxyHttp for Gateway {
             ));
         }
         ctx.status = status;
+        cors::rewrite_upstream(upstream_response, ctx.cors_allow.as_deref())?;
         match ctx.exchange() {
             Some(exchange) => exchange.answer_head(upstream_response, &request_id),
             None => Ok(()),

@@ -12,6 +12,7 @@ use serde_json::json;
 
 use crate::admit::{self, Explain};
 use crate::api::{ApiError, Endpoint, ErrorKind, client_format_for_path, client_text, model_id_of};
+use crate::cors;
 use crate::exchange::Exchange;
 use crate::gateway::{Gateway, RequestCtx};
 use crate::metrics;
@@ -40,17 +41,45 @@ impl Gateway {
         for (name, value) in extra {
             header.insert_header(*name, value.as_str())?;
         }
+        if let Some(allow) = &ctx.cors_allow {
+            for (name, value) in cors::answer_headers(allow) {
+                header.append_header(name, value)?;
+            }
+        }
         if !session.as_mut().is_body_done() {
             session.set_keepalive(None);
         }
         if session.as_ref().as_http1().is_some() && session.get_keepalive().is_none() {
             header.insert_header("connection", "close")?;
         }
+        // HEAD: the GET answer's head (its length included), no body.
+        let head_only = session.req_header().method == http::Method::HEAD;
         session
-            .write_response_header(Box::new(header), false)
+            .write_response_header(Box::new(header), head_only)
             .await?;
-        session.write_response_body(Some(body), true).await?;
+        if !head_only {
+            session.write_response_body(Some(body), true).await?;
+        }
         Ok(())
+    }
+
+    /// `OPTIONS` on an endpoint: the methods it takes, and for an allowed origin's preflight
+    /// the CORS answer.
+    pub(crate) async fn answer_options(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        endpoint: Endpoint,
+    ) -> Result<bool> {
+        let methods = endpoint.allowed_methods();
+        let request = session.req_header();
+        let mut extra = vec![("allow", methods.to_owned())];
+        if ctx.cors_allow.is_some() && cors::is_preflight(&request.method, &request.headers) {
+            extra.extend(cors::preflight_headers(methods, &request.headers));
+        }
+        self.respond(session, ctx, 204, "text/plain", Bytes::new(), &extra)
+            .await?;
+        Ok(true)
     }
 
     async fn respond_json(
@@ -85,7 +114,7 @@ impl Gateway {
         if error.kind == ErrorKind::MethodNotAllowed
             && let Some(endpoint) = ctx.endpoint
         {
-            extra.push(("allow", endpoint.method().to_string()));
+            extra.push(("allow", endpoint.allowed_methods().to_owned()));
         }
         if let Some(seconds) = error.retry_after {
             extra.push(("retry-after", seconds.to_string()));

@@ -184,7 +184,15 @@ async fn handle(
     body: Bytes,
 ) -> Response {
     let provider_headers = shared.options.provider_headers;
+    // vLLM's CORS middleware allows every origin by default.
+    let cross_origin = headers.contains_key(axum::http::header::ORIGIN);
     let mut response = answer(shared, method, uri, headers, body).await;
+    if cross_origin {
+        response.headers_mut().insert(
+            axum::http::header::ACCESS_CONTROL_ALLOW_ORIGIN,
+            axum::http::HeaderValue::from_static("*"),
+        );
+    }
     if provider_headers {
         for (name, value) in PROVIDER_RESPONSE_HEADERS {
             response

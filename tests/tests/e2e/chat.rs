@@ -316,3 +316,39 @@ async fn a_null_stream_options_is_taken_as_absent_as_vllm_does() {
     // The gateway asks for usage on the client's behalf, as it does when the field is missing.
     assert_eq!(sent["stream_options"]["include_usage"], true);
 }
+
+/// What several client libraries send: JSON nulls for options they leave unset. vLLM takes them
+/// as absent, and so does the gateway (the usage it asks for replaces the null in place).
+#[tokio::test]
+async fn nulls_client_libraries_send_are_taken_as_absent() {
+    let (worker, proxy) = one_worker_proxy("w1", "m", &["chat"], &[]).await;
+    let body = serde_json::json!({
+        "model": "chat",
+        "stream": true,
+        "stream_options": null,
+        "max_tokens": null,
+        "n": null,
+        "tools": null,
+        "tool_choice": null,
+        "cache_salt": null,
+        "messages": [{"role": "user", "content": "hi"}],
+    });
+    let answer = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    let text = answer.text().await.unwrap();
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert!(
+        !text.contains("\"usage\":{"),
+        "the usage chunk the gateway asked for is not the client's: {text}"
+    );
+    let sent = worker.received().pop().unwrap();
+    let raw = String::from_utf8_lossy(&sent.body).into_owned();
+    assert_eq!(raw.matches("\"stream_options\"").count(), 1, "{raw}");
+    assert_eq!(sent.json()["stream_options"]["include_usage"], true);
+    assert_eq!(sent.json()["model"], "m");
+}

@@ -12,6 +12,7 @@ mod chat;
 mod connections;
 mod control_cli;
 mod control_socket;
+mod cors;
 mod dependencies;
 mod docs;
 mod errors;
