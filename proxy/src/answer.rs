@@ -9,8 +9,10 @@ use pingora_http::ResponseHeader;
 
 use crate::accounting::UsageTap;
 use crate::plan::Translation;
+use crate::translate::find_event_end;
 use crate::translate::{self, StreamTranslator};
 use crate::translate_openai::{self, MessagesStreamTranslator};
+use crate::wire::answer;
 
 /// An incremental stream translation (either direction).
 pub trait StreamTranslation: std::fmt::Debug + Send + Sync {
@@ -57,6 +59,16 @@ enum Mode {
         error: ErrorFn,
     },
     TranslateStream(Box<dyn StreamTranslation>),
+    /// A native answer, whole: its `model` becomes the client's alias at the end.
+    AliasWhole {
+        buffer: BytesMut,
+        from: String,
+    },
+    /// A native stream: each event's `model` becomes the client's alias.
+    AliasStream {
+        pending: BytesMut,
+        from: String,
+    },
 }
 
 /// The state of an answer.
@@ -81,16 +93,33 @@ impl Answer {
 
 impl Answer {
     /// The upstream's response head (`status`), for a client of the other API when `translate`
-    /// says so.
+    /// says so. Answers name the model as the client did (`client_model`, its alias), whatever
+    /// the upstream served it as (`upstream_model`).
     pub fn head(
         &mut self,
         response: &mut ResponseHeader,
         translate: Translation,
         stream: bool,
         client_model: &str,
+        upstream_model: &str,
     ) -> pingora_error::Result<()> {
         let status = response.status.as_u16();
         if translate == Translation::None {
+            if client_model != upstream_model {
+                response.remove_header(&http::header::CONTENT_LENGTH);
+                let from = upstream_model.to_owned();
+                self.mode = if stream && status < 400 {
+                    Mode::AliasStream {
+                        pending: BytesMut::new(),
+                        from,
+                    }
+                } else {
+                    Mode::AliasWhole {
+                        buffer: BytesMut::new(),
+                        from,
+                    }
+                };
+            }
             return Ok(());
         }
         response.remove_header(&http::header::CONTENT_LENGTH);
@@ -161,6 +190,32 @@ impl Answer {
                     });
                 }
             }
+            Mode::AliasWhole { buffer, from } => {
+                if let Some(chunk) = body.take() {
+                    buffer.extend_from_slice(&chunk);
+                }
+                if end_of_stream {
+                    let whole = std::mem::take(buffer);
+                    *body = Some(match answer::with_model(&whole, from, client_model) {
+                        Some(renamed) => Bytes::from(renamed),
+                        None => whole.freeze(),
+                    });
+                }
+            }
+            Mode::AliasStream { pending, from } => {
+                if let Some(chunk) = body.take() {
+                    pending.extend_from_slice(&chunk);
+                }
+                let mut out = BytesMut::new();
+                while let Some((end, separator)) = find_event_end(pending) {
+                    let event = pending.split_to(end + separator);
+                    out.extend_from_slice(&renamed_event(&event, from, client_model));
+                }
+                if end_of_stream {
+                    out.extend_from_slice(&std::mem::take(pending));
+                }
+                *body = (!out.is_empty()).then(|| out.freeze());
+            }
         }
         let mut first = false;
         if let Some(chunk) = body.take() {
@@ -179,5 +234,99 @@ impl Answer {
             }
         }
         first
+    }
+}
+
+/// One SSE event with the model of its `data:` payload renamed (other lines as they are).
+fn renamed_event(event: &[u8], from: &str, to: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(event.len() + to.len());
+    for line in event.split_inclusive(|b| *b == b'\n') {
+        let renamed = line
+            .strip_prefix(b"data:")
+            .and_then(|data| answer::with_model(data, from, to));
+        match renamed {
+            Some(data) => {
+                out.extend_from_slice(b"data:");
+                out.extend_from_slice(&data);
+            }
+            None => out.extend_from_slice(line),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer() -> Answer {
+        Answer::new(UsageTap::new(false, false))
+    }
+
+    fn head(answer: &mut Answer, stream: bool) {
+        let mut response = ResponseHeader::build(200, None).unwrap();
+        response.insert_header("content-length", "10").unwrap();
+        answer
+            .head(
+                &mut response,
+                Translation::None,
+                stream,
+                "alias",
+                "org/served",
+            )
+            .unwrap();
+        assert!(response.headers.get("content-length").is_none());
+    }
+
+    #[test]
+    fn a_native_stream_names_the_clients_alias_in_every_event_split_anywhere() {
+        let events = concat!(
+            "data: {\"id\":\"c1\",\"model\":\"org/served\",\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n",
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"model\":\"org/served\",\"content\":[]}}\n\n",
+            "data: {\"model\":\"someone-else\",\"choices\":[]}\n\n",
+            "data: [DONE]\n\n",
+        );
+        for cut in [1, 7, 40, 90, events.len() - 1] {
+            let mut answer = answer();
+            head(&mut answer, true);
+            let mut out = Vec::new();
+            for piece in [&events[..cut], &events[cut..]] {
+                let mut body = Some(Bytes::copy_from_slice(piece.as_bytes()));
+                answer.body(&mut body, false, "alias");
+                out.extend_from_slice(&body.unwrap_or_default());
+            }
+            let mut rest = None;
+            answer.body(&mut rest, true, "alias");
+            out.extend_from_slice(&rest.unwrap_or_default());
+            let text = String::from_utf8(out).unwrap();
+            assert_eq!(
+                text,
+                events.replace("\"org/served\"", "\"alias\""),
+                "cut at {cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_whole_native_answer_names_the_clients_alias() {
+        let mut answer = answer();
+        head(&mut answer, false);
+        let mut body = Some(Bytes::from_static(
+            br#"{"id":"x","model":"org/served","choices":[]}"#,
+        ));
+        answer.body(&mut body, false, "alias");
+        assert!(body.is_none(), "held until the end");
+        let mut body = Some(Bytes::from_static(b"\n"));
+        answer.body(&mut body, true, "alias");
+        assert_eq!(
+            &body.unwrap()[..],
+            b"{\"id\":\"x\",\"model\":\"alias\",\"choices\":[]}\n"
+        );
+        // Not JSON (or no model): as it came.
+        let mut answer = Answer::new(UsageTap::new(false, false));
+        head(&mut answer, false);
+        let mut body = Some(Bytes::from_static(b"upstream says no"));
+        answer.body(&mut body, true, "alias");
+        assert_eq!(&body.unwrap()[..], b"upstream says no");
     }
 }

@@ -33,6 +33,8 @@ use crate::telemetry::RequestSpan;
 const EXPLAIN_RESPONSE_HEADER: &str = "x-switchyard-route";
 /// Response header carrying the policy trace (rules looked at, prompt classes, target).
 const POLICY_RESPONSE_HEADER: &str = "x-switchyard-policy";
+/// Response header naming the model that served the answer (answers name the client's alias).
+const SERVED_MODEL_HEADER: &str = "x-switchyard-served-model";
 
 /// The attempts on one target.
 #[derive(Debug, Default)]
@@ -412,10 +414,17 @@ impl Exchange {
             // A non-streamed answer arrives whole: its prefill is long over.
             self.attempt.pending = None;
         }
-        let translate = self.plan.target.translate;
-        let stream = self.stream();
-        self.answer
-            .head(response, translate, stream, &self.client.parsed.model)
+        let target = &self.plan.target;
+        // The client's alias names the model in answers; the header says what served it.
+        response.insert_header(SERVED_MODEL_HEADER, target.upstream_model.as_str())?;
+        let stream = self.client.parsed.stream;
+        self.answer.head(
+            response,
+            target.translate,
+            stream,
+            &self.client.parsed.model,
+            &target.upstream_model,
+        )
     }
 
     /// A piece of the upstream's body (`status`: the answer's), made the client's.
