@@ -180,7 +180,7 @@ impl Gateway {
     }
 
     /// Read the whole request body within the size limit (see the module note on buffering).
-    async fn read_body(&self, session: &mut Session) -> Result<Bytes, ApiError> {
+    pub(crate) async fn read_body(&self, session: &mut Session) -> Result<Bytes, ApiError> {
         let limit = self.settings.max_body_bytes;
         let too_large = || {
             ApiError::new(

@@ -16,6 +16,8 @@ pub enum Endpoint {
     ChatCompletions,
     Completions,
     Messages,
+    /// Anthropic's `POST /v1/messages/count_tokens`, answered by the gateway.
+    CountTokens,
     Models,
     /// `GET /v1/models/{id}` (the id may hold slashes, raw or percent-encoded).
     Model,
@@ -36,6 +38,7 @@ impl Endpoint {
             "/v1/chat/completions" => Endpoint::ChatCompletions,
             "/v1/completions" => Endpoint::Completions,
             "/v1/messages" => Endpoint::Messages,
+            "/v1/messages/count_tokens" => Endpoint::CountTokens,
             "/v1/models" => Endpoint::Models,
             "/health" => Endpoint::Health,
             "/ready" => Endpoint::Ready,
@@ -49,9 +52,10 @@ impl Endpoint {
 
     pub fn method(self) -> http::Method {
         match self {
-            Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => {
-                http::Method::POST
-            }
+            Endpoint::ChatCompletions
+            | Endpoint::Completions
+            | Endpoint::Messages
+            | Endpoint::CountTokens => http::Method::POST,
             Endpoint::Models
             | Endpoint::Model
             | Endpoint::Health
@@ -82,6 +86,7 @@ impl Endpoint {
             Endpoint::ChatCompletions => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
             Endpoint::Messages => "/v1/messages",
+            Endpoint::CountTokens => "/v1/messages/count_tokens",
             Endpoint::Models => "/v1/models",
             Endpoint::Model => MODEL_PREFIX,
             Endpoint::Health => "/health",
@@ -105,6 +110,7 @@ impl Endpoint {
             Endpoint::ChatCompletions
                 | Endpoint::Completions
                 | Endpoint::Messages
+                | Endpoint::CountTokens
                 | Endpoint::Models
                 | Endpoint::Model
         )
@@ -115,6 +121,7 @@ impl Endpoint {
             Endpoint::ChatCompletions => "chat_completions",
             Endpoint::Completions => "completions",
             Endpoint::Messages => "messages",
+            Endpoint::CountTokens => "count_tokens",
             Endpoint::Models => "models",
             Endpoint::Model => "model",
             Endpoint::Health => "health",

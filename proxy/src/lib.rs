@@ -32,6 +32,7 @@ pub mod respond;
 pub mod routing;
 pub mod scorer;
 pub mod telemetry;
+pub mod tokens;
 pub mod translate;
 pub mod translate_openai;
 pub mod translate_request;

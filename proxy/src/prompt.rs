@@ -98,7 +98,8 @@ fn prompt_of(
             Some(Err(error)) => return Err(error),
             None => return Err("no prompt".into()),
         },
-        Endpoint::Models
+        Endpoint::CountTokens
+        | Endpoint::Models
         | Endpoint::Model
         | Endpoint::Health
         | Endpoint::Ready

@@ -78,7 +78,8 @@ pub fn summarise(
             Some(Err(message)) => return Err(ApiError::invalid("prompt", message)),
             Some(Ok(_)) => {}
         },
-        Endpoint::Models
+        Endpoint::CountTokens
+        | Endpoint::Models
         | Endpoint::Model
         | Endpoint::Health
         | Endpoint::Ready

@@ -158,6 +158,7 @@ impl Gateway {
             }
             Endpoint::Models => self.list_models(session, ctx).await,
             Endpoint::Model => self.get_model(session, ctx).await,
+            Endpoint::CountTokens => self.count_tokens(session, ctx).await,
             Endpoint::Metrics => {
                 let Ok(text) = self.metrics.encode() else {
                     let error = ApiError::new(

@@ -65,6 +65,20 @@ def main(base: str) -> None:
     except anthropic.NotFoundError as error:
         assert error.body["error"]["type"] == "not_found_error", error.body
     print("ok: anthropic models")
+
+    short = an.messages.count_tokens(model="chat-model", messages=[{"role": "user", "content": "hello"}])
+    longer = an.messages.count_tokens(
+        model="chat-model",
+        system="You are terse.",
+        messages=[{"role": "user", "content": "hello there, how are the rivers of Europe today?"}],
+    )
+    assert 0 < short.input_tokens < longer.input_tokens, (short, longer)
+    try:
+        an.messages.count_tokens(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+        raise AssertionError("unknown model counted")
+    except anthropic.NotFoundError as error:
+        assert error.body["error"]["type"] == "not_found_error", error.body
+    print("ok: anthropic count tokens")
     message = an.messages.create(
         model="chat-model", max_tokens=8, messages=[{"role": "user", "content": "hello"}]
     )

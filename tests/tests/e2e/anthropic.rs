@@ -140,3 +140,52 @@ async fn openai_only_pools_get_chat_completions_and_answers_come_back_as_message
         true
     );
 }
+
+/// `count_tokens` is answered by the gateway with the pool's chat template and tokenizer: the
+/// count is what the worker will see, and nothing reaches the worker.
+#[tokio::test]
+async fn count_tokens_is_answered_with_the_pools_tokenizer() {
+    use switchyard_kv::tokenize::{ChatMessage, PromptTokenizer};
+    let (worker, proxy) =
+        switchyard_e2e::one_worker_proxy("w1", "served", &["claude-local"], &[]).await;
+    let answer = reqwest::Client::new()
+        .post(format!("{}/v1/messages/count_tokens", proxy.url()))
+        .header("anthropic-version", "2023-06-01")
+        .json(&json!({
+            "model": "claude-local",
+            "system": "Be brief.",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Name three rivers."}]}],
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    let body: Value = answer.json().await.unwrap();
+    let tokenizer = PromptTokenizer::shipped().unwrap();
+    let rendered = tokenizer
+        .render_chat(&[
+            ChatMessage {
+                role: "system".into(),
+                content: "Be brief.".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "Name three rivers.".into(),
+            },
+        ])
+        .unwrap();
+    assert_eq!(
+        body["input_tokens"],
+        tokenizer.encode(&rendered).unwrap().len()
+    );
+    assert!(worker.received().is_empty(), "counting reaches no worker");
+    let missing = reqwest::Client::new()
+        .post(format!("{}/v1/messages/count_tokens", proxy.url()))
+        .json(&json!({"model": "claude-local", "messages": []}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 400);
+    let error: Value = missing.json().await.unwrap();
+    assert_eq!(error["type"], "error");
+}

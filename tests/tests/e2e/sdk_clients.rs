@@ -46,6 +46,7 @@ async fn official_sdks_work_through_the_proxy_streaming_included() {
         "openai models",
         "openai errors",
         "anthropic models",
+        "anthropic count tokens",
         "anthropic native",
         "anthropic stream translated",
         "anthropic errors",
