@@ -320,7 +320,12 @@ fn admit_rate(
     {
         return Ok(None);
     }
-    let reservation = limits::Reservation::for_request(client.body.len(), client.parsed.max_tokens);
+    // The tokenizer endpoints count as requests, not as tokens.
+    let reservation = if client.endpoint.is_inference() {
+        limits::Reservation::for_request(client.body.len(), client.parsed.max_tokens)
+    } else {
+        limits::Reservation::for_request(0, Some(0))
+    };
     match limiter.admit(&tenant.name, limits, reservation) {
         Ok(admitted) => Ok(Some(admitted)),
         Err(refusal) => Err(Rejection::new(

@@ -18,6 +18,9 @@ pub enum Endpoint {
     Messages,
     /// Anthropic's `POST /v1/messages/count_tokens`, answered by the gateway.
     CountTokens,
+    /// vLLM's `POST /tokenize` and `/detokenize`, forwarded to a worker of the model's pool.
+    Tokenize,
+    Detokenize,
     Models,
     /// `GET /v1/models/{id}` (the id may hold slashes, raw or percent-encoded).
     Model,
@@ -39,6 +42,8 @@ impl Endpoint {
             "/v1/completions" => Endpoint::Completions,
             "/v1/messages" => Endpoint::Messages,
             "/v1/messages/count_tokens" => Endpoint::CountTokens,
+            "/tokenize" => Endpoint::Tokenize,
+            "/detokenize" => Endpoint::Detokenize,
             "/v1/models" => Endpoint::Models,
             "/health" => Endpoint::Health,
             "/ready" => Endpoint::Ready,
@@ -55,7 +60,9 @@ impl Endpoint {
             Endpoint::ChatCompletions
             | Endpoint::Completions
             | Endpoint::Messages
-            | Endpoint::CountTokens => http::Method::POST,
+            | Endpoint::CountTokens
+            | Endpoint::Tokenize
+            | Endpoint::Detokenize => http::Method::POST,
             Endpoint::Models
             | Endpoint::Model
             | Endpoint::Health
@@ -87,6 +94,8 @@ impl Endpoint {
             Endpoint::Completions => "/v1/completions",
             Endpoint::Messages => "/v1/messages",
             Endpoint::CountTokens => "/v1/messages/count_tokens",
+            Endpoint::Tokenize => "/tokenize",
+            Endpoint::Detokenize => "/detokenize",
             Endpoint::Models => "/v1/models",
             Endpoint::Model => MODEL_PREFIX,
             Endpoint::Health => "/health",
@@ -95,12 +104,18 @@ impl Endpoint {
         }
     }
 
-    /// Inference requests: the ones the gateway plans and forwards.
+    /// Inference requests: the ones that generate, which the gateway routes by prompt.
     pub fn is_inference(self) -> bool {
         matches!(
             self,
             Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages
         )
+    }
+
+    /// Requests the gateway plans and forwards to a target: inference, and vLLM's tokenizer
+    /// endpoints (routed by queue alone).
+    pub fn is_forwarded(self) -> bool {
+        self.is_inference() || matches!(self, Endpoint::Tokenize | Endpoint::Detokenize)
     }
 
     /// The client API (inference and model listing), as opposed to probes and metrics.
@@ -111,6 +126,8 @@ impl Endpoint {
                 | Endpoint::Completions
                 | Endpoint::Messages
                 | Endpoint::CountTokens
+                | Endpoint::Tokenize
+                | Endpoint::Detokenize
                 | Endpoint::Models
                 | Endpoint::Model
         )
@@ -122,6 +139,8 @@ impl Endpoint {
             Endpoint::Completions => "completions",
             Endpoint::Messages => "messages",
             Endpoint::CountTokens => "count_tokens",
+            Endpoint::Tokenize => "tokenize",
+            Endpoint::Detokenize => "detokenize",
             Endpoint::Models => "models",
             Endpoint::Model => "model",
             Endpoint::Health => "health",

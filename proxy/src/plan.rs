@@ -136,6 +136,7 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
         .evaluator
         .prediction_pools(&parsed.model)
         .into_iter()
+        .filter(|_| client.endpoint.is_inference())
         .filter_map(|id| {
             let pool = table.pool(&id)?;
             pool.tokenizer.as_ref()?;
@@ -231,8 +232,13 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
             verdict: Some(verdict.clone()),
         })
     })?;
-    // The prompt as the chosen pool's workers tokenize it, for cache-aware worker choice.
-    if let Some(pool) = prepared.pool().filter(|p| p.tokenizer.is_some()) {
+    // The prompt as the chosen pool's workers tokenize it, for cache-aware worker choice (the
+    // tokenizer endpoints generate nothing: they go by queue alone).
+    let generates = client.endpoint.is_inference();
+    if let Some(pool) = prepared
+        .pool()
+        .filter(|p| p.tokenizer.is_some() && generates)
+    {
         let known = predictions.iter().find(|(id, _)| *id == pool.config.id);
         prepared.prompt = match known {
             Some((_, prompt)) => prompt.clone(),

@@ -99,6 +99,8 @@ fn prompt_of(
             None => return Err("no prompt".into()),
         },
         Endpoint::CountTokens
+        | Endpoint::Tokenize
+        | Endpoint::Detokenize
         | Endpoint::Models
         | Endpoint::Model
         | Endpoint::Health

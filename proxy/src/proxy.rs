@@ -73,7 +73,8 @@ impl ProxyHttp for Gateway {
                 "unknown_url",
                 format!(
                     "unknown path '{path}'; this gateway serves POST /v1/chat/completions, \
-                     /v1/completions, /v1/messages and GET /v1/models, /v1/models/{{id}}"
+                     /v1/completions, /v1/messages, /v1/messages/count_tokens, /tokenize, \
+                     /detokenize and GET /v1/models, /v1/models/{{id}}"
                 ),
             );
             return self.respond_error(session, ctx, error).await;

@@ -79,6 +79,8 @@ pub fn summarise(
             Some(Ok(_)) => {}
         },
         Endpoint::CountTokens
+        | Endpoint::Tokenize
+        | Endpoint::Detokenize
         | Endpoint::Models
         | Endpoint::Model
         | Endpoint::Health

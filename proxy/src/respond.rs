@@ -173,7 +173,11 @@ impl Gateway {
                     .await?;
                 Ok(true)
             }
-            Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => Ok(false),
+            Endpoint::ChatCompletions
+            | Endpoint::Completions
+            | Endpoint::Messages
+            | Endpoint::Tokenize
+            | Endpoint::Detokenize => Ok(false),
         }
     }
 

@@ -52,6 +52,7 @@ pub fn router(worker: Arc<Worker>) -> Router {
         .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
@@ -482,6 +483,20 @@ async fn tokenize(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
         )
         .into_response(),
         Err(e) => bad_request(e.to_string()).into_response(),
+    }
+}
+
+/// vLLM's `/detokenize`: token ids back to text (`{"prompt": ...}`).
+async fn detokenize(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
+    #[derive(serde::Deserialize)]
+    struct Request {
+        tokens: Vec<u32>,
+    }
+    match serde_json::from_slice::<Request>(&body) {
+        Ok(request) => {
+            axum::Json(json!({"prompt": worker.tokenizer.decode(&request.tokens)})).into_response()
+        }
+        Err(e) => bad_request(format!("invalid request: {e}")).into_response(),
     }
 }
 

@@ -91,15 +91,21 @@ pub(super) fn prepare_target(
                 ));
             }
             provider_translation(provider, endpoint).ok_or_else(|| {
-                ApiError::new(
-                    ErrorKind::NotImplemented,
-                    "translation_unsupported",
+                let message = if endpoint.is_inference() {
                     format!(
                         "model '{}' is served by provider {}, which speaks the Anthropic Messages API: \
                          use /v1/chat/completions or /v1/messages (legacy completions cannot be translated)",
                         parsed.model, provider.config.id
-                    ),
-                )
+                    )
+                } else {
+                    format!(
+                        "model '{}' is served by provider {}, which does not serve {}",
+                        parsed.model,
+                        provider.config.id,
+                        endpoint.upstream_path()
+                    )
+                };
+                ApiError::new(ErrorKind::NotImplemented, "translation_unsupported", message)
             })?
         }
         Destination::Pool(pool) => {

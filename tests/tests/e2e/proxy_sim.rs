@@ -52,3 +52,65 @@ async fn the_embedded_default_config_fronts_three_simulated_workers() {
         assert_eq!(body["usage"]["completion_tokens"], 2);
     }
 }
+
+/// vLLM's tokenizer endpoints through the gateway: routed to a worker of the model's pool (the
+/// alias becomes the served name), answered by the worker as vLLM answers them.
+#[tokio::test]
+async fn tokenize_and_detokenize_reach_a_worker_of_the_models_pool() {
+    let sim = Sim::start(&["--workers", "2", "--time-scale", "0.001", "--no-kv-events"]);
+    let endpoints: Vec<String> = sim.workers.iter().map(|w| w.http.clone()).collect();
+    let proxy = Proxy::start(
+        &pool_config("local", &sim.model, &endpoints, "", &["default"]),
+        &[],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let post = |base: String, path: &str, body: serde_json::Value| {
+        client.post(format!("{base}{path}")).json(&body).send()
+    };
+    let direct: serde_json::Value = post(
+        format!("http://{}", sim.workers[0].http),
+        "/tokenize",
+        serde_json::json!({"model": sim.model, "prompt": "hello rivers of Europe"}),
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    let through = post(
+        proxy.url(),
+        "/tokenize",
+        serde_json::json!({"model": "default", "prompt": "hello rivers of Europe"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(through.status(), 200);
+    let through: serde_json::Value = through.json().await.unwrap();
+    assert_eq!(through, direct);
+    assert!(through["count"].as_u64().unwrap() > 0);
+    let text: serde_json::Value = post(
+        proxy.url(),
+        "/detokenize",
+        serde_json::json!({"model": "default", "tokens": through["tokens"]}),
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(text["prompt"], "hello rivers of Europe");
+    // The gateway routes by model: one is needed, and it must exist.
+    let anonymous = post(proxy.url(), "/tokenize", serde_json::json!({"prompt": "x"}))
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status(), 400);
+    let unknown = post(
+        proxy.url(),
+        "/detokenize",
+        serde_json::json!({"model": "nope", "tokens": [1]}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(unknown.status(), 404);
+}
