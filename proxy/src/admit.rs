@@ -320,9 +320,13 @@ fn admit_rate(
     {
         return Ok(None);
     }
-    // The tokenizer endpoints count as requests, not as tokens.
-    let reservation = if client.endpoint.is_inference() {
+    // Pooling models read their input and write nothing; the tokenizer endpoints count as
+    // requests, not as tokens.
+    let endpoint = client.endpoint;
+    let reservation = if endpoint.is_inference() {
         limits::Reservation::for_request(client.body.len(), client.parsed.max_tokens)
+    } else if endpoint.is_pooling() {
+        limits::Reservation::for_request(client.body.len(), Some(0))
     } else {
         limits::Reservation::for_request(0, Some(0))
     };

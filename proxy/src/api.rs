@@ -2,6 +2,7 @@
 
 use bytes::Bytes;
 use serde_json::json;
+use switchyard_snapshot::snapshot::PoolTask;
 
 /// The client protocol, which decides how errors are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +22,12 @@ pub enum Endpoint {
     /// vLLM's `POST /tokenize` and `/detokenize`, forwarded to a worker of the model's pool.
     Tokenize,
     Detokenize,
+    /// Pooling models (vLLM): `POST /v1/embeddings`, `/pooling`, `/v1/score` (and `/score`),
+    /// `/v1/rerank` (and `/rerank`, `/v2/rerank`), forwarded to pools of the right task.
+    Embeddings,
+    Pooling,
+    Score,
+    Rerank,
     Models,
     /// `GET /v1/models/{id}` (the id may hold slashes, raw or percent-encoded).
     Model,
@@ -44,6 +51,10 @@ impl Endpoint {
             "/v1/messages/count_tokens" => Endpoint::CountTokens,
             "/tokenize" => Endpoint::Tokenize,
             "/detokenize" => Endpoint::Detokenize,
+            "/v1/embeddings" => Endpoint::Embeddings,
+            "/pooling" => Endpoint::Pooling,
+            "/v1/score" | "/score" => Endpoint::Score,
+            "/v1/rerank" | "/rerank" | "/v2/rerank" => Endpoint::Rerank,
             "/v1/models" => Endpoint::Models,
             "/health" => Endpoint::Health,
             "/ready" => Endpoint::Ready,
@@ -62,7 +73,11 @@ impl Endpoint {
             | Endpoint::Messages
             | Endpoint::CountTokens
             | Endpoint::Tokenize
-            | Endpoint::Detokenize => http::Method::POST,
+            | Endpoint::Detokenize
+            | Endpoint::Embeddings
+            | Endpoint::Pooling
+            | Endpoint::Score
+            | Endpoint::Rerank => http::Method::POST,
             Endpoint::Models
             | Endpoint::Model
             | Endpoint::Health
@@ -96,6 +111,10 @@ impl Endpoint {
             Endpoint::CountTokens => "/v1/messages/count_tokens",
             Endpoint::Tokenize => "/tokenize",
             Endpoint::Detokenize => "/detokenize",
+            Endpoint::Embeddings => "/v1/embeddings",
+            Endpoint::Pooling => "/pooling",
+            Endpoint::Score => "/v1/score",
+            Endpoint::Rerank => "/v1/rerank",
             Endpoint::Models => "/v1/models",
             Endpoint::Model => MODEL_PREFIX,
             Endpoint::Health => "/health",
@@ -115,7 +134,29 @@ impl Endpoint {
     /// Requests the gateway plans and forwards to a target: inference, and vLLM's tokenizer
     /// endpoints (routed by queue alone).
     pub fn is_forwarded(self) -> bool {
-        self.is_inference() || matches!(self, Endpoint::Tokenize | Endpoint::Detokenize)
+        self.is_inference()
+            || matches!(self, Endpoint::Tokenize | Endpoint::Detokenize)
+            || self.is_pooling()
+    }
+
+    /// Requests for pooling models (embeddings, scores).
+    pub fn is_pooling(self) -> bool {
+        matches!(
+            self,
+            Endpoint::Embeddings | Endpoint::Pooling | Endpoint::Score | Endpoint::Rerank
+        )
+    }
+
+    /// Whether a pool of `task` serves this endpoint (as vLLM's runners do).
+    pub fn served_by(self, task: PoolTask) -> bool {
+        match self {
+            Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => {
+                task == PoolTask::Generate
+            }
+            Endpoint::Embeddings => task == PoolTask::Embed,
+            Endpoint::Pooling | Endpoint::Score | Endpoint::Rerank => task != PoolTask::Generate,
+            _ => true,
+        }
     }
 
     /// The client API (inference and model listing), as opposed to probes and metrics.
@@ -128,6 +169,10 @@ impl Endpoint {
                 | Endpoint::CountTokens
                 | Endpoint::Tokenize
                 | Endpoint::Detokenize
+                | Endpoint::Embeddings
+                | Endpoint::Pooling
+                | Endpoint::Score
+                | Endpoint::Rerank
                 | Endpoint::Models
                 | Endpoint::Model
         )
@@ -141,6 +186,10 @@ impl Endpoint {
             Endpoint::CountTokens => "count_tokens",
             Endpoint::Tokenize => "tokenize",
             Endpoint::Detokenize => "detokenize",
+            Endpoint::Embeddings => "embeddings",
+            Endpoint::Pooling => "pooling",
+            Endpoint::Score => "score",
+            Endpoint::Rerank => "rerank",
             Endpoint::Models => "models",
             Endpoint::Model => "model",
             Endpoint::Health => "health",

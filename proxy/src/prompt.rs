@@ -101,6 +101,10 @@ fn prompt_of(
         Endpoint::CountTokens
         | Endpoint::Tokenize
         | Endpoint::Detokenize
+        | Endpoint::Embeddings
+        | Endpoint::Pooling
+        | Endpoint::Score
+        | Endpoint::Rerank
         | Endpoint::Models
         | Endpoint::Model
         | Endpoint::Health

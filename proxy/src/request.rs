@@ -68,6 +68,9 @@ pub fn summarise(
                 }
             }
         }
+        Endpoint::Embeddings | Endpoint::Pooling if head.input.is_none() => {
+            return Err(ApiError::invalid("input", "missing required field 'input'"));
+        }
         Endpoint::Completions => match head.prompt_input() {
             None => {
                 return Err(ApiError::invalid(
@@ -81,6 +84,10 @@ pub fn summarise(
         Endpoint::CountTokens
         | Endpoint::Tokenize
         | Endpoint::Detokenize
+        | Endpoint::Embeddings
+        | Endpoint::Pooling
+        | Endpoint::Score
+        | Endpoint::Rerank
         | Endpoint::Models
         | Endpoint::Model
         | Endpoint::Health

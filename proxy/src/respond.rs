@@ -177,7 +177,11 @@ impl Gateway {
             | Endpoint::Completions
             | Endpoint::Messages
             | Endpoint::Tokenize
-            | Endpoint::Detokenize => Ok(false),
+            | Endpoint::Detokenize
+            | Endpoint::Embeddings
+            | Endpoint::Pooling
+            | Endpoint::Score
+            | Endpoint::Rerank => Ok(false),
         }
     }
 

@@ -81,6 +81,18 @@ pub struct RequestBody<'a> {
     /// A string (OpenAI) or an object (both).
     #[serde(borrow, default)]
     pub tool_choice: Option<&'a RawValue>,
+    /// Pooling models: what `/v1/embeddings` and `/pooling` embed, and what `/v1/score` and
+    /// `/v1/rerank` compare (strings, token ids, or multimodal parts).
+    #[serde(borrow, default)]
+    pub input: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub text_1: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub text_2: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub query: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub documents: Option<&'a RawValue>,
 }
 
 /// A field that is present, `null` included (serde's `Option` makes `null` absent): the

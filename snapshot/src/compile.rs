@@ -228,6 +228,7 @@ fn compile_pool(
         endpoints,
         load_balancing: spec.load_balancing,
         anthropic_messages: spec.anthropic_messages,
+        task: spec.task,
         connect_timeout_ms: spec
             .connect_timeout_ms
             .unwrap_or(DEFAULT_CONNECT_TIMEOUT_MS),

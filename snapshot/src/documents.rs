@@ -157,6 +157,20 @@ impl Default for ScoringSpec {
     }
 }
 
+/// What the pool's model does, which decides the endpoints its workers serve (vLLM's runner:
+/// a generative model, or a pooling model loaded for embeddings or for scores).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum PoolTask {
+    /// Chat, completions, messages (and the tokenizer endpoints).
+    #[default]
+    Generate,
+    /// `/v1/embeddings` and `/pooling` (and `/v1/score`, `/v1/rerank` by similarity).
+    Embed,
+    /// A cross-encoder: `/v1/score`, `/v1/rerank` and `/pooling`.
+    Score,
+}
+
 /// Whether the pool's workers serve the Anthropic Messages API (`/v1/messages`) themselves.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
@@ -189,6 +203,9 @@ pub struct InferencePoolSpec {
     pub load_balancing: LoadBalancing,
     #[serde(default)]
     pub anthropic_messages: AnthropicMessages,
+    /// What the pool's model does: `generate` (default), `embed` or `score`.
+    #[serde(default)]
+    pub task: PoolTask,
     /// Time allowed to open a TCP connection to one worker before trying another.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub connect_timeout_ms: Option<u64>,

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub use crate::documents::{
-    AnthropicMessages, Engine, LoadBalancing, ProviderFormat, RangeSpec as Range,
+    AnthropicMessages, Engine, LoadBalancing, PoolTask, ProviderFormat, RangeSpec as Range,
     RateLimitsSpec as RateLimits, ScoringSpec as Scoring, SecretKeyRef, TargetStrategy,
     TokenizerSpec as Tokenizer,
 };
@@ -77,6 +77,9 @@ pub struct Pool {
     pub endpoints: Vec<Endpoint>,
     pub load_balancing: LoadBalancing,
     pub anthropic_messages: AnthropicMessages,
+    /// What the pool's model does (the endpoints it serves).
+    #[serde(default)]
+    pub task: PoolTask,
     pub connect_timeout_ms: u64,
     pub max_attempts: u32,
     pub block_size: u32,

@@ -32,7 +32,7 @@ def main(base: str) -> None:
     print("ok: openai stream")
 
     ids = sorted(m.id for m in oa.models.list())
-    assert ids == ["chat-model", "claude-compat"], ids
+    assert ids == ["chat-model", "claude-compat", "embedder"], ids
     model = oa.models.retrieve("claude-compat")
     assert (model.id, model.object) == ("claude-compat", "model"), model
     try:
@@ -41,6 +41,11 @@ def main(base: str) -> None:
     except openai.NotFoundError as error:
         assert error.body["code"] == "model_not_found", error.body
     print("ok: openai models")
+
+    vectors = oa.embeddings.create(model="embedder", input=["a river", "a lake"])
+    assert [d.index for d in vectors.data] == [0, 1], vectors
+    assert vectors.model == "embedder" and vectors.usage.prompt_tokens == 10, vectors
+    print("ok: openai embeddings")
 
     try:
         oa.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
@@ -58,7 +63,7 @@ def main(base: str) -> None:
     an = anthropic.Anthropic(base_url=base, api_key="test-key", max_retries=0)
     info = an.models.retrieve("chat-model")
     assert (info.id, info.type) == ("chat-model", "model"), info
-    assert [m.id for m in an.models.list()] == ["chat-model", "claude-compat"]
+    assert [m.id for m in an.models.list()] == ["chat-model", "claude-compat", "embedder"]
     try:
         an.models.retrieve("no-such-model")
         raise AssertionError("unknown model retrieved")

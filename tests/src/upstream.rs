@@ -278,6 +278,41 @@ async fn answer(
             events.push("data: [DONE]\n\n".to_owned());
             sse(events, shared)
         }
+        // Pooling models, in vLLM's shapes: one small vector per input, scores, a ranking.
+        "/v1/embeddings" | "/pooling" => {
+            let inputs = match &request["input"] {
+                Value::Array(items) if items.iter().all(Value::is_string) => items.len(),
+                _ => 1,
+            };
+            let pooling = path == "/pooling";
+            let data: Vec<Value> = (0..inputs)
+                .map(|index| {
+                    let vector = json!([0.25, -0.5, index as f64]);
+                    if pooling {
+                        json!({"index": index, "object": "pooling", "data": vector})
+                    } else {
+                        json!({"index": index, "object": "embedding", "embedding": vector})
+                    }
+                })
+                .collect();
+            axum::Json(json!({
+                "id": "embd-test", "object": "list", "created": 0, "model": model, "data": data,
+                "usage": {"prompt_tokens": 5 * inputs, "total_tokens": 5 * inputs, "completion_tokens": 0},
+            }))
+            .into_response()
+        }
+        "/v1/score" | "/score" => axum::Json(json!({
+            "id": "score-test", "object": "list", "created": 0, "model": model,
+            "data": [{"index": 0, "object": "score", "score": 0.75}],
+            "usage": {"prompt_tokens": 9, "total_tokens": 9},
+        }))
+        .into_response(),
+        "/v1/rerank" | "/rerank" | "/v2/rerank" => axum::Json(json!({
+            "id": "rerank-test", "model": model,
+            "results": [{"index": 0, "document": {"text": request["documents"][0]}, "relevance_score": 0.9}],
+            "usage": {"total_tokens": 11},
+        }))
+        .into_response(),
         "/v1/chat/completions" => axum::Json(json!({
             "id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],

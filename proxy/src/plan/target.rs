@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use switchyard_snapshot::ModelTarget;
-use switchyard_snapshot::snapshot::{AnthropicMessages, ProviderFormat};
+use switchyard_snapshot::snapshot::{AnthropicMessages, PoolTask, ProviderFormat};
 
 use super::ClientRequest;
 use crate::api::{ApiError, Endpoint, ErrorKind};
@@ -119,6 +119,22 @@ pub(super) fn prepare_target(
                     ),
                 ));
             }
+            if !endpoint.served_by(pool.config.task) {
+                return Err(ApiError::new(
+                    ErrorKind::InvalidRequest,
+                    "model_task_mismatch",
+                    format!(
+                        "model '{}' is a {} model and does not serve {}",
+                        parsed.model,
+                        match pool.config.task {
+                            PoolTask::Generate => "generative",
+                            PoolTask::Embed => "embedding",
+                            PoolTask::Score => "scoring",
+                        },
+                        endpoint.upstream_path()
+                    ),
+                ));
+            }
             if endpoint == Endpoint::Messages
                 && pool.config.anthropic_messages == AnthropicMessages::Translate
             {
@@ -196,6 +212,7 @@ fn provider_translation(
             (Translation::ChatToMessages, "messages")
         }
         (Endpoint::Completions, ProviderFormat::Openai) => (Translation::None, "completions"),
+        (Endpoint::Embeddings, ProviderFormat::Openai) => (Translation::None, "embeddings"),
         _ => return None,
     };
     Some((translate, Some(format!("{base}/{path}"))))

@@ -76,6 +76,19 @@ impl PromptText for RequestBody<'_> {
                 }
             }
         }
+        // What pooling models embed or compare is prompt text too.
+        for raw in [
+            self.input,
+            self.text_1,
+            self.text_2,
+            self.query,
+            self.documents,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            visit_strings(raw, visit);
+        }
         match self.prompt_input() {
             Some(Ok(PromptInput::Text(text))) => visit(&text),
             Some(Ok(PromptInput::Texts(texts))) => texts.iter().for_each(|t| visit(t)),

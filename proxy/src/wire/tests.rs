@@ -85,3 +85,11 @@ fn prompt_shapes() {
     assert!(matches!(shape("[]"), Some(Err(_))));
     assert!(matches!(shape("7"), Some(Err(_))));
 }
+
+#[test]
+fn what_pooling_models_read_is_classified_too() {
+    let (main, _, _) = texts(
+        r#"{"model":"m","input":["call me at jane@example.com","x"],"query":"q","documents":["d1",{"text":"d2"}]}"#,
+    );
+    assert_eq!(main, ["call me at jane@example.com", "x", "q", "d1", "d2"]);
+}

@@ -21,6 +21,7 @@ mod helm;
 mod kubernetes;
 mod logs;
 mod policies;
+mod pooling;
 mod providers;
 mod proxy_sim;
 mod reload_retry;

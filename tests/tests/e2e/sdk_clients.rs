@@ -17,13 +17,17 @@ async fn official_sdks_work_through_the_proxy_streaming_included() {
     )
     .await;
     let openai_only = Upstream::start("openai-only").await;
+    let embedder = Upstream::start("embedder").await;
     let yaml = format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: vllm}}\nspec: {{model: served-a, endpoints: [\"{}\"]}}\n---\n\
-         apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: compat}}\nspec: {{model: served-b, anthropicMessages: translate, endpoints: [\"{}\"]}}\n{}{}",
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: compat}}\nspec: {{model: served-b, anthropicMessages: translate, endpoints: [\"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: embed}}\nspec: {{model: served-e, task: embed, endpoints: [\"{}\"]}}\n{}{}{}",
         native.endpoint(),
         openai_only.endpoint(),
+        embedder.endpoint(),
         model_doc("chat-model", "vllm", None),
         model_doc("claude-compat", "compat", None),
+        model_doc("embedder", "embed", None),
     );
     let proxy = Proxy::start(&yaml, &[]).await;
     let script = workspace_root().join("tests/python/sdk_clients.py");
@@ -44,6 +48,7 @@ async fn official_sdks_work_through_the_proxy_streaming_included() {
         "openai chat",
         "openai stream",
         "openai models",
+        "openai embeddings",
         "openai errors",
         "anthropic models",
         "anthropic count tokens",
