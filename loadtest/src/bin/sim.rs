@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::{Parser, ValueEnum};
 use switchyard_kv::events::{HashEncoding, WireFormat};
 use switchyard_kv::tokenize::PromptTokenizer;
+use switchyard_loadtest::sim::http::Task;
 use switchyard_loadtest::sim::{self, EngineConfig, GpuProfile, PublisherConfig, WorkerConfig};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -52,6 +53,10 @@ struct Args {
     /// Do not publish KV events.
     #[arg(long)]
     no_kv_events: bool,
+    /// What the model does: `generate` (chat, completions, messages) or `embed` (vLLM's pooling
+    /// runner: `/v1/embeddings` and `/pooling` only).
+    #[arg(long, value_enum, default_value_t = Task::Generate)]
+    task: Task,
     #[arg(long, value_enum, default_value_t = EventFormat::Tagged)]
     kv_events_format: EventFormat,
     #[arg(long, value_enum, default_value_t = HashFormat::Int)]
@@ -218,6 +223,7 @@ async fn main() -> anyhow::Result<()> {
             events,
             max_model_len: args.max_model_len,
             default_max_tokens: args.default_max_tokens,
+            task: args.task,
         };
         let (addresses, engine) = sim::start_worker(config, tokenizer.clone())
             .await

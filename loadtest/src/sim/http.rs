@@ -13,6 +13,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
 use switchyard_kv::tokenize::{PromptTokenizer, anthropic_messages, openai_messages};
 use tokio::sync::mpsc;
 
@@ -26,6 +27,7 @@ pub struct Worker {
     pub tokenizer: Arc<PromptTokenizer>,
     pub max_model_len: usize,
     pub default_max_tokens: usize,
+    pub task: Task,
     /// Tokens generated in turn (whole English words, so each decodes on its own).
     pub output_vocab: Arc<Vec<u32>>,
     pub token_text: Arc<HashMap<u32, String>>,
@@ -48,6 +50,8 @@ impl Worker {
 pub fn router(worker: Arc<Worker>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/embeddings", post(embeddings))
+        .route("/pooling", post(pooling))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
@@ -92,6 +96,17 @@ fn error(
 fn bad_request(message: impl Into<String>) -> Failure {
     error(StatusCode::BAD_REQUEST, "BadRequestError", message, None)
 }
+
+/// What a simulated model does, as vLLM's runners do: generate, or embed (pooling).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Task {
+    #[default]
+    Generate,
+    Embed,
+}
+
+/// Dimensions of a simulated embedding.
+const EMBEDDING_DIMS: usize = 32;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Api {
@@ -264,7 +279,145 @@ async fn messages(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
     serve(worker, Api::Messages, body).await
 }
 
+/// What vLLM answers for a route its runner does not register.
+fn route_not_served() -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        axum::Json(json!({"detail": "Not Found"})),
+    )
+        .into_response()
+}
+
+async fn embeddings(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
+    embed(worker, false, body).await
+}
+
+async fn pooling(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
+    embed(worker, true, body).await
+}
+
+/// vLLM's pooling runner: each input is prefilled (queued like any request) and pooled into a
+/// vector; usage counts the input tokens.
+async fn embed(worker: Arc<Worker>, pooling: bool, body: Bytes) -> Response {
+    if worker.task != Task::Embed {
+        return route_not_served();
+    }
+    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
+        return bad_request("invalid JSON body").into_response();
+    };
+    let model = request
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if model != worker.model {
+        let message = format!("The model `{model}` does not exist.");
+        return error(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            message,
+            Some("model"),
+        )
+        .into_response();
+    }
+    let inputs: Vec<Vec<u32>> = match request.get("input").unwrap_or(&Value::Null) {
+        Value::String(text) => vec![worker.tokenizer.encode(text).unwrap_or_default()],
+        Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_string) => items
+            .iter()
+            .map(|t| {
+                worker
+                    .tokenizer
+                    .encode(t.as_str().unwrap_or_default())
+                    .unwrap_or_default()
+            })
+            .collect(),
+        Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_u64) => {
+            vec![
+                items
+                    .iter()
+                    .filter_map(Value::as_u64)
+                    .map(|t| t as u32)
+                    .collect(),
+            ]
+        }
+        Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_array) => items
+            .iter()
+            .map(|ids| {
+                ids.as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_u64)
+                    .map(|t| t as u32)
+                    .collect()
+            })
+            .collect(),
+        _ => return bad_request("'input' must be a string, strings or token ids").into_response(),
+    };
+    let mut data = Vec::with_capacity(inputs.len());
+    let mut prompt_tokens = 0;
+    for (index, tokens) in inputs.into_iter().enumerate() {
+        if tokens.len() > worker.max_model_len {
+            return bad_request(format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens in the input for embedding generation. Please reduce the length of the input.",
+                worker.max_model_len,
+                tokens.len()
+            ))
+            .into_response();
+        }
+        prompt_tokens += tokens.len();
+        let vector = embedding_of(&tokens);
+        // A pooling request is a prefill: it waits for its turn like any other request.
+        let first = tokens.first().copied().unwrap_or(0);
+        match worker.engine.submit(tokens, vec![first]) {
+            Ok(outputs) => {
+                collect(outputs).await;
+            }
+            Err(e) => return bad_request(e.to_string()).into_response(),
+        }
+        data.push(if pooling {
+            json!({"index": index, "object": "pooling", "data": vector})
+        } else {
+            json!({"index": index, "object": "embedding", "embedding": vector})
+        });
+    }
+    let id = request_id();
+    axum::Json(json!({
+        "id": if pooling { format!("pool-{id}") } else { format!("embd-{id}") },
+        "object": "list", "created": unix_now(), "model": worker.model, "data": data,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0, "prompt_tokens_details": null},
+    }))
+    .into_response()
+}
+
+/// A deterministic unit vector of `tokens` (same input, same vector).
+fn embedding_of(tokens: &[u32]) -> Vec<f64> {
+    let mut vector = vec![0.0f64; EMBEDDING_DIMS];
+    for (position, token) in tokens.iter().enumerate() {
+        let digest = Sha256::digest(
+            [u64::from(*token), position as u64]
+                .map(u64::to_le_bytes)
+                .concat(),
+        );
+        let hash = digest
+            .iter()
+            .take(8)
+            .fold(0u64, |acc, byte| (acc << 8) | u64::from(*byte));
+        if let Some(slot) = vector.get_mut((hash % EMBEDDING_DIMS as u64) as usize) {
+            *slot += if hash & (1 << 40) == 0 { 1.0 } else { -1.0 };
+        }
+    }
+    let norm = vector
+        .iter()
+        .map(|v| v * v)
+        .sum::<f64>()
+        .sqrt()
+        .max(f64::MIN_POSITIVE);
+    vector.iter().map(|v| v / norm).collect()
+}
+
 async fn serve(worker: Arc<Worker>, api: Api, body: Bytes) -> Response {
+    if worker.task != Task::Generate {
+        return route_not_served();
+    }
     let prepared = match prepare(&worker, api, &body) {
         Ok(prepared) => prepared,
         Err(failure) => return failure.into_response(),

@@ -32,6 +32,8 @@ pub struct WorkerConfig {
     pub events: Option<PublisherConfig>,
     pub max_model_len: usize,
     pub default_max_tokens: usize,
+    /// What the model does: generate, or embed (vLLM's pooling runner).
+    pub task: http::Task,
 }
 
 /// Where a started worker can be reached.
@@ -75,6 +77,7 @@ pub async fn start_worker(
         tokenizer,
         max_model_len: config.max_model_len,
         default_max_tokens: config.default_max_tokens,
+        task: config.task,
         output_vocab: Arc::new(output_vocab),
         token_text: Arc::new(token_text),
     });

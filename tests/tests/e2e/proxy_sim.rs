@@ -114,3 +114,53 @@ async fn tokenize_and_detokenize_reach_a_worker_of_the_models_pool() {
     .unwrap();
     assert_eq!(unknown.status(), 404);
 }
+
+/// An embedding pool of simulated vLLM workers (the pooling runner) behind the gateway, called
+/// with the official SDK.
+#[tokio::test]
+async fn embeddings_reach_a_pool_of_simulated_pooling_workers() {
+    let sim = Sim::start(&[
+        "--workers",
+        "2",
+        "--time-scale",
+        "0.001",
+        "--no-kv-events",
+        "--task",
+        "embed",
+    ]);
+    let endpoints: Vec<String> = sim.workers.iter().map(|w| w.http.clone()).collect();
+    let proxy = Proxy::start(
+        &pool_config(
+            "embed",
+            &sim.model,
+            &endpoints,
+            "  task: embed\n  loadBalancing: least-outstanding\n",
+            &["embedder"],
+        ),
+        &[],
+    )
+    .await;
+    let url = proxy.url();
+    let output =
+        tokio::task::spawn_blocking(move || run_python("sdk_embeddings.py", &[&url, "embedder"]))
+            .await
+            .unwrap();
+    for check in [
+        "openai embeddings",
+        "openai single embedding",
+        "generation refused",
+    ] {
+        assert!(
+            output.contains(&format!("ok: {check}")),
+            "missing {check:?} in:\n{output}"
+        );
+    }
+    // The workers refuse generation themselves too, as vLLM's pooling runner does.
+    let direct = reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", sim.workers[0].http))
+        .json(&serde_json::json!({"model": sim.model, "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(direct.status(), 404);
+}
