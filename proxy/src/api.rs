@@ -68,21 +68,12 @@ impl Endpoint {
 
     pub fn method(self) -> http::Method {
         match self {
-            Endpoint::ChatCompletions
-            | Endpoint::Completions
-            | Endpoint::Messages
-            | Endpoint::CountTokens
-            | Endpoint::Tokenize
-            | Endpoint::Detokenize
-            | Endpoint::Embeddings
-            | Endpoint::Pooling
-            | Endpoint::Score
-            | Endpoint::Rerank => http::Method::POST,
             Endpoint::Models
             | Endpoint::Model
             | Endpoint::Health
             | Endpoint::Ready
             | Endpoint::Metrics => http::Method::GET,
+            _ => http::Method::POST,
         }
     }
 
@@ -159,23 +150,9 @@ impl Endpoint {
         }
     }
 
-    /// The client API (inference and model listing), as opposed to probes and metrics.
+    /// The client API (everything but probes and metrics).
     pub fn is_api(self) -> bool {
-        matches!(
-            self,
-            Endpoint::ChatCompletions
-                | Endpoint::Completions
-                | Endpoint::Messages
-                | Endpoint::CountTokens
-                | Endpoint::Tokenize
-                | Endpoint::Detokenize
-                | Endpoint::Embeddings
-                | Endpoint::Pooling
-                | Endpoint::Score
-                | Endpoint::Rerank
-                | Endpoint::Models
-                | Endpoint::Model
-        )
+        !matches!(self, Endpoint::Health | Endpoint::Ready | Endpoint::Metrics)
     }
 
     pub fn label(self) -> &'static str {

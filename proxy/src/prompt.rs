@@ -98,20 +98,8 @@ fn prompt_of(
             Some(Err(error)) => return Err(error),
             None => return Err("no prompt".into()),
         },
-        Endpoint::CountTokens
-        | Endpoint::Tokenize
-        | Endpoint::Detokenize
-        | Endpoint::Embeddings
-        | Endpoint::Pooling
-        | Endpoint::Score
-        | Endpoint::Rerank
-        | Endpoint::Models
-        | Endpoint::Model
-        | Endpoint::Health
-        | Endpoint::Ready
-        | Endpoint::Metrics => {
-            return Err("no prompt".into());
-        }
+        // Only the generating endpoints have a prompt the workers prefill.
+        _ => return Err("no prompt".into()),
     })
 }
 

@@ -81,18 +81,8 @@ pub fn summarise(
             Some(Err(message)) => return Err(ApiError::invalid("prompt", message)),
             Some(Ok(_)) => {}
         },
-        Endpoint::CountTokens
-        | Endpoint::Tokenize
-        | Endpoint::Detokenize
-        | Endpoint::Embeddings
-        | Endpoint::Pooling
-        | Endpoint::Score
-        | Endpoint::Rerank
-        | Endpoint::Models
-        | Endpoint::Model
-        | Endpoint::Health
-        | Endpoint::Ready
-        | Endpoint::Metrics => {}
+        // The rest need only `model` here; their workers check the other fields.
+        _ => {}
     }
 
     let model_span = span_within(body, raw_model.get())
