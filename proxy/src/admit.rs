@@ -19,7 +19,7 @@ use switchyard_snapshot::snapshot::Tenant;
 use crate::api::{ApiError, Endpoint, ErrorKind};
 use crate::exchange::Exchange;
 use crate::gateway::Gateway;
-use crate::limits::{self, Admission, RateLimiter};
+use crate::limits::{Admission, RateLimiter, Reservation};
 use crate::plan::{self, ClientRequest, Plan, Rejection, Request};
 use crate::request;
 use crate::routing::{AuthFailure, Caller, RoutingTable};
@@ -117,12 +117,13 @@ impl Gateway {
             error
         };
         let body = self.read_body(session).await.map_err(counted)?;
-        let headers = session.req_header().headers.clone();
         let explained = explain != Explain::No;
         let planned = if body.len() <= INLINE_PLAN_BYTES {
-            parse_and_plan(&table, endpoint, body, &headers, caller.tenant(), explained)
+            let headers = &session.req_header().headers;
+            parse_and_plan(&table, endpoint, body, headers, caller.tenant(), explained)
         } else {
             let (table, tenant) = (table.clone(), tenant.clone());
+            let headers = session.req_header().headers.clone();
             tokio::task::spawn_blocking(move || {
                 let tenant = tenant
                     .as_deref()
@@ -156,15 +157,17 @@ impl Gateway {
         // arrives. A dry run explains without spending the tenant's allowance.
         let admission = match caller.tenant() {
             Some(tenant) if explain != Explain::DryRun => {
-                admit_rate(&self.limiter, tenant, &client).map_err(|rejection| {
-                    self.metrics.rejected(
-                        &table,
-                        Some(&tenant.name),
-                        &client.parsed.model,
-                        rejection.reason,
-                    );
-                    rejection.error
-                })?
+                admit_rate(&self.limiter, tenant, reservation_for(&client)).map_err(
+                    |rejection| {
+                        self.metrics.rejected(
+                            &table,
+                            Some(&tenant.name),
+                            &client.parsed.model,
+                            rejection.reason,
+                        );
+                        rejection.error
+                    },
+                )?
             }
             _ => None,
         };
@@ -308,10 +311,24 @@ fn parse_and_plan(
 }
 
 /// Take the tenant's rate limits for `client`'s request (`None`: the tenant has none).
-fn admit_rate(
+/// What a request reserves of its tenant's token allowance until its usage is known. Pooling
+/// models read their input and write nothing; the tokenizer endpoints count as requests only.
+fn reservation_for(client: &ClientRequest) -> Reservation {
+    let endpoint = client.endpoint;
+    if endpoint.is_inference() {
+        Reservation::for_request(client.body.len(), client.parsed.max_tokens)
+    } else if endpoint.is_pooling() {
+        Reservation::for_request(client.body.len(), Some(0))
+    } else {
+        Reservation::for_request(0, Some(0))
+    }
+}
+
+/// Take the tenant's rate limits for one request (`None`: the tenant has none).
+pub(crate) fn admit_rate(
     limiter: &Arc<RateLimiter>,
     tenant: &Tenant,
-    client: &ClientRequest,
+    reservation: Reservation,
 ) -> Result<Option<Admission>, Box<Rejection>> {
     let limits = tenant.rate_limits;
     if limits.requests_per_minute.is_none()
@@ -320,16 +337,6 @@ fn admit_rate(
     {
         return Ok(None);
     }
-    // Pooling models read their input and write nothing; the tokenizer endpoints count as
-    // requests, not as tokens.
-    let endpoint = client.endpoint;
-    let reservation = if endpoint.is_inference() {
-        limits::Reservation::for_request(client.body.len(), client.parsed.max_tokens)
-    } else if endpoint.is_pooling() {
-        limits::Reservation::for_request(client.body.len(), Some(0))
-    } else {
-        limits::Reservation::for_request(0, Some(0))
-    };
     match limiter.admit(&tenant.name, limits, reservation) {
         Ok(admitted) => Ok(Some(admitted)),
         Err(refusal) => Err(Rejection::new(

@@ -59,10 +59,12 @@ enum Mode {
         error: ErrorFn,
     },
     TranslateStream(Box<dyn StreamTranslation>),
-    /// A native answer, whole: its `model` becomes the client's alias at the end.
-    AliasWhole {
+    /// A native answer, whole: its `model` (in its first bytes, where every API writes it)
+    /// becomes the client's alias; the rest passes as it arrives.
+    AliasHead {
         buffer: BytesMut,
         from: String,
+        done: bool,
     },
     /// A native stream: each event's `model` becomes the client's alias.
     AliasStream {
@@ -102,10 +104,11 @@ impl Answer {
         stream: bool,
         client_model: &str,
         upstream_model: &str,
+        names_model: bool,
     ) -> pingora_error::Result<()> {
         let status = response.status.as_u16();
         if translate == Translation::None {
-            if client_model != upstream_model {
+            if names_model && client_model != upstream_model {
                 response.remove_header(&http::header::CONTENT_LENGTH);
                 let from = upstream_model.to_owned();
                 self.mode = if stream && status < 400 {
@@ -114,9 +117,10 @@ impl Answer {
                         from,
                     }
                 } else {
-                    Mode::AliasWhole {
+                    Mode::AliasHead {
                         buffer: BytesMut::new(),
                         from,
+                        done: false,
                     }
                 };
             }
@@ -190,16 +194,24 @@ impl Answer {
                     });
                 }
             }
-            Mode::AliasWhole { buffer, from } => {
-                if let Some(chunk) = body.take() {
-                    buffer.extend_from_slice(&chunk);
-                }
-                if end_of_stream {
-                    let whole = std::mem::take(buffer);
-                    *body = Some(match answer::with_model(&whole, from, client_model) {
-                        Some(renamed) => Bytes::from(renamed),
-                        None => whole.freeze(),
-                    });
+            Mode::AliasHead { buffer, from, done } => {
+                if !*done {
+                    if let Some(chunk) = body.take() {
+                        buffer.extend_from_slice(&chunk);
+                    }
+                    match renamed_head(buffer, from, client_model) {
+                        Some(renamed) => {
+                            *done = true;
+                            buffer.clear();
+                            *body = Some(Bytes::from(renamed));
+                        }
+                        // Held until the model shows, within the answer's first bytes.
+                        None if buffer.len() < ALIAS_HEAD_BYTES && !end_of_stream => {}
+                        None => {
+                            *done = true;
+                            *body = Some(std::mem::take(buffer).freeze());
+                        }
+                    }
                 }
             }
             Mode::AliasStream { pending, from } => {
@@ -235,6 +247,41 @@ impl Answer {
         }
         first
     }
+}
+
+/// How far into a whole answer its `model` is looked for before it passes as it came.
+const ALIAS_HEAD_BYTES: usize = 4096;
+
+/// `head` (the start of a JSON answer) with its first `"model": "<from>"` member renamed to
+/// `to`; `None` while there is none.
+fn renamed_head(head: &[u8], from: &str, to: &str) -> Option<Vec<u8>> {
+    let quoted = |name: &str| serde_json::Value::String(name.to_owned()).to_string();
+    let (from, to) = (quoted(from), quoted(to));
+    let key: &[u8] = b"\"model\"";
+    let mut at = 0;
+    while let Some(found) = find(head.get(at..)?, key) {
+        let key_end = at + found + key.len();
+        let rest = head.get(key_end..)?;
+        let colon = rest.iter().position(|b| !b.is_ascii_whitespace())?;
+        if rest.get(colon) == Some(&b':') {
+            let after = rest.get(colon + 1..)?;
+            let value = after.iter().position(|b| !b.is_ascii_whitespace())?;
+            let start = key_end + colon + 1 + value;
+            if head.get(start..)?.starts_with(from.as_bytes()) {
+                let mut out = Vec::with_capacity(head.len() + to.len());
+                out.extend_from_slice(head.get(..start)?);
+                out.extend_from_slice(to.as_bytes());
+                out.extend_from_slice(head.get(start + from.len()..)?);
+                return Some(out);
+            }
+        }
+        at = key_end;
+    }
+    None
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
 }
 
 /// One SSE event with the model of its `data:` payload renamed (other lines as they are).
@@ -273,6 +320,7 @@ mod tests {
                 stream,
                 "alias",
                 "org/served",
+                true,
             )
             .unwrap();
         assert!(response.headers.get("content-length").is_none());
@@ -311,17 +359,19 @@ mod tests {
     fn a_whole_native_answer_names_the_clients_alias() {
         let mut answer = answer();
         head(&mut answer, false);
-        let mut body = Some(Bytes::from_static(
-            br#"{"id":"x","model":"org/served","choices":[]}"#,
-        ));
+        // Held only until the model shows; then everything passes as it arrives.
+        let mut body = Some(Bytes::from_static(br#"{"id":"x","model": "org/ser"#));
         answer.body(&mut body, false, "alias");
-        assert!(body.is_none(), "held until the end");
-        let mut body = Some(Bytes::from_static(b"\n"));
-        answer.body(&mut body, true, "alias");
+        assert!(body.is_none(), "held until the model is whole");
+        let mut body = Some(Bytes::from_static(br#"ved","choices":["#));
+        answer.body(&mut body, false, "alias");
         assert_eq!(
             &body.unwrap()[..],
-            b"{\"id\":\"x\",\"model\":\"alias\",\"choices\":[]}\n"
+            br#"{"id":"x","model": "alias","choices":["#
         );
+        let mut body = Some(Bytes::from_static(b"]}"));
+        answer.body(&mut body, true, "alias");
+        assert_eq!(&body.unwrap()[..], b"]}");
         // Not JSON (or no model): as it came.
         let mut answer = Answer::new(UsageTap::new(false, false));
         head(&mut answer, false);

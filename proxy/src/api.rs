@@ -122,14 +122,6 @@ impl Endpoint {
         )
     }
 
-    /// Requests the gateway plans and forwards to a target: inference, and vLLM's tokenizer
-    /// endpoints (routed by queue alone).
-    pub fn is_forwarded(self) -> bool {
-        self.is_inference()
-            || matches!(self, Endpoint::Tokenize | Endpoint::Detokenize)
-            || self.is_pooling()
-    }
-
     /// Requests for pooling models (embeddings, scores).
     pub fn is_pooling(self) -> bool {
         matches!(
@@ -182,7 +174,9 @@ const MODEL_PREFIX: &str = "/v1/models/";
 /// The model id of a `GET /v1/models/{id}` path, percent-decoded (`None`: not such a path, or
 /// not UTF-8 once decoded).
 pub fn model_id_of(path: &str) -> Option<String> {
-    let raw = path.strip_prefix(MODEL_PREFIX)?.as_bytes();
+    let raw = path.strip_prefix(MODEL_PREFIX)?;
+    // One trailing slash is tolerated, as for every path.
+    let raw = raw.strip_suffix('/').unwrap_or(raw).as_bytes();
     let mut out = Vec::with_capacity(raw.len());
     let mut at = 0;
     while let Some(&byte) = raw.get(at) {
@@ -450,6 +444,7 @@ mod tests {
             Some("org/beta")
         );
         assert_eq!(model_id_of("/v1/models/a%2").as_deref(), Some("a%2"));
+        assert_eq!(model_id_of("/v1/models/beta/").as_deref(), Some("beta"));
         assert_eq!(model_id_of("/v1/models/%FF"), None);
         let mut headers = http::HeaderMap::new();
         assert_eq!(

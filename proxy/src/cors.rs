@@ -9,7 +9,8 @@ use http::HeaderMap;
 use pingora_http::ResponseHeader;
 
 /// Headers a browser may read from answers (besides the CORS-safelisted ones).
-const EXPOSED: &str = "x-request-id, retry-after, x-switchyard-route, x-switchyard-policy";
+const EXPOSED: &str =
+    "x-request-id, retry-after, x-switchyard-served-model, x-switchyard-route, x-switchyard-policy";
 /// How long a browser may cache a preflight, in seconds.
 const MAX_AGE_S: &str = "600";
 

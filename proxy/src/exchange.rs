@@ -17,7 +17,7 @@ use switchyard_snapshot::snapshot::{LoadBalancing, ProviderFormat};
 
 use crate::accounting::UsageTap;
 use crate::answer::Answer;
-use crate::api::{ApiError, ErrorKind};
+use crate::api::{ApiError, Endpoint, ErrorKind};
 use crate::headers;
 use crate::kv::Prediction;
 use crate::limits::Admission;
@@ -418,12 +418,18 @@ impl Exchange {
         // The client's alias names the model in answers; the header says what served it.
         response.insert_header(SERVED_MODEL_HEADER, target.upstream_model.as_str())?;
         let stream = self.client.parsed.stream;
+        // vLLM's tokenizer routes answer without naming a model.
+        let names_model = !matches!(
+            self.client.endpoint,
+            Endpoint::Tokenize | Endpoint::Detokenize
+        );
         self.answer.head(
             response,
             target.translate,
             stream,
             &self.client.parsed.model,
             &target.upstream_model,
+            names_model,
         )
     }
 

@@ -5,7 +5,7 @@
 //! the prompt's classes and pools' predicted TTFT when a rule reads them), chooses the target,
 //! orders the fallbacks, and prepares the body each target gets (model rewritten, translated,
 //! `cache_salt` set). It touches no connection and counts nothing: the caller records the
-//! outcome ([`Plan::policy`], [`Rejection::reason`]) and runs the plan's CPU work off the event
+//! outcome ([`Plan::verdict`], [`Rejection::reason`]) and runs the plan's CPU work off the event
 //! loop for large bodies. Rate limits are not the planner's business either: they hold state
 //! per tenant and are taken by the gateway once a plan exists.
 
@@ -224,14 +224,21 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
         ));
         header_safe(&text)
     });
-    let mut prepared = prepare_target(table, target, client, request.body, cache_salt.as_deref())
-        .map_err(|error| {
-        Box::new(Rejection {
-            error,
-            reason: "target_unavailable",
-            verdict: Some(verdict.clone()),
-        })
-    })?;
+    let salt = cache_salt.as_deref();
+    let mut prepared =
+        prepare_target(table, target, client, request.body, salt).map_err(|error| {
+            // A request the target cannot take as written is the client's error, counted as such;
+            // the rest means the target cannot serve now.
+            let reason = match error.kind {
+                ErrorKind::InvalidRequest | ErrorKind::NotImplemented => error.code,
+                _ => "target_unavailable",
+            };
+            Box::new(Rejection {
+                error,
+                reason,
+                verdict: Some(verdict.clone()),
+            })
+        })?;
     // The prompt as the chosen pool's workers tokenize it, for cache-aware worker choice (the
     // tokenizer endpoints generate nothing: they go by queue alone).
     let generates = client.endpoint.is_inference();

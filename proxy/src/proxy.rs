@@ -60,7 +60,10 @@ impl ProxyHttp for Gateway {
         ctx.request_id = admit::request_id(&request.headers);
         let path = request.uri.path().to_owned();
         ctx.format = client_format(&path, &request.headers);
-        ctx.cors_allow = self.settings.cors.allow(&request.headers);
+        // Browsers never get the operator's surface.
+        ctx.cors_allow = (!self.admin)
+            .then(|| self.settings.cors.allow(&request.headers))
+            .flatten();
         if let Some(inner) = path.strip_prefix(DEBUG_ROUTE_PREFIX)
             && self.admin
         {
@@ -73,8 +76,9 @@ impl ProxyHttp for Gateway {
                 "unknown_url",
                 format!(
                     "unknown path '{path}'; this gateway serves POST /v1/chat/completions, \
-                     /v1/completions, /v1/messages, /v1/messages/count_tokens, /tokenize, \
-                     /detokenize and GET /v1/models, /v1/models/{{id}}"
+                     /v1/completions, /v1/messages, /v1/messages/count_tokens, /v1/embeddings, \
+                     /pooling, /v1/score, /v1/rerank, /tokenize, /detokenize and GET /v1/models, \
+                     /v1/models/{{id}}"
                 ),
             );
             return self.respond_error(session, ctx, error).await;

@@ -68,8 +68,14 @@ pub fn summarise(
                 }
             }
         }
-        Endpoint::Embeddings | Endpoint::Pooling if head.input.is_none() => {
-            return Err(ApiError::invalid("input", "missing required field 'input'"));
+        // vLLM also takes a conversation (`messages`) to embed.
+        Endpoint::Embeddings | Endpoint::Pooling
+            if head.input.is_none() && head.messages.is_none() =>
+        {
+            return Err(ApiError::invalid(
+                "input",
+                "missing required field 'input' (or 'messages')",
+            ));
         }
         Endpoint::Completions => match head.prompt_input() {
             None => {

@@ -131,7 +131,7 @@ impl Gateway {
         Ok(true)
     }
 
-    /// Answer the endpoints the gateway serves itself. `Ok(false)` for inference endpoints.
+    /// Answer the endpoints the gateway serves itself. `Ok(false)` for those it forwards.
     pub(crate) async fn answer_locally(
         &self,
         session: &mut Session,

@@ -3,7 +3,8 @@
 //! with that pool's tokenizer, as the workers will see it.
 //!
 //! Models served only by external providers are not counted here (501): the gateway does not
-//! know their tokenizers.
+//! know their tokenizers. Tool definitions are not rendered (the routing render has the same
+//! limit), so a request with tools counts fewer tokens than the worker will see.
 
 use std::sync::Arc;
 
@@ -15,7 +16,9 @@ use switchyard_snapshot::snapshot::Backend;
 
 use crate::admit;
 use crate::api::{ApiError, ErrorKind, client_text};
+use crate::config::ConfigStore;
 use crate::gateway::{Gateway, RequestCtx};
+use crate::limits::Reservation;
 use crate::routing::RoutingTable;
 use crate::wire;
 
@@ -37,48 +40,21 @@ impl Gateway {
 
     async fn count(&self, session: &mut Session) -> std::result::Result<usize, ApiError> {
         let table = admit::live_table(self)?;
-        let tenant = admit::authenticate(&table, &session.req_header().headers)?
-            .tenant()
-            .map(|t| t.name.clone());
-        let body = self.read_body(session).await?;
-        let (model, messages) = {
-            let request = wire::parse(&body)?;
-            let (model, _) = request.model_name()?;
-            if request.messages.as_ref().is_none_or(Vec::is_empty) {
-                return Err(ApiError::invalid(
-                    "messages",
-                    "'messages' must contain at least one message",
-                ));
+        let caller = admit::authenticate(&table, &session.req_header().headers)?;
+        let tenant = caller.tenant().map(|t| t.name.clone());
+        // A count is a request against the tenant's limits, not tokens spent.
+        let _admission = match caller.tenant() {
+            Some(tenant) => {
+                admit::admit_rate(&self.limiter, tenant, Reservation::for_request(0, Some(0)))
+                    .map_err(|rejection| rejection.error)?
             }
-            (model, request.chat_messages(true))
+            None => None,
         };
-        let allowed = tenant
-            .as_deref()
-            .and_then(|name| table.snapshot.tenants.get(name))
-            .is_none_or(|tenant| tenant.allows_model(&model));
-        let spec = tokenizer_of(&table, &model, allowed)?;
+        let body = self.read_body(session).await?;
         let store = self.store.clone();
+        // Parsing, rendering and tokenizing are CPU work: off the event loop.
         tokio::task::spawn_blocking(move || {
-            let tokenizer = store.kv().tokenizer(&spec).map_err(|e| {
-                ApiError::new(
-                    ErrorKind::Internal,
-                    "tokenizer_unavailable",
-                    format!(
-                        "the tokenizer of model '{}' cannot be loaded: {e}",
-                        client_text(&model)
-                    ),
-                )
-            })?;
-            let rendered = tokenizer.render_chat(&messages).map_err(|e| {
-                ApiError::invalid(
-                    "messages",
-                    format!("the chat template refused the messages: {e}"),
-                )
-            })?;
-            tokenizer
-                .encode(&rendered)
-                .map(|tokens| tokens.len())
-                .map_err(|e| ApiError::new(ErrorKind::Internal, "tokenizer_failed", e.to_string()))
+            count_blocking(&store, &table, tenant.as_deref(), &body)
         })
         .await
         .unwrap_or_else(|e| {
@@ -89,6 +65,49 @@ impl Gateway {
             ))
         })
     }
+}
+
+/// The tokens of `body`'s conversation as the pool serving its model renders and tokenizes it.
+fn count_blocking(
+    store: &ConfigStore,
+    table: &Arc<RoutingTable>,
+    tenant: Option<&str>,
+    body: &[u8],
+) -> std::result::Result<usize, ApiError> {
+    let request = wire::parse(body)?;
+    let (model, _) = request.model_name()?;
+    if request.messages.as_ref().is_none_or(Vec::is_empty) {
+        return Err(ApiError::invalid(
+            "messages",
+            "'messages' must contain at least one message",
+        ));
+    }
+    let allowed = tenant
+        .and_then(|name| table.snapshot.tenants.get(name))
+        .is_none_or(|tenant| tenant.allows_model(&model));
+    let spec = tokenizer_of(table, &model, allowed)?;
+    let tokenizer = store.kv().tokenizer(&spec).map_err(|e| {
+        ApiError::new(
+            ErrorKind::Internal,
+            "tokenizer_unavailable",
+            format!(
+                "the tokenizer of model '{}' cannot be loaded: {e}",
+                client_text(&model)
+            ),
+        )
+    })?;
+    let rendered = tokenizer
+        .render_chat(&request.chat_messages(true))
+        .map_err(|e| {
+            ApiError::invalid(
+                "messages",
+                format!("the chat template refused the messages: {e}"),
+            )
+        })?;
+    tokenizer
+        .encode(&rendered)
+        .map(|tokens| tokens.len())
+        .map_err(|e| ApiError::new(ErrorKind::Internal, "tokenizer_failed", e.to_string()))
 }
 
 /// The tokenizer of the first pool among `model`'s targets.

@@ -156,7 +156,8 @@ fn chat_messages_of(
                 parts.push(json!({"type": "text", "text": fields.text}));
             }
             Some("image") => {
-                let source = fields.source.as_ref();
+                let source = fields.image_source();
+                let source = source.as_ref();
                 let url = match source.and_then(|s| s.kind.as_deref()) {
                     Some("base64") => format!(
                         "data:{};base64,{}",
@@ -246,12 +247,7 @@ fn block_of(part: &Part<'_>, index: usize) -> Result<Value, ApiError> {
             Ok(json!({"type": "text", "text": part.fields.text.as_deref().unwrap_or("")}))
         }
         Some("image_url") => {
-            let url = part
-                .fields
-                .image_url
-                .as_ref()
-                .and_then(|i| i.url.as_deref())
-                .unwrap_or_default();
+            let url = part.fields.image_url().unwrap_or_default();
             match url
                 .strip_prefix("data:")
                 .and_then(|rest| rest.split_once(";base64,"))

@@ -254,12 +254,28 @@ pub struct PartFields<'a> {
     pub name: Option<&'a RawValue>,
     #[serde(borrow, default)]
     pub tool_use_id: Option<&'a RawValue>,
-    /// Anthropic images.
+    /// Anthropic images (and other blocks' sources): see [`PartFields::image_source`].
     #[serde(borrow, default)]
-    pub source: Option<ImageSource<'a>>,
-    /// OpenAI images.
+    pub source: Option<&'a RawValue>,
+    /// OpenAI images (an object with `url`, or the URL itself): see [`PartFields::image_url`].
     #[serde(borrow, default)]
-    pub image_url: Option<ImageUrl<'a>>,
+    pub image_url: Option<&'a RawValue>,
+}
+
+impl<'a> PartFields<'a> {
+    /// An Anthropic image block's source, when it is an object.
+    pub fn image_source(&self) -> Option<ImageSource<'a>> {
+        serde_json::from_str(self.source?.get()).ok()
+    }
+
+    /// An OpenAI image part's URL (`{"url": ...}`, or the URL as a string, as vLLM takes it).
+    pub fn image_url(&self) -> Option<Cow<'a, str>> {
+        let raw = self.image_url?;
+        if raw.get().starts_with('"') {
+            return serde_json::from_str(raw.get()).ok();
+        }
+        serde_json::from_str::<ImageUrl<'a>>(raw.get()).ok()?.url
+    }
 }
 
 /// Where an Anthropic image comes from.
@@ -307,8 +323,10 @@ impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
             fn visit_seq<S: SeqAccess<'de>>(self, mut seq: S) -> Result<Content<'a>, S::Error> {
                 let mut parts = Vec::new();
                 while let Some(raw) = seq.next_element::<&'de RawValue>()? {
+                    // A part of a shape the gateway does not expect is the upstream's to judge:
+                    // it is forwarded as sent, and reads as a part of no known type.
                     let fields = if raw.get().starts_with('{') {
-                        serde_json::from_str(raw.get()).map_err(de::Error::custom)?
+                        serde_json::from_str(raw.get()).unwrap_or_default()
                     } else {
                         PartFields::default()
                     };
@@ -343,6 +361,28 @@ impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
     }
 }
 
+/// A parser's message without the values it quotes (`invalid type: string "..."`): errors are
+/// logged, and a quoted value can be prompt text.
+fn without_values(error: &serde_json::Error) -> String {
+    let mut out = String::new();
+    let mut quoted = false;
+    for c in error.to_string().chars() {
+        match (c, quoted) {
+            ('"', false) => {
+                quoted = true;
+                out.push_str("\"…");
+            }
+            ('"', true) => {
+                quoted = false;
+                out.push('"');
+            }
+            (_, false) => out.push(c),
+            (_, true) => {}
+        }
+    }
+    out
+}
+
 /// Parse a request body. Errors name the field at fault, as the clients' own APIs do.
 pub fn parse(body: &[u8]) -> Result<RequestBody<'_>, ApiError> {
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
@@ -364,9 +404,13 @@ pub fn parse(body: &[u8]) -> Result<RequestBody<'_>, ApiError> {
             if inner.is_syntax() || inner.is_eof() {
                 ApiError::invalid("body", format!("malformed JSON: {inner}"))
             } else if path == "." {
-                ApiError::invalid("body", format!("invalid request: {inner}"))
+                ApiError::invalid(
+                    "body",
+                    format!("invalid request: {}", without_values(&inner)),
+                )
             } else {
-                ApiError::invalid("body", format!("invalid field '{path}': {inner}"))
+                let reason = without_values(&inner);
+                ApiError::invalid("body", format!("invalid field '{path}': {reason}"))
             }
         })?;
     deserializer

@@ -93,3 +93,24 @@ fn what_pooling_models_read_is_classified_too() {
     );
     assert_eq!(main, ["call me at jane@example.com", "x", "q", "d1", "d2"]);
 }
+
+#[test]
+fn parts_of_unexpected_shapes_pass_and_errors_quote_no_values() {
+    // A string source (Anthropic's search results) and vLLM's plain-string image_url.
+    let body = br#"{"model":"m","messages":[{"role":"user","content":[{"type":"search_result","source":"https://ex.com/secret","content":[{"type":"text","text":"x"}]},{"type":"image_url","image_url":"https://x/cat.png"}]}]}"#;
+    let request = parse(body).unwrap();
+    let messages = request.messages.unwrap();
+    let Some(Content::Parts(parts)) = &messages[0].content else {
+        panic!("parts expected");
+    };
+    assert_eq!(
+        parts[1].fields.image_url().as_deref(),
+        Some("https://x/cat.png")
+    );
+    assert!(parts[0].fields.image_source().is_none());
+    let error = parse(br#"{"model":"m","messages":[{"role":["my secret"]}]}"#).unwrap_err();
+    assert!(!error.message.contains("secret"), "{}", error.message);
+    let error = parse(br#"{"model":"m","max_tokens":"my secret"}"#).unwrap_err();
+    assert!(!error.message.contains("secret"), "{}", error.message);
+    assert!(error.message.contains("max_tokens"), "{}", error.message);
+}
