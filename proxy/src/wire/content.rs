@@ -1,0 +1,177 @@
+//! Message content, both APIs: a string, or parts (OpenAI) and blocks (Anthropic) read as the
+//! gateway needs them, each kept as sent besides.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::Deserialize;
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::Value;
+use serde_json::value::RawValue;
+
+/// Message content: a string, or an array of parts (OpenAI) or blocks (Anthropic).
+#[derive(Debug)]
+pub enum Content<'a> {
+    Text(Cow<'a, str>),
+    Parts(Vec<Part<'a>>),
+    /// Anything else (left for the worker to refuse).
+    Other,
+}
+
+/// One content part or block.
+#[derive(Debug)]
+pub struct Part<'a> {
+    /// The part as sent.
+    pub raw: &'a RawValue,
+    pub fields: PartFields<'a>,
+}
+
+/// What the gateway reads of a part (all absent for a part that is not an object).
+#[derive(Debug, Default, Deserialize)]
+pub struct PartFields<'a> {
+    #[serde(rename = "type", borrow, default)]
+    pub kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub text: Option<Cow<'a, str>>,
+    /// Anthropic `tool_result` blocks nest their content.
+    #[serde(borrow, default)]
+    pub content: Option<Content<'a>>,
+    /// Anthropic `tool_use` blocks carry their arguments as `input`.
+    #[serde(borrow, default)]
+    pub input: Option<&'a RawValue>,
+    /// Anthropic `tool_use` id and tool name; `tool_result`'s call.
+    #[serde(borrow, default)]
+    pub id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub name: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub tool_use_id: Option<&'a RawValue>,
+    /// Anthropic images (and other blocks' sources): see [`PartFields::image_source`].
+    #[serde(borrow, default)]
+    pub source: Option<&'a RawValue>,
+    /// OpenAI images (an object with `url`, or the URL itself): see [`PartFields::image_url`].
+    #[serde(borrow, default)]
+    pub image_url: Option<&'a RawValue>,
+}
+
+impl<'a> PartFields<'a> {
+    /// An Anthropic image block's source, when it is an object.
+    pub fn image_source(&self) -> Option<ImageSource<'a>> {
+        serde_json::from_str(self.source?.get()).ok()
+    }
+
+    /// An OpenAI image part's URL (`{"url": ...}`, or the URL as a string, as vLLM takes it).
+    pub fn image_url(&self) -> Option<Cow<'a, str>> {
+        let raw = self.image_url?;
+        if raw.get().starts_with('"') {
+            return serde_json::from_str(raw.get()).ok();
+        }
+        serde_json::from_str::<ImageUrl<'a>>(raw.get()).ok()?.url
+    }
+}
+
+/// Where an Anthropic image comes from.
+#[derive(Debug, Default, Deserialize)]
+pub struct ImageSource<'a> {
+    #[serde(rename = "type", borrow, default)]
+    pub kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub media_type: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub data: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub url: Option<Cow<'a, str>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct ImageUrl<'a> {
+    #[serde(borrow, default)]
+    pub url: Option<Cow<'a, str>>,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Content<'a>, D::Error> {
+        struct ContentVisitor<'a>(std::marker::PhantomData<&'a ()>);
+
+        impl<'de: 'a, 'a> Visitor<'de> for ContentVisitor<'a> {
+            type Value = Content<'a>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or an array of content parts")
+            }
+
+            fn visit_borrowed_str<E: de::Error>(self, text: &'de str) -> Result<Content<'a>, E> {
+                Ok(Content::Text(Cow::Borrowed(text)))
+            }
+
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<Content<'a>, E> {
+                Ok(Content::Text(Cow::Owned(text.to_owned())))
+            }
+
+            fn visit_string<E: de::Error>(self, text: String) -> Result<Content<'a>, E> {
+                Ok(Content::Text(Cow::Owned(text)))
+            }
+
+            fn visit_seq<S: SeqAccess<'de>>(self, mut seq: S) -> Result<Content<'a>, S::Error> {
+                let mut parts = Vec::new();
+                while let Some(raw) = seq.next_element::<&'de RawValue>()? {
+                    // A part of a shape the gateway does not expect is the upstream's to judge:
+                    // it is forwarded as sent, and reads as a part of no known type.
+                    let fields = if raw.get().starts_with('{') {
+                        serde_json::from_str(raw.get()).unwrap_or_default()
+                    } else {
+                        PartFields::default()
+                    };
+                    parts.push(Part { raw, fields });
+                }
+                Ok(Content::Parts(parts))
+            }
+
+            fn visit_map<M: MapAccess<'de>>(self, mut map: M) -> Result<Content<'a>, M::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Content::Other)
+            }
+
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Content<'a>, E> {
+                Ok(Content::Other)
+            }
+
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Content<'a>, E> {
+                Ok(Content::Other)
+            }
+
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Content<'a>, E> {
+                Ok(Content::Other)
+            }
+
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Content<'a>, E> {
+                Ok(Content::Other)
+            }
+        }
+
+        deserializer.deserialize_any(ContentVisitor(std::marker::PhantomData))
+    }
+}
+
+impl Content<'_> {
+    pub(super) fn template_text(&self) -> String {
+        match self {
+            Content::Text(text) => text.clone().into_owned(),
+            Content::Parts(parts) => parts
+                .iter()
+                .map(|part| match &part.fields.text {
+                    Some(text) => text.clone().into_owned(),
+                    None => compact(part.raw),
+                })
+                .collect::<Vec<_>>()
+                .join("\n"),
+            Content::Other => String::new(),
+        }
+    }
+}
+
+/// A raw value as compact JSON.
+fn compact(raw: &RawValue) -> String {
+    serde_json::from_str::<Value>(raw.get())
+        .map_or_else(|_| raw.get().to_owned(), |v| v.to_string())
+}
