@@ -53,8 +53,9 @@ struct Args {
     /// Do not publish KV events.
     #[arg(long)]
     no_kv_events: bool,
-    /// What the model does: `generate` (chat, completions, messages) or `embed` (vLLM's pooling
-    /// runner: `/v1/embeddings` and `/pooling` only).
+    /// What the model does: `generate` (chat, completions, messages), or vLLM's pooling runner:
+    /// `embed` (`/v1/embeddings`, `/pooling`, scores by similarity) or `score` (a cross-encoder:
+    /// `/v1/score`, `/v1/rerank`, `/pooling`).
     #[arg(long, value_enum, default_value_t = Task::Generate)]
     task: Task,
     #[arg(long, value_enum, default_value_t = EventFormat::Tagged)]

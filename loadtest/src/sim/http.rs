@@ -52,6 +52,11 @@ pub fn router(worker: Arc<Worker>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/embeddings", post(embeddings))
         .route("/pooling", post(pooling))
+        .route("/v1/score", post(score))
+        .route("/score", post(score))
+        .route("/v1/rerank", post(rerank))
+        .route("/rerank", post(rerank))
+        .route("/v2/rerank", post(rerank))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
@@ -102,7 +107,10 @@ fn bad_request(message: impl Into<String>) -> Failure {
 pub enum Task {
     #[default]
     Generate,
+    /// An embedding model: `/v1/embeddings`, `/pooling`, and scores by cosine similarity.
     Embed,
+    /// A cross-encoder: `/v1/score`, `/v1/rerank`, `/pooling`.
+    Score,
 }
 
 /// Dimensions of a simulated embedding.
@@ -299,7 +307,12 @@ async fn pooling(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
 /// vLLM's pooling runner: each input is prefilled (queued like any request) and pooled into a
 /// vector; usage counts the input tokens.
 async fn embed(worker: Arc<Worker>, pooling: bool, body: Bytes) -> Response {
-    if worker.task != Task::Embed {
+    let served = match worker.task {
+        Task::Embed => true,
+        Task::Score => pooling,
+        Task::Generate => false,
+    };
+    if !served {
         return route_not_served();
     }
     let Ok(request) = serde_json::from_slice::<Value>(&body) else {
@@ -384,6 +397,113 @@ async fn embed(worker: Arc<Worker>, pooling: bool, body: Bytes) -> Response {
         "id": if pooling { format!("pool-{id}") } else { format!("embd-{id}") },
         "object": "list", "created": unix_now(), "model": worker.model, "data": data,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0, "prompt_tokens_details": null},
+    }))
+    .into_response()
+}
+
+async fn score(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
+    compare(worker, false, body).await
+}
+
+async fn rerank(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
+    compare(worker, true, body).await
+}
+
+/// vLLM's `/v1/score` (`text_1` against each of `text_2`) and `/v1/rerank` (`query` against
+/// each of `documents`, best first, `top_n` kept): each pair is one prefill; the score is the
+/// cosine of the two texts' simulated embeddings, mapped to 0..1.
+async fn compare(worker: Arc<Worker>, rerank: bool, body: Bytes) -> Response {
+    if worker.task == Task::Generate {
+        return route_not_served();
+    }
+    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
+        return bad_request("invalid JSON body").into_response();
+    };
+    let model = request
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if model != worker.model {
+        let message = format!("The model `{model}` does not exist.");
+        return error(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            message,
+            Some("model"),
+        )
+        .into_response();
+    }
+    let texts = |field: &str| -> Option<Vec<String>> {
+        match request.get(field)? {
+            Value::String(text) => Some(vec![text.clone()]),
+            Value::Array(items) => items
+                .iter()
+                .map(|i| i.as_str().map(str::to_owned))
+                .collect(),
+            _ => None,
+        }
+    };
+    let (query, documents) = if rerank {
+        (texts("query"), texts("documents"))
+    } else {
+        (texts("text_1"), texts("text_2"))
+    };
+    let (Some(query), Some(documents)) = (query.and_then(|q| q.into_iter().next()), documents)
+    else {
+        let fields = if rerank {
+            "'query' and 'documents'"
+        } else {
+            "'text_1' and 'text_2'"
+        };
+        return bad_request(format!("{fields} must be strings")).into_response();
+    };
+    let encode = |text: &str| worker.tokenizer.encode(text).unwrap_or_default();
+    let query_tokens = encode(&query);
+    let query_vector = embedding_of(&query_tokens);
+    let mut scored = Vec::with_capacity(documents.len());
+    let mut total_tokens = 0;
+    for (index, document) in documents.iter().enumerate() {
+        let tokens = encode(document);
+        let vector = embedding_of(&tokens);
+        let cosine: f64 = query_vector.iter().zip(&vector).map(|(a, b)| a * b).sum();
+        let pair: Vec<u32> = query_tokens.iter().chain(&tokens).copied().collect();
+        total_tokens += pair.len();
+        let first = pair.first().copied().unwrap_or(0);
+        match worker.engine.submit(pair, vec![first]) {
+            Ok(outputs) => {
+                collect(outputs).await;
+            }
+            Err(e) => return bad_request(e.to_string()).into_response(),
+        }
+        scored.push((index, document, (cosine + 1.0) / 2.0));
+    }
+    let id = request_id();
+    if !rerank {
+        let data: Vec<Value> = scored
+            .iter()
+            .map(|(index, _, score)| json!({"index": index, "object": "score", "score": score}))
+            .collect();
+        return axum::Json(json!({
+            "id": format!("score-{id}"), "object": "list", "created": unix_now(), "model": worker.model,
+            "data": data, "usage": {"prompt_tokens": total_tokens, "total_tokens": total_tokens},
+        }))
+        .into_response();
+    }
+    scored.sort_by(|a, b| b.2.total_cmp(&a.2));
+    let top_n = request
+        .get("top_n")
+        .and_then(Value::as_u64)
+        .map_or(scored.len(), |n| n as usize);
+    let results: Vec<Value> = scored
+        .iter()
+        .take(top_n)
+        .map(|(index, document, score)| {
+            json!({"index": index, "document": {"text": document}, "relevance_score": score})
+        })
+        .collect();
+    axum::Json(json!({
+        "id": format!("rerank-{id}"), "model": worker.model,
+        "usage": {"total_tokens": total_tokens}, "results": results,
     }))
     .into_response()
 }

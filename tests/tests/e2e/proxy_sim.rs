@@ -164,3 +164,70 @@ async fn embeddings_reach_a_pool_of_simulated_pooling_workers() {
         .unwrap();
     assert_eq!(direct.status(), 404);
 }
+
+/// A cross-encoder pool of simulated workers: scores and rankings through the gateway.
+#[tokio::test]
+async fn scores_and_rankings_reach_a_pool_of_simulated_cross_encoders() {
+    let sim = Sim::start(&[
+        "--workers",
+        "1",
+        "--time-scale",
+        "0.001",
+        "--no-kv-events",
+        "--task",
+        "score",
+    ]);
+    let endpoints: Vec<String> = sim.workers.iter().map(|w| w.http.clone()).collect();
+    let proxy = Proxy::start(
+        &pool_config(
+            "rank",
+            &sim.model,
+            &endpoints,
+            "  task: score\n",
+            &["reranker"],
+        ),
+        &[],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let ranked: serde_json::Value = client
+        .post(format!("{}/v1/rerank", proxy.url()))
+        .json(&serde_json::json!({
+            "model": "reranker",
+            "query": "rivers of Europe",
+            "documents": ["the Danube and the Rhine", "a teapot", "rivers of Europe"],
+            "top_n": 2,
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ranked["model"], "reranker", "{ranked}");
+    let results = ranked["results"].as_array().unwrap();
+    assert_eq!(results.len(), 2);
+    assert_eq!(
+        results[0]["index"], 2,
+        "the identical text ranks first: {ranked}"
+    );
+    assert!(results[0]["relevance_score"].as_f64() >= results[1]["relevance_score"].as_f64());
+    let scored = client
+        .post(format!("{}/v1/score", proxy.url()))
+        .json(&serde_json::json!({"model": "reranker", "text_1": "a", "text_2": ["a", "b"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(scored.status(), 200);
+    let scored: serde_json::Value = scored.json().await.unwrap();
+    assert_eq!(scored["data"].as_array().unwrap().len(), 2);
+    assert!(scored["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    // A cross-encoder makes no embeddings: the gateway says so before any worker sees it.
+    let refused = client
+        .post(format!("{}/v1/embeddings", proxy.url()))
+        .json(&serde_json::json!({"model": "reranker", "input": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 400);
+}
