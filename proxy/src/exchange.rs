@@ -29,6 +29,9 @@ use crate::routing::{
 use crate::scorer::{self, Decision, Outcome};
 use crate::telemetry::RequestSpan;
 
+/// Bodies larger than this have a fallback target's body prepared on the blocking pool.
+const INLINE_PREPARE_BYTES: usize = 16 * 1024;
+
 /// Response header carrying the routing explanation.
 const EXPLAIN_RESPONSE_HEADER: &str = "x-switchyard-route";
 /// Response header carrying the policy trace (rules looked at, prompt classes, target).
@@ -87,6 +90,8 @@ pub struct Exchange {
     pub failure: Option<ApiError>,
     /// Set when the current attempt is abandoned for the next target: that error is retried.
     pub fallback_requested: bool,
+    /// The current target was given up: the next one is prepared before the next attempt.
+    pending_fallback: bool,
     /// The accounting series of (tenant, model, current target) the request ends in.
     pub series: Arc<RequestSeries>,
 }
@@ -114,6 +119,7 @@ impl Exchange {
             last_connect_error: None,
             failure: None,
             fallback_requested: false,
+            pending_fallback: false,
             series,
         }
     }
@@ -139,17 +145,42 @@ impl Exchange {
         &self.plan.target.body
     }
 
-    /// Move to the next fallback target that can be prepared, counted in `metrics`. `false`
-    /// when none is left.
-    pub fn fall_back(&mut self, metrics: &Metrics) -> bool {
-        let Some(target) = plan::next_fallback(
-            &self.table,
-            &mut self.plan.fallbacks,
-            &self.client,
-            self.plan.cache_salt.as_deref(),
-        ) else {
+    /// Give the current target up for the next one (`false`: none is left). The next target is
+    /// prepared by [`Exchange::advance`] before the next attempt, off the event loop for large
+    /// bodies: preparing parses the body again and may translate it.
+    fn fall_back(&mut self) -> bool {
+        if self.plan.fallbacks.is_empty() {
+            return false;
+        }
+        self.pending_fallback = true;
+        true
+    }
+
+    /// Prepare the target given up for (see [`Exchange::fall_back`]), counted in `metrics`.
+    /// `false` when none of the remaining targets could be prepared.
+    pub async fn advance(&mut self, metrics: &Metrics) -> bool {
+        if !std::mem::take(&mut self.pending_fallback) {
+            return true;
+        }
+        let mut fallbacks = std::mem::take(&mut self.plan.fallbacks);
+        let (table, salt) = (self.table.clone(), self.plan.cache_salt.clone());
+        let prepared = if self.client.body.len() <= INLINE_PREPARE_BYTES {
+            plan::next_fallback(&table, &mut fallbacks, &self.client, salt.as_deref())
+                .map(|target| (target, fallbacks))
+        } else {
+            let client = self.client.clone();
+            tokio::task::spawn_blocking(move || {
+                plan::next_fallback(&table, &mut fallbacks, &client, salt.as_deref())
+                    .map(|target| (target, fallbacks))
+            })
+            .await
+            .ok()
+            .flatten()
+        };
+        let Some((target, fallbacks)) = prepared else {
             return false;
         };
+        self.plan.fallbacks = fallbacks;
         tracing::info!(from = %self.plan.target.label, to = %target.label, "falling back to the next target");
         metrics.fallback(&self.plan.target.label, &target.label);
         self.series = metrics.request_series(
@@ -292,13 +323,13 @@ impl Exchange {
 
     /// A connection to the current attempt's peer failed: whether to try again (another worker
     /// of the pool, or the next target).
-    pub fn retry_after_connect_failure(&mut self, error: &str, metrics: &Metrics) -> bool {
+    pub fn retry_after_connect_failure(&mut self, error: &str) -> bool {
         self.last_connect_error = Some(error.to_owned());
         let attempts = self.attempt.tried.len();
         let another_worker = self.pool().is_some_and(|pool| {
             attempts < pool.config.max_attempts as usize && pool.pick(&self.attempt.tried).is_some()
         });
-        another_worker || self.fall_back(metrics)
+        another_worker || self.fall_back()
     }
 
     /// The connection broke after it was made. A pooled connection the worker had already
@@ -321,8 +352,8 @@ impl Exchange {
 
     /// The upstream answered `status` before any byte reached the client: a 5xx moves to the
     /// next target when there is one (`true`: abandon this answer).
-    pub fn fall_back_on_status(&mut self, status: u16, metrics: &Metrics) -> bool {
-        if status < 500 || !self.fall_back(metrics) {
+    pub fn fall_back_on_status(&mut self, status: u16) -> bool {
+        if status < 500 || !self.fall_back() {
             return false;
         }
         self.fallback_requested = true;

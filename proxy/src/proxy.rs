@@ -16,7 +16,7 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 
 use crate::admit::{self, Explain};
-use crate::api::{ApiError, Endpoint, ErrorKind, client_format};
+use crate::api::{ApiError, Endpoint, ErrorKind, client_format, client_text};
 use crate::cors;
 use crate::gateway::{Gateway, Phase, RequestCtx};
 use crate::observe;
@@ -130,6 +130,22 @@ impl ProxyHttp for Gateway {
         let exchange = ctx
             .exchange()
             .ok_or_else(|| internal("upstream_peer before a plan"))?;
+        if !exchange.advance(&self.metrics).await {
+            let error = ApiError::new(
+                ErrorKind::BadGateway,
+                "upstream_unreachable",
+                format!(
+                    "model '{}' has no other target that can take the request",
+                    client_text(&exchange.client.parsed.model)
+                ),
+            );
+            let status = error.status();
+            exchange.failure = Some(error);
+            return Err(Error::explain(
+                ErrorType::HTTPStatus(status),
+                "no target left",
+            ));
+        }
         match exchange.next_peer(self.settings.upstream_read_timeout) {
             Ok(peer) => Ok(Box::new(peer)),
             Err(error) => {
@@ -186,7 +202,7 @@ impl ProxyHttp for Gateway {
         // A 5xx before any byte reached the client: the next target, if there is one.
         if ctx
             .exchange()
-            .is_some_and(|x| x.fall_back_on_status(status, &self.metrics))
+            .is_some_and(|x| x.fall_back_on_status(status))
         {
             tracing::warn!(request_id = %request_id, status, "upstream failed; trying the next target");
             return Err(Error::explain(
@@ -249,7 +265,7 @@ impl ProxyHttp for Gateway {
                 error = e.etype().as_str(),
                 "could not connect to worker"
             );
-            e.set_retry(exchange.retry_after_connect_failure(e.etype().as_str(), &self.metrics));
+            e.set_retry(exchange.retry_after_connect_failure(e.etype().as_str()));
         }
         e
     }

@@ -207,6 +207,22 @@ impl Proxy {
         }
     }
 
+    /// Wait until the proxy has subscribed to `workers` KV event streams, and a moment more: a
+    /// ZMQ subscriber misses what is published before its subscription reaches the publisher,
+    /// and a test that sends one request and then waits for its events would wait forever.
+    pub async fn wait_subscribed(&self, workers: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.log().matches("subscribed to KV events").count() < workers {
+            assert!(
+                Instant::now() < deadline,
+                "proxy never subscribed to {workers} event streams; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
     /// Replace the config file atomically (write then rename), as editors and ConfigMaps do.
     pub fn write_config(&self, yaml: &str) {
         let temp = self.config_dir.path().join(".switchyard.yaml.tmp");

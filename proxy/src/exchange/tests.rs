@@ -32,6 +32,13 @@ spec: {strategy: ordered, targets: [{pool: first}, {pool: second}]}
 "#;
 
 fn exchange(metrics: &Metrics) -> Exchange {
+    exchange_of(
+        metrics,
+        Bytes::from_static(br#"{"model":"chain","messages":[{"role":"user","content":"hi"}]}"#),
+    )
+}
+
+fn exchange_of(metrics: &Metrics, body: Bytes) -> Exchange {
     let snapshot = switchyard_snapshot::load_str("test", CONFIG).unwrap();
     let table = Arc::new(
         RoutingTable::build(
@@ -41,8 +48,6 @@ fn exchange(metrics: &Metrics) -> Exchange {
         )
         .unwrap(),
     );
-    let body =
-        Bytes::from_static(br#"{"model":"chain","messages":[{"role":"user","content":"hi"}]}"#);
     let typed = crate::wire::parse(&body).unwrap();
     let client = ClientRequest {
         endpoint: Endpoint::ChatCompletions,
@@ -70,8 +75,8 @@ fn metrics() -> Metrics {
 
 const TIMEOUT: Duration = Duration::from_secs(1);
 
-#[test]
-fn connect_failures_try_another_worker_then_the_next_target() {
+#[tokio::test]
+async fn connect_failures_try_another_worker_then_the_next_target() {
     let metrics = metrics();
     let mut exchange = exchange(&metrics);
     assert_eq!(exchange.target().label, "pool default/first");
@@ -80,13 +85,15 @@ fn connect_failures_try_another_worker_then_the_next_target() {
     let in_flight = |pool: &PoolRuntime| pool.workers.iter().map(|w| w.in_flight()).sum::<usize>();
     assert_eq!(in_flight(&pool), 1, "the attempt counts against its worker");
     // maxAttempts 2: one more worker of the pool...
-    assert!(exchange.retry_after_connect_failure("ConnectRefused", &metrics));
+    assert!(exchange.retry_after_connect_failure("ConnectRefused"));
     assert_eq!(exchange.target().label, "pool default/first");
     let second = exchange.next_peer(TIMEOUT).unwrap();
     assert_ne!(first._address, second._address, "another worker");
     assert_eq!(in_flight(&pool), 1, "the failed attempt no longer counts");
-    // ...then the next target, with a fresh attempt and its own body.
-    assert!(exchange.retry_after_connect_failure("ConnectRefused", &metrics));
+    // ...then the next target, prepared before the next attempt, with a fresh attempt and its
+    // own body.
+    assert!(exchange.retry_after_connect_failure("ConnectRefused"));
+    assert!(exchange.advance(&metrics).await);
     assert_eq!(exchange.target().label, "pool default/second");
     assert!(exchange.attempt.tried.is_empty());
     let body: serde_json::Value = serde_json::from_slice(exchange.upstream_body()).unwrap();
@@ -97,7 +104,7 @@ fn connect_failures_try_another_worker_then_the_next_target() {
     );
     exchange.next_peer(TIMEOUT).unwrap();
     // Nothing is left after the last target.
-    assert!(!exchange.retry_after_connect_failure("ConnectRefused", &metrics));
+    assert!(!exchange.retry_after_connect_failure("ConnectRefused"));
     let text = metrics.encode().unwrap();
     assert!(
         text.contains(r#"switchyard_target_fallbacks_total{from="pool default/first",to="pool default/second"} 1"#),
@@ -131,23 +138,36 @@ fn a_closed_pooled_connection_is_resent_to_the_same_worker_only_before_an_answer
     assert!(!exchange.retry_after_broken_connection(true, false));
 }
 
-#[test]
-fn a_5xx_before_the_first_byte_moves_to_the_next_target_once() {
+#[tokio::test]
+async fn a_5xx_before_the_first_byte_moves_to_the_next_target_once() {
     let metrics = metrics();
     let mut exchange = exchange(&metrics);
     exchange.next_peer(TIMEOUT).unwrap();
-    assert!(
-        !exchange.fall_back_on_status(404, &metrics),
-        "4xx answers stand"
-    );
-    assert!(exchange.fall_back_on_status(503, &metrics));
+    assert!(!exchange.fall_back_on_status(404), "4xx answers stand");
+    assert!(exchange.fall_back_on_status(503));
+    assert!(exchange.advance(&metrics).await);
     assert_eq!(exchange.target().label, "pool default/second");
     // The abandoned answer's error is retried once, on the new target.
     assert!(exchange.retry_after_broken_connection(false, true));
     assert!(!exchange.retry_after_broken_connection(false, true));
     exchange.next_peer(TIMEOUT).unwrap();
-    assert!(
-        !exchange.fall_back_on_status(503, &metrics),
-        "no target left"
+    assert!(!exchange.fall_back_on_status(503), "no target left");
+}
+
+#[tokio::test]
+async fn a_large_bodys_fallback_is_prepared_off_the_event_loop_all_the_same() {
+    let metrics = metrics();
+    let text = "a river ".repeat(4_000);
+    let body = format!(r#"{{"model":"chain","messages":[{{"role":"user","content":"{text}"}}]}}"#);
+    let mut exchange = exchange_of(&metrics, Bytes::from(body));
+    exchange.next_peer(TIMEOUT).unwrap();
+    assert!(exchange.fall_back_on_status(502));
+    assert!(exchange.advance(&metrics).await);
+    assert_eq!(exchange.target().label, "pool default/second");
+    let sent: serde_json::Value = serde_json::from_slice(exchange.upstream_body()).unwrap();
+    assert_eq!(sent["model"], "served-b");
+    assert_eq!(
+        sent["messages"][0]["content"].as_str().unwrap().len(),
+        text.len()
     );
 }

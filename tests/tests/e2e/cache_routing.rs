@@ -146,6 +146,7 @@ async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after
         switchyard_e2e::model_doc("default", "sim", None)
     );
     let proxy = Proxy::start(&yaml, &[]).await;
+    proxy.wait_subscribed(sim.workers.len()).await;
     let system = system_prompt();
 
     // Warm the prefix on whichever worker the proxy picks.
@@ -523,6 +524,7 @@ async fn an_isolated_tenant_keeps_its_cache_to_itself_and_routing_stays_cache_aw
         b = key("key-other"),
     );
     let proxy = Proxy::start(&yaml, &[]).await;
+    proxy.wait_subscribed(1).await;
     let system = system_prompt();
     let prompt = chat("default", &system, "the same question");
 
