@@ -20,16 +20,13 @@ use crate::api::{ApiError, Endpoint, ErrorKind};
 use crate::exchange::Exchange;
 use crate::gateway::Gateway;
 use crate::limits::{Admission, RateLimiter, Reservation};
-use crate::plan::{self, ClientRequest, Plan, Rejection, Request};
+use crate::plan::{self, ClientRequest, INLINE_PLAN_BYTES, Plan, Rejection, Request};
 use crate::request;
 use crate::routing::{AuthFailure, Caller, RoutingTable};
 use crate::wire;
 
 /// Bytes Pingora's retry buffer holds (pingora-core `BODY_BUF_LIMIT`).
 const RETRY_BUFFER_BYTES: usize = 64 * 1024;
-/// Bodies larger than this are planned (parsed, classified, tokenized, translated) on the
-/// blocking pool, off the proxy's async threads.
-const INLINE_PLAN_BYTES: usize = 16 * 1024;
 
 /// The request's id: the client's `x-request-id` when it is a sane token, else a fresh one.
 pub fn request_id(headers: &http::HeaderMap) -> String {

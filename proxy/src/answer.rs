@@ -12,7 +12,6 @@ use crate::plan::Translation;
 use crate::translate::find_event_end;
 use crate::translate::{self, StreamTranslator};
 use crate::translate_openai::{self, MessagesStreamTranslator};
-use crate::wire::answer;
 
 /// An incremental stream translation (either direction).
 pub trait StreamTranslation: std::fmt::Debug + Send + Sync {
@@ -252,8 +251,8 @@ impl Answer {
 /// How far into a whole answer its `model` is looked for before it passes as it came.
 const ALIAS_HEAD_BYTES: usize = 4096;
 
-/// `head` (the start of a JSON answer) with its first `"model": "<from>"` member renamed to
-/// `to`; `None` while there is none.
+/// `head` (the start of a JSON answer, or one stream payload) with its first
+/// `"model": "<from>"` member renamed to `to`; `None` while there is none.
 fn renamed_head(head: &[u8], from: &str, to: &str) -> Option<Vec<u8>> {
     let quoted = |name: &str| serde_json::Value::String(name.to_owned()).to_string();
     let (from, to) = (quoted(from), quoted(to));
@@ -290,7 +289,7 @@ fn renamed_event(event: &[u8], from: &str, to: &str) -> Vec<u8> {
     for line in event.split_inclusive(|b| *b == b'\n') {
         let renamed = line
             .strip_prefix(b"data:")
-            .and_then(|data| answer::with_model(data, from, to));
+            .and_then(|data| renamed_head(data, from, to));
         match renamed {
             Some(data) => {
                 out.extend_from_slice(b"data:");

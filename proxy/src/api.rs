@@ -347,6 +347,20 @@ impl ApiError {
         }
     }
 
+    /// 404 for a model the caller cannot use (unknown, or not in the tenant's list).
+    pub fn model_not_found(model: &str) -> ApiError {
+        ApiError {
+            kind: ErrorKind::NotFound,
+            code: "model_not_found",
+            param: Some("model"),
+            message: format!(
+                "the model '{}' does not exist; GET /v1/models lists the models you can use",
+                client_text(model)
+            ),
+            retry_after: None,
+        }
+    }
+
     pub fn invalid(param: &'static str, message: impl Into<String>) -> ApiError {
         ApiError {
             kind: ErrorKind::InvalidRequest,

@@ -29,9 +29,6 @@ use crate::routing::{
 use crate::scorer::{self, Decision, Outcome};
 use crate::telemetry::RequestSpan;
 
-/// Bodies larger than this have a fallback target's body prepared on the blocking pool.
-const INLINE_PREPARE_BYTES: usize = 16 * 1024;
-
 /// Response header carrying the routing explanation.
 const EXPLAIN_RESPONSE_HEADER: &str = "x-switchyard-route";
 /// Response header carrying the policy trace (rules looked at, prompt classes, target).
@@ -164,7 +161,7 @@ impl Exchange {
         }
         let mut fallbacks = std::mem::take(&mut self.plan.fallbacks);
         let (table, salt) = (self.table.clone(), self.plan.cache_salt.clone());
-        let prepared = if self.client.body.len() <= INLINE_PREPARE_BYTES {
+        let prepared = if self.client.body.len() <= plan::INLINE_PLAN_BYTES {
             plan::next_fallback(&table, &mut fallbacks, &self.client, salt.as_deref())
                 .map(|target| (target, fallbacks))
         } else {

@@ -25,6 +25,10 @@ use crate::routing::{PoolRuntime, RoutingTable};
 use crate::scorer;
 use crate::wire::{self, RequestBody};
 
+/// Bodies larger than this are planned (parsed, classified, tokenized, translated), and a
+/// fallback target prepared, on the blocking pool, off the proxy's async threads.
+pub const INLINE_PLAN_BYTES: usize = 16 * 1024;
+
 /// An inference request as the client sent it: kept for the whole exchange, since every
 /// fallback target is prepared from it again.
 #[derive(Debug, Clone)]
@@ -99,19 +103,7 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
     // The salt the workers get keys the prompt's block hashes too, as in vLLM.
     let cache_salt = prompt::worker_cache_salt(request.tenant, parsed.cache_salt.as_deref());
     let model = table.model(&parsed.model).ok_or_else(|| {
-        Rejection::new(
-            ApiError {
-                kind: ErrorKind::NotFound,
-                code: "model_not_found",
-                param: Some("model"),
-                message: format!(
-                    "the model '{}' does not exist; GET /v1/models lists the models you can use",
-                    client_text(&parsed.model)
-                ),
-                retry_after: None,
-            },
-            "model_not_found",
-        )
+        Rejection::new(ApiError::model_not_found(&parsed.model), "model_not_found")
     })?;
     if let Some(tenant) = request.tenant
         && !tenant.allows_model(&model.name)

@@ -11,7 +11,7 @@ use pingora_proxy::Session;
 use serde_json::json;
 
 use crate::admit::{self, Explain};
-use crate::api::{ApiError, Endpoint, ErrorKind, client_format_for_path, client_text, model_id_of};
+use crate::api::{ApiError, Endpoint, ErrorKind, client_format_for_path, model_id_of};
 use crate::cors;
 use crate::exchange::Exchange;
 use crate::gateway::{Gateway, RequestCtx};
@@ -215,25 +215,13 @@ impl Gateway {
             Ok(visible) => visible,
             Err(error) => return self.respond_error(session, ctx, error).await,
         };
-        match id.filter(|id| names.contains(id)) {
-            Some(id) => {
-                let body = model_object(&id, table.created_at, anthropic);
-                self.respond_json(session, ctx, 200, body).await
-            }
-            None => {
-                let shown = model_id_of(session.req_header().uri.path()).unwrap_or_default();
-                let error = ApiError {
-                    kind: ErrorKind::NotFound,
-                    code: "model_not_found",
-                    param: Some("model"),
-                    message: format!(
-                        "the model '{}' does not exist; GET /v1/models lists the models you can use",
-                        client_text(&shown)
-                    ),
-                    retry_after: None,
-                };
-                self.respond_error(session, ctx, error).await
-            }
+        let id = id.unwrap_or_default();
+        if names.contains(&id) {
+            let body = model_object(&id, table.created_at, anthropic);
+            self.respond_json(session, ctx, 200, body).await
+        } else {
+            self.respond_error(session, ctx, ApiError::model_not_found(&id))
+                .await
         }
     }
 

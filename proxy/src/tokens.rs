@@ -116,16 +116,7 @@ fn tokenizer_of(
     model: &str,
     allowed: bool,
 ) -> std::result::Result<Option<switchyard_snapshot::snapshot::Tokenizer>, ApiError> {
-    let not_found = || ApiError {
-        kind: ErrorKind::NotFound,
-        code: "model_not_found",
-        param: Some("model"),
-        message: format!(
-            "the model '{}' does not exist; GET /v1/models lists the models you can use",
-            client_text(model)
-        ),
-        retry_after: None,
-    };
+    let not_found = || ApiError::model_not_found(model);
     let entry = table
         .model(model)
         .filter(|_| allowed)

@@ -4,12 +4,11 @@
 //! event (streaming) so a translated stream still reaches the client chunk by chunk.
 
 use bytes::{Bytes, BytesMut};
-use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use crate::api::{ApiError, ErrorKind};
-use crate::wire::Content;
 use crate::wire::answer::{self, ChatCompletion, ErrorBody, StreamData, UsageFields};
+use crate::wire::{Content, tree_or_null};
 
 fn stop_reason(finish_reason: Option<&str>) -> Value {
     match finish_reason {
@@ -30,12 +29,6 @@ fn anthropic_usage(usage: Option<&UsageFields>) -> Value {
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
     })
-}
-
-/// A raw value as a tree (it was valid JSON when the answer was parsed).
-fn value(raw: Option<&RawValue>) -> Value {
-    raw.and_then(|raw| serde_json::from_str(raw.get()).ok())
-        .unwrap_or(Value::Null)
 }
 
 /// Translate a whole (non-streaming) Chat Completions response into a Messages response.
@@ -62,8 +55,8 @@ pub fn chat_response_to_message(body: &[u8], client_model: &str) -> Bytes {
         };
         content.push(json!({
             "type": "tool_use",
-            "id": value(call.id),
-            "name": value(function.and_then(|f| f.name)),
+            "id": tree_or_null(call.id),
+            "name": tree_or_null(function.and_then(|f| f.name)),
             "input": input,
         }));
     }
@@ -236,7 +229,7 @@ impl StreamTranslator {
                     &json!({
                         "type": "content_block_start",
                         "index": index,
-                        "content_block": {"type": "tool_use", "id": value(call.id), "name": value(function.and_then(|f| f.name)), "input": {}},
+                        "content_block": {"type": "tool_use", "id": tree_or_null(call.id), "name": tree_or_null(function.and_then(|f| f.name)), "input": {}},
                     }),
                 );
             }

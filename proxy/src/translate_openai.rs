@@ -3,12 +3,12 @@
 //! direction lives in `translate`.
 
 use bytes::{Bytes, BytesMut};
-use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use crate::api::{ApiError, ClientFormat, ErrorKind};
 use crate::translate::{find_event_end, upstream_error_message};
 use crate::wire::answer::{self, MessageResponse, StreamData, UsageFields};
+use crate::wire::{tree, tree_or_null};
 
 fn finish_reason(stop_reason: Option<&str>) -> Value {
     match stop_reason {
@@ -35,12 +35,6 @@ fn openai_usage(usage: &UsageFields) -> Value {
     })
 }
 
-/// A raw value as a tree (it was valid JSON when the answer was parsed).
-fn value(raw: Option<&RawValue>) -> Value {
-    raw.and_then(|raw| serde_json::from_str(raw.get()).ok())
-        .unwrap_or(Value::Null)
-}
-
 /// Translate a whole Messages response into a Chat Completions response.
 pub fn message_response_to_chat(body: &[u8], client_model: &str) -> Bytes {
     let Some(response) = answer::parse::<MessageResponse<'_>>(body) else {
@@ -52,11 +46,11 @@ pub fn message_response_to_chat(body: &[u8], client_model: &str) -> Bytes {
         match block.kind.as_deref() {
             Some("text") => text.push_str(block.text.as_deref().unwrap_or_default()),
             Some("tool_use") => tool_calls.push(json!({
-                "id": value(block.id),
+                "id": tree_or_null(block.id),
                 "type": "function",
                 "function": {
-                    "name": value(block.name),
-                    "arguments": block.input.map_or_else(|| "{}".to_owned(), |input| value(Some(input)).to_string()),
+                    "name": tree_or_null(block.name),
+                    "arguments": block.input.map_or_else(|| "{}".to_owned(), |input| tree(input).to_string()),
                 }
             })),
             _ => {}
@@ -210,7 +204,7 @@ impl MessagesStreamTranslator {
                     let openai_index = self.tool_blocks.len() as u64;
                     self.tool_blocks.push((anthropic_index, openai_index));
                     self.chunk(
-                        json!({"tool_calls": [{"index": openai_index, "id": value(block.and_then(|b| b.id)), "type": "function", "function": {"name": value(block.and_then(|b| b.name)), "arguments": ""}}]}),
+                        json!({"tool_calls": [{"index": openai_index, "id": tree_or_null(block.and_then(|b| b.id)), "type": "function", "function": {"name": tree_or_null(block.and_then(|b| b.name)), "arguments": ""}}]}),
                         Value::Null,
                         out,
                     );
@@ -220,9 +214,7 @@ impl MessagesStreamTranslator {
                 let delta = event.delta.as_ref();
                 match delta.and_then(|d| d.kind.as_deref()) {
                     Some("text_delta") => {
-                        let text = delta
-                            .and_then(|d| d.text)
-                            .map_or_else(|| json!(""), |raw| value(Some(raw)));
+                        let text = delta.and_then(|d| d.text).map_or_else(|| json!(""), tree);
                         self.chunk(json!({"content": text}), Value::Null, out);
                     }
                     Some("input_json_delta") => {
@@ -234,7 +226,7 @@ impl MessagesStreamTranslator {
                             .map_or(0, |(_, o)| *o);
                         let partial = delta
                             .and_then(|d| d.partial_json)
-                            .map_or_else(|| json!(""), |raw| value(Some(raw)));
+                            .map_or_else(|| json!(""), tree);
                         self.chunk(
                             json!({"tool_calls": [{"index": openai_index, "function": {"arguments": partial}}]}),
                             Value::Null,

@@ -4,23 +4,13 @@
 //! `translate_openai`.
 
 use bytes::Bytes;
-use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use crate::api::ApiError;
-use crate::wire::{Content, Either, Message, Part, RequestBody};
+use crate::wire::{Content, Either, Message, Part, RequestBody, tree, tree_or_null};
 
 /// Anthropic requires `max_tokens`; OpenAI clients often leave it out.
 pub const DEFAULT_MAX_TOKENS: u64 = 4096;
-
-/// A raw value as a tree (it was valid JSON when the body was parsed).
-fn value(raw: &RawValue) -> Value {
-    serde_json::from_str(raw.get()).unwrap_or(Value::Null)
-}
-
-fn optional(raw: Option<&RawValue>) -> Value {
-    raw.map_or(Value::Null, value)
-}
 
 fn kind<'p>(part: &'p Part<'_>) -> Option<&'p str> {
     part.fields.kind.as_deref()
@@ -60,11 +50,11 @@ pub fn messages_to_chat(
         ("stop", request.stop_sequences),
     ] {
         if let Some(raw) = raw {
-            out.insert(name.into(), value(raw));
+            out.insert(name.into(), tree(raw));
         }
     }
     if let Some(user) = request.metadata_user_id() {
-        out.insert("user".into(), value(user));
+        out.insert("user".into(), tree(user));
     }
     if request.stream == Some(true) {
         out.insert("stream".into(), Value::Bool(true));
@@ -78,9 +68,9 @@ pub fn messages_to_chat(
                 json!({
                     "type": "function",
                     "function": {
-                        "name": optional(tool.name),
-                        "description": optional(tool.description),
-                        "parameters": tool.input_schema.map_or_else(|| json!({"type": "object"}), value),
+                        "name": tree_or_null(tool.name),
+                        "description": tree_or_null(tool.description),
+                        "parameters": tool.input_schema.map_or_else(|| json!({"type": "object"}), tree),
                     }
                 })
             })
@@ -98,7 +88,7 @@ pub fn messages_to_chat(
             Some("any") => json!("required"),
             Some("none") => json!("none"),
             Some("tool") => {
-                json!({"type": "function", "function": {"name": optional(choice.name)}})
+                json!({"type": "function", "function": {"name": tree_or_null(choice.name)}})
             }
             _ => return Err(unknown()),
         };
@@ -178,11 +168,11 @@ fn chat_messages_of(
                 parts.push(json!({"type": "image_url", "image_url": {"url": url}}));
             }
             Some("tool_use") => tool_calls.push(json!({
-                "id": optional(fields.id),
+                "id": tree_or_null(fields.id),
                 "type": "function",
                 "function": {
-                    "name": optional(fields.name),
-                    "arguments": fields.input.map_or_else(|| "{}".to_owned(), |input| value(input).to_string()),
+                    "name": tree_or_null(fields.name),
+                    "arguments": fields.input.map_or_else(|| "{}".to_owned(), |input| tree(input).to_string()),
                 }
             })),
             Some("tool_result") => {
@@ -190,7 +180,7 @@ fn chat_messages_of(
                     Some(content) => block_text(content, "messages")?,
                     None => String::new(),
                 };
-                out.push(json!({"role": "tool", "tool_call_id": optional(fields.tool_use_id), "content": text}));
+                out.push(json!({"role": "tool", "tool_call_id": tree_or_null(fields.tool_use_id), "content": text}));
             }
             // Reasoning blocks from earlier turns have no Chat Completions form; drop them.
             Some("thinking" | "redacted_thinking") => {}
@@ -319,7 +309,7 @@ pub fn chat_to_messages(
                     &mut messages,
                     "user",
                     vec![
-                        json!({"type": "tool_result", "tool_use_id": optional(message.tool_call_id), "content": text}),
+                        json!({"type": "tool_result", "tool_use_id": tree_or_null(message.tool_call_id), "content": text}),
                     ],
                 );
             }
@@ -357,8 +347,8 @@ pub fn chat_to_messages(
                     };
                     blocks.push(json!({
                         "type": "tool_use",
-                        "id": optional(call.id),
-                        "name": optional(function.and_then(|f| f.name)),
+                        "id": tree_or_null(call.id),
+                        "name": tree_or_null(function.and_then(|f| f.name)),
                         "input": input,
                     }));
                 }
@@ -388,13 +378,13 @@ pub fn chat_to_messages(
         ("top_p", request.top_p),
     ] {
         if let Some(raw) = raw {
-            out.insert(name.into(), value(raw));
+            out.insert(name.into(), tree(raw));
         }
     }
     if let Some(stream) = request.stream {
         out.insert("stream".into(), Value::Bool(stream));
     }
-    match request.stop.map(value) {
+    match request.stop.map(tree) {
         Some(Value::String(stop)) => {
             out.insert("stop_sequences".into(), json!([stop]));
         }
@@ -404,7 +394,7 @@ pub fn chat_to_messages(
         _ => {}
     }
     if let Some(user) = request.user {
-        out.insert("metadata".into(), json!({"user_id": value(user)}));
+        out.insert("metadata".into(), json!({"user_id": tree(user)}));
     }
     if let Some(definitions) = request.tools.and_then(|_| request.tool_definitions().ok()) {
         let tools: Vec<Value> = definitions
@@ -412,9 +402,9 @@ pub fn chat_to_messages(
             .filter_map(|t| t.function.as_ref())
             .map(|f| {
                 json!({
-                    "name": optional(f.name),
-                    "description": f.description.map_or_else(|| json!(""), value),
-                    "input_schema": f.parameters.map_or_else(|| json!({"type": "object"}), value),
+                    "name": tree_or_null(f.name),
+                    "description": f.description.map_or_else(|| json!(""), tree),
+                    "input_schema": f.parameters.map_or_else(|| json!({"type": "object"}), tree),
                 })
             })
             .collect();
@@ -433,7 +423,7 @@ pub fn chat_to_messages(
             if let Some(name) = choice.function.and_then(|f| f.name) {
                 out.insert(
                     "tool_choice".into(),
-                    json!({"type": "tool", "name": value(name)}),
+                    json!({"type": "tool", "name": tree(name)}),
                 );
             }
         }

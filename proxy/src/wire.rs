@@ -274,6 +274,16 @@ pub fn parse(body: &[u8]) -> Result<RequestBody<'_>, ApiError> {
     Ok(request)
 }
 
+/// A raw value as a tree (it was valid JSON when the body was parsed).
+pub fn tree(raw: &RawValue) -> Value {
+    serde_json::from_str(raw.get()).unwrap_or(Value::Null)
+}
+
+/// A raw value as a tree, `null` when absent.
+pub fn tree_or_null(raw: Option<&RawValue>) -> Value {
+    raw.map_or(Value::Null, tree)
+}
+
 /// One of two shapes.
 #[derive(Debug)]
 pub enum Either<L, R> {

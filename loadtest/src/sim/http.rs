@@ -132,7 +132,8 @@ struct Prepared {
     cache_salt: Option<String>,
 }
 
-fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> {
+/// The request body, for this worker's model (vLLM's 404 for another).
+fn request_for(worker: &Worker, body: &[u8]) -> Result<Value, Failure> {
     let request: Value =
         serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid JSON body: {e}")))?;
     let model = request
@@ -147,6 +148,11 @@ fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> 
             Some("model"),
         ));
     }
+    Ok(request)
+}
+
+fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> {
+    let request = request_for(worker, body)?;
     let prompt = match api {
         Api::Chat => {
             let messages = openai_messages(&request);
@@ -223,7 +229,7 @@ fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> 
             .and_then(|o| o.get("include_usage"))
             .and_then(Value::as_bool)
             .unwrap_or(false),
-        request_model: model.to_owned(),
+        request_model: worker.model.clone(),
         cache_salt,
     })
 }
@@ -315,23 +321,10 @@ async fn embed(worker: Arc<Worker>, pooling: bool, body: Bytes) -> Response {
     if !served {
         return route_not_served();
     }
-    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
-        return bad_request("invalid JSON body").into_response();
+    let request = match request_for(&worker, &body) {
+        Ok(request) => request,
+        Err(failure) => return failure.into_response(),
     };
-    let model = request
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or_default();
-    if model != worker.model {
-        let message = format!("The model `{model}` does not exist.");
-        return error(
-            StatusCode::NOT_FOUND,
-            "NotFoundError",
-            message,
-            Some("model"),
-        )
-        .into_response();
-    }
     let inputs: Vec<Vec<u32>> = match request.get("input").unwrap_or(&Value::Null) {
         Value::String(text) => vec![worker.tokenizer.encode(text).unwrap_or_default()],
         Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_string) => items
@@ -416,23 +409,10 @@ async fn compare(worker: Arc<Worker>, rerank: bool, body: Bytes) -> Response {
     if worker.task == Task::Generate {
         return route_not_served();
     }
-    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
-        return bad_request("invalid JSON body").into_response();
+    let request = match request_for(&worker, &body) {
+        Ok(request) => request,
+        Err(failure) => return failure.into_response(),
     };
-    let model = request
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or_default();
-    if model != worker.model {
-        let message = format!("The model `{model}` does not exist.");
-        return error(
-            StatusCode::NOT_FOUND,
-            "NotFoundError",
-            message,
-            Some("model"),
-        )
-        .into_response();
-    }
     let texts = |field: &str| -> Option<Vec<String>> {
         match request.get(field)? {
             Value::String(text) => Some(vec![text.clone()]),

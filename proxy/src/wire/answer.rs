@@ -245,43 +245,6 @@ pub struct AnswerUsage {
     pub usage: Option<UsageFields>,
 }
 
-/// Where an answer (or one stream payload) names its model: at the top (`model`) or in its
-/// message (Anthropic's `message_start`).
-#[derive(Debug, Default, Deserialize)]
-struct ModelFields<'a> {
-    #[serde(borrow, default)]
-    model: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    message: Option<MessageModel<'a>>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-struct MessageModel<'a> {
-    #[serde(borrow, default)]
-    model: Option<&'a RawValue>,
-}
-
-/// `json` (an answer or a stream payload) with the model it names replaced by `to` when it is
-/// `from`; `None` when it names no model, or another one.
-pub fn with_model(json: &[u8], from: &str, to: &str) -> Option<Vec<u8>> {
-    let fields: ModelFields<'_> = serde_json::from_slice(json).ok()?;
-    let raw = fields.model.or(fields.message.and_then(|m| m.model))?;
-    if serde_json::from_str::<Cow<'_, str>>(raw.get()).ok()? != from {
-        return None;
-    }
-    let start = (raw.get().as_ptr() as usize).checked_sub(json.as_ptr() as usize)?;
-    let end = start + raw.get().len();
-    let mut out = Vec::with_capacity(json.len() + to.len());
-    out.extend_from_slice(json.get(..start)?);
-    out.extend_from_slice(
-        serde_json::Value::String(to.to_owned())
-            .to_string()
-            .as_bytes(),
-    );
-    out.extend_from_slice(json.get(end..)?);
-    Some(out)
-}
-
 /// Parse a whole answer or a stream payload; `None` when it is not that shape.
 pub fn parse<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Option<T> {
     serde_json::from_slice(bytes).ok()
