@@ -82,6 +82,85 @@ pub fn anthropic_messages(request: &Value) -> Vec<ChatMessage> {
     out
 }
 
+/// Messages of an OpenAI Responses request, as vLLM renders them for its chat template
+/// (`construct_input_messages` in `vllm/entrypoints/openai/responses/utils.py`, without the
+/// stored history a `previous_response_id` adds on the worker): `instructions` as the system
+/// message, then `input` (a string is one user message; items are messages, tool calls and
+/// tool outputs). A function call or reasoning item joins the assistant message before it;
+/// assistant text joins an assistant message that has none yet.
+pub fn responses_messages(request: &Value) -> Vec<ChatMessage> {
+    let mut out: Vec<(String, Option<String>)> = Vec::new();
+    if let Some(instructions) = request.get("instructions").and_then(Value::as_str)
+        && !instructions.is_empty()
+    {
+        out.push(("system".into(), Some(instructions.to_owned())));
+    }
+    match request.get("input") {
+        Some(Value::String(text)) => out.push(("user".into(), Some(text.clone()))),
+        Some(Value::Array(items)) => {
+            for item in items {
+                let kind = item.get("type").and_then(Value::as_str);
+                let role = item.get("role").and_then(Value::as_str);
+                let (next_role, text) = match (kind, role) {
+                    (Some("function_call" | "custom_tool_call"), _) => ("assistant", None),
+                    (Some("reasoning"), _) => ("assistant", None),
+                    (Some("function_call_output" | "custom_tool_call_output"), _) => (
+                        "tool",
+                        Some(content_text(item.get("output").unwrap_or(&Value::Null))),
+                    ),
+                    (_, Some("assistant")) => (
+                        "assistant",
+                        Some(first_part_text(item.get("content").unwrap_or(&Value::Null))),
+                    ),
+                    (_, Some(role)) => (
+                        role,
+                        Some(content_text(item.get("content").unwrap_or(&Value::Null))),
+                    ),
+                    _ => continue,
+                };
+                if next_role == "assistant"
+                    && let Some((last_role, last_text)) = out.last_mut()
+                    && last_role == "assistant"
+                    && (text.is_none() || last_text.is_none())
+                {
+                    // Merged into the assistant message before it (its text, if it has none).
+                    if last_text.is_none() {
+                        *last_text = text;
+                    }
+                    continue;
+                }
+                out.push((next_role.to_owned(), text));
+            }
+        }
+        _ => {}
+    }
+    out.into_iter()
+        .map(|(role, content)| ChatMessage {
+            role,
+            content: content.unwrap_or_default(),
+        })
+        .collect()
+}
+
+/// An assistant item's text: its first part's (vLLM takes `content[0].text`).
+fn first_part_text(content: &Value) -> String {
+    match content {
+        Value::String(text) => text.clone(),
+        Value::Array(parts) => parts
+            .first()
+            .map(|part| match part {
+                Value::String(text) => text.clone(),
+                part => part
+                    .get("text")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned(),
+            })
+            .unwrap_or_default(),
+        _ => String::new(),
+    }
+}
+
 /// A tokenizer and the chat template that goes with it.
 pub struct PromptTokenizer {
     tokenizer: tokenizers::Tokenizer,
@@ -337,6 +416,40 @@ mod tests {
             &dir.join("chat_template.jinja"),
         )
         .unwrap()
+    }
+
+    #[test]
+    fn responses_input_renders_as_vllm_builds_its_messages() {
+        let m = |role: &str, content: &str| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        assert_eq!(
+            responses_messages(&json!({"instructions": "Be brief.", "input": "hi"})),
+            vec![m("system", "Be brief."), m("user", "hi")]
+        );
+        let request = json!({"instructions": "", "input": [
+            {"role": "developer", "content": "rules"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+            {"type": "reasoning", "id": "r1", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "answer"}, {"type": "output_text", "text": "ignored"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "42"},
+            {"role": "assistant", "content": "first"},
+            {"role": "assistant", "content": "second"},
+        ]});
+        assert_eq!(
+            responses_messages(&request),
+            vec![
+                m("developer", "rules"),
+                m("user", "a\nb"),
+                // Reasoning opens the assistant message; its text and the call join it.
+                m("assistant", "answer"),
+                m("tool", "42"),
+                m("assistant", "first"),
+                m("assistant", "second"),
+            ]
+        );
     }
 
     #[test]

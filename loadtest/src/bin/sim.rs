@@ -58,6 +58,10 @@ struct Args {
     /// `/v1/score`, `/v1/rerank`, `/pooling`).
     #[arg(long, value_enum, default_value_t = Task::Generate)]
     task: Task,
+    /// Keep Responses API answers in memory for `previous_response_id` and
+    /// `GET /v1/responses/{id}`, as vLLM does with `VLLM_ENABLE_RESPONSES_API_STORE=1`.
+    #[arg(long, env = "VLLM_ENABLE_RESPONSES_API_STORE", value_parser = clap::builder::BoolishValueParser::new(), default_value_t = false)]
+    enable_responses_store: bool,
     #[arg(long, value_enum, default_value_t = EventFormat::Tagged)]
     kv_events_format: EventFormat,
     #[arg(long, value_enum, default_value_t = HashFormat::Int)]
@@ -225,6 +229,7 @@ async fn main() -> anyhow::Result<()> {
             max_model_len: args.max_model_len,
             default_max_tokens: args.default_max_tokens,
             task: args.task,
+            responses_store: args.enable_responses_store,
         };
         let (addresses, engine) = sim::start_worker(config, tokenizer.clone())
             .await

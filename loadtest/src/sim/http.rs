@@ -1,5 +1,6 @@
 //! The simulated worker's HTTP surface, shaped like vLLM's OpenAI-compatible server:
-//! `/v1/chat/completions`, `/v1/completions`, `/v1/messages`, `/v1/models`, `/tokenize`,
+//! `/v1/chat/completions`, `/v1/completions`, `/v1/messages`, `/v1/responses` (see
+//! [`super::responses`]), `/v1/models`, `/tokenize`,
 //! `/reset_prefix_cache`, `/health`, `/metrics`.
 
 use std::collections::HashMap;
@@ -18,6 +19,7 @@ use switchyard_kv::tokenize::{PromptTokenizer, anthropic_messages, openai_messag
 use tokio::sync::mpsc;
 
 use super::engine::{EngineHandle, Output};
+use super::responses::{self, ResponseStore};
 
 /// Everything one worker's handlers share.
 pub struct Worker {
@@ -31,6 +33,8 @@ pub struct Worker {
     /// Tokens generated in turn (whole English words, so each decodes on its own).
     pub output_vocab: Arc<Vec<u32>>,
     pub token_text: Arc<HashMap<u32, String>>,
+    /// Responses kept for `previous_response_id` and `GET /v1/responses/{id}`.
+    pub responses: ResponseStore,
 }
 
 impl Worker {
@@ -59,6 +63,9 @@ pub fn router(worker: Arc<Worker>) -> Router {
         .route("/v2/rerank", post(rerank))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve))
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -70,7 +77,7 @@ pub fn router(worker: Arc<Worker>) -> Router {
 }
 
 /// An error answered in vLLM's error body.
-struct Failure {
+pub(super) struct Failure {
     status: StatusCode,
     kind: &'static str,
     message: String,
@@ -84,7 +91,7 @@ impl IntoResponse for Failure {
     }
 }
 
-fn error(
+pub(super) fn error(
     status: StatusCode,
     kind: &'static str,
     message: impl Into<String>,
@@ -98,7 +105,7 @@ fn error(
     }
 }
 
-fn bad_request(message: impl Into<String>) -> Failure {
+pub(super) fn bad_request(message: impl Into<String>) -> Failure {
     error(StatusCode::BAD_REQUEST, "BadRequestError", message, None)
 }
 
@@ -133,7 +140,7 @@ struct Prepared {
 }
 
 /// The request body, for this worker's model (vLLM's 404 for another).
-fn request_for(worker: &Worker, body: &[u8]) -> Result<Value, Failure> {
+pub(super) fn request_for(worker: &Worker, body: &[u8]) -> Result<Value, Failure> {
     let request: Value =
         serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid JSON body: {e}")))?;
     let model = request
@@ -234,7 +241,7 @@ fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> 
     })
 }
 
-fn unix_now() -> u64 {
+pub(super) fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -254,12 +261,12 @@ fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
 }
 
 /// Everything a finished request produced.
-struct Collected {
-    tokens: Vec<u32>,
-    cached_tokens: usize,
+pub(super) struct Collected {
+    pub(super) tokens: Vec<u32>,
+    pub(super) cached_tokens: usize,
 }
 
-async fn collect(mut outputs: mpsc::UnboundedReceiver<Output>) -> Collected {
+pub(super) async fn collect(mut outputs: mpsc::UnboundedReceiver<Output>) -> Collected {
     let mut collected = Collected {
         tokens: Vec::new(),
         cached_tokens: 0,
@@ -274,7 +281,7 @@ async fn collect(mut outputs: mpsc::UnboundedReceiver<Output>) -> Collected {
     collected
 }
 
-fn text_of(worker: &Worker, tokens: &[u32]) -> String {
+pub(super) fn text_of(worker: &Worker, tokens: &[u32]) -> String {
     tokens
         .iter()
         .filter_map(|t| worker.token_text.get(t).map(String::as_str))
@@ -294,7 +301,7 @@ async fn messages(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
 }
 
 /// What vLLM answers for a route its runner does not register.
-fn route_not_served() -> Response {
+pub(super) fn route_not_served() -> Response {
     (
         StatusCode::NOT_FOUND,
         axum::Json(json!({"detail": "Not Found"})),

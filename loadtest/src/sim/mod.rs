@@ -10,6 +10,7 @@ pub mod http;
 pub mod kv_cache;
 pub mod metrics;
 pub mod publisher;
+pub mod responses;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -34,6 +35,8 @@ pub struct WorkerConfig {
     pub default_max_tokens: usize,
     /// What the model does: generate, or embed (vLLM's pooling runner).
     pub task: http::Task,
+    /// Keep responses for `previous_response_id` (vLLM's `VLLM_ENABLE_RESPONSES_API_STORE`).
+    pub responses_store: bool,
 }
 
 /// Where a started worker can be reached.
@@ -80,6 +83,7 @@ pub async fn start_worker(
         task: config.task,
         output_vocab: Arc::new(output_vocab),
         token_text: Arc::new(token_text),
+        responses: responses::ResponseStore::new(config.responses_store),
     });
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
