@@ -344,8 +344,10 @@ fn stream(
     }
     impl State {
         fn event(&mut self, kind: &str, mut data: Value) -> String {
-            data["type"] = json!(kind);
-            data["sequence_number"] = json!(self.sequence);
+            if let Some(fields) = data.as_object_mut() {
+                fields.insert("type".into(), json!(kind));
+                fields.insert("sequence_number".into(), json!(self.sequence));
+            }
             self.sequence += 1;
             format!("event: {kind}\ndata: {data}\n\n")
         }
@@ -390,9 +392,8 @@ fn stream(
                     .unwrap_or_default();
                 if !state.opened {
                     state.opened = true;
-                    let item = message_item(&state.item_id, "", "in_progress");
-                    let mut item = item;
-                    item["content"] = json!([]);
+                    let item = json!({"id": state.item_id, "content": [], "role": "assistant",
+                                      "status": "in_progress", "type": "message"});
                     out.push_str(&state.event(
                         "response.output_item.added",
                         json!({"output_index": 0, "item": item}),
