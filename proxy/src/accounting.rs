@@ -45,6 +45,10 @@ impl Usage {
             self.completion_tokens = output;
             self.reported = true;
         }
+        // Responses API: `input_tokens` includes the cached ones, given apart in details.
+        if let Some(cached) = usage.input_tokens_details.as_ref().and_then(|d| d.cached_tokens) {
+            self.cached_tokens = cached;
+        }
     }
 }
 
@@ -61,6 +65,8 @@ pub struct UsageTap {
     pending: BytesMut,
     overflowed: bool,
     pub usage: Usage,
+    /// A Responses API answer's id (`response.created`, or a whole response), until taken.
+    pub response_id: Option<String>,
 }
 
 impl UsageTap {
@@ -110,10 +116,14 @@ impl UsageTap {
     pub fn finish(&mut self) -> Bytes {
         if !self.stream {
             if !self.overflowed
-                && let Some(usage) =
-                    answer::parse::<AnswerUsage>(&self.pending).and_then(|a| a.usage)
+                && let Some(answer) = answer::parse::<AnswerUsage>(&self.pending)
             {
-                self.usage.merge(&usage);
+                if let Some(usage) = &answer.usage {
+                    self.usage.merge(usage);
+                }
+                if answer.object.as_deref() == Some("response") {
+                    self.response_id = answer.id;
+                }
             }
             self.pending = BytesMut::new();
             return Bytes::new();
@@ -138,7 +148,8 @@ impl UsageTap {
         let Ok(text) = std::str::from_utf8(event) else {
             return false;
         };
-        if !text.contains("\"usage\"") {
+        let created = text.contains("\"response.created\"");
+        if !text.contains("\"usage\"") && !created {
             return false;
         }
         for line in text.lines() {
@@ -148,6 +159,12 @@ impl UsageTap {
             let Some(payload) = answer::parse::<StreamData<'_>>(data.trim().as_bytes()) else {
                 continue;
             };
+            if created
+                && payload.kind.as_deref() == Some("response.created")
+                && let Some(id) = payload.response.as_ref().and_then(|r| r.id.as_deref())
+            {
+                self.response_id = Some(id.to_owned());
+            }
             // Anthropic: message_start carries `message.usage`, message_delta `usage`.
             if let Some(usage) = payload.reported_usage() {
                 self.usage.merge(usage);

@@ -16,12 +16,13 @@ use bytes::{Bytes, BytesMut};
 use pingora_proxy::Session;
 use switchyard_snapshot::snapshot::Tenant;
 
-use crate::api::{ApiError, Endpoint, ErrorKind};
+use crate::api::{ApiError, Endpoint, ErrorKind, client_text, response_id_of};
 use crate::exchange::Exchange;
 use crate::gateway::Gateway;
 use crate::limits::{Admission, RateLimiter, Reservation};
-use crate::plan::{self, ClientRequest, INLINE_PLAN_BYTES, Plan, Rejection, Request};
-use crate::request;
+use crate::plan::{self, ClientRequest, INLINE_PLAN_BYTES, Plan, Previous, Rejection, Request};
+use crate::responses::ResponseDirectory;
+use crate::request::{self, ParsedRequest};
 use crate::routing::{AuthFailure, Caller, RoutingTable};
 use crate::wire;
 
@@ -108,6 +109,12 @@ impl Gateway {
         let caller = authenticate(&table, &session.req_header().headers).inspect_err(|_| {
             self.metrics.rejected_early(None, "unauthenticated");
         })?;
+        if endpoint == Endpoint::StoredResponse {
+            let tenant = caller.tenant().cloned();
+            return self
+                .admit_stored_response(session, table.clone(), tenant.as_ref())
+                .await;
+        }
         let tenant = caller.tenant().map(|t| t.name.clone());
         let counted = |error: ApiError| {
             self.metrics.rejected_early(tenant.as_deref(), error.code);
@@ -115,17 +122,20 @@ impl Gateway {
         };
         let body = self.read_body(session).await.map_err(counted)?;
         let explained = explain != Explain::No;
+        let responses = &self.responses;
         let planned = if body.len() <= INLINE_PLAN_BYTES {
             let headers = &session.req_header().headers;
-            parse_and_plan(&table, endpoint, body, headers, caller.tenant(), explained)
+            let tenant = caller.tenant();
+            parse_and_plan(&table, responses, endpoint, body, headers, tenant, explained)
         } else {
             let (table, tenant) = (table.clone(), tenant.clone());
             let headers = session.req_header().headers.clone();
+            let responses = responses.clone();
             tokio::task::spawn_blocking(move || {
                 let tenant = tenant
                     .as_deref()
                     .and_then(|t| table.snapshot.tenants.get(t));
-                parse_and_plan(&table, endpoint, body, &headers, tenant, explained)
+                parse_and_plan(&table, &responses, endpoint, body, &headers, tenant, explained)
             })
             .await
             .unwrap_or_else(|e| {
@@ -176,7 +186,82 @@ impl Gateway {
         );
         Ok(Exchange::new(
             table, client, tenant, plan, explained, admission, series,
-        ))
+        )
+        .with_responses(self.responses.clone()))
+    }
+
+    /// Admit a request naming a stored response (`GET`/`DELETE /v1/responses/{id}`, `POST
+    /// .../cancel`): it goes to the worker that made the response, for the tenant that asked
+    /// for it; counted as a request (no tokens).
+    async fn admit_stored_response(
+        &self,
+        session: &mut Session,
+        table: Arc<RoutingTable>,
+        tenant: Option<&Tenant>,
+    ) -> Result<Exchange, ApiError> {
+        let tenant_name = tenant.map(|t| t.name.clone());
+        let counted = |error: ApiError| {
+            self.metrics.rejected_early(tenant_name.as_deref(), error.code);
+            error
+        };
+        let request = session.req_header();
+        let path = request.uri.path().to_owned();
+        let path_and_query = request
+            .uri
+            .path_and_query()
+            .map_or_else(|| path.clone(), |p| p.as_str().to_owned());
+        let deletes = request.method == http::Method::DELETE;
+        let stream = request
+            .uri
+            .query()
+            .is_some_and(|q| q.split('&').any(|pair| pair == "stream=true"));
+        let id = response_id_of(&path).unwrap_or_default().to_owned();
+        let holder = self
+            .responses
+            .find(&id, tenant_name.as_deref())
+            .ok_or_else(|| {
+                counted(ApiError {
+                    kind: ErrorKind::NotFound,
+                    code: "response_not_found",
+                    param: Some("response_id"),
+                    message: format!(
+                        "response '{}' is not known to this gateway: it remembers which worker holds \
+                         each response it forwarded (store enabled) for a limited time; the response \
+                         may have expired, been made through another gateway replica, or not been stored",
+                        client_text(&id)
+                    ),
+                    retry_after: None,
+                })
+            })?;
+        // A cancel may carry a body; nothing in it is read.
+        self.read_body(session).await.map_err(counted)?;
+        let target = plan::stored_response_target(&table, &holder, &path_and_query).map_err(counted)?;
+        let admission = match tenant {
+            Some(tenant) => admit_rate(&self.limiter, tenant, Reservation::for_request(0, Some(0)))
+                .map_err(|rejection| {
+                    self.metrics.rejected(
+                        &table,
+                        Some(&tenant.name),
+                        &holder.client_model,
+                        rejection.reason,
+                    );
+                    rejection.error
+                })?,
+            None => None,
+        };
+        let series =
+            self.metrics
+                .request_series(tenant_name.as_deref(), &holder.client_model, &target.label);
+        let client = ClientRequest {
+            endpoint: Endpoint::StoredResponse,
+            parsed: ParsedRequest::bodiless(holder.client_model.clone(), stream),
+            body: Bytes::new(),
+        };
+        let plan = Plan::to(target);
+        let mut exchange = Exchange::new(table, client, tenant_name, plan, false, admission, series)
+            .with_responses(self.responses.clone());
+        exchange.deletes_response = deletes.then_some(id);
+        Ok(exchange)
     }
 
     /// Read the whole request body within the size limit (see the module note on buffering).
@@ -278,6 +363,7 @@ enum Refusal {
 /// run off the event loop for large bodies.
 fn parse_and_plan(
     table: &RoutingTable,
+    responses: &ResponseDirectory,
     endpoint: Endpoint,
     body: Bytes,
     headers: &http::HeaderMap,
@@ -291,6 +377,16 @@ fn parse_and_plan(
         parsed,
         body: body.clone(),
     };
+    let holder = client
+        .parsed
+        .previous_response_id
+        .as_deref()
+        .map(|id| (id, responses.find(id, tenant.map(|t| t.name.as_str()))));
+    let previous = match &holder {
+        None => Previous::None,
+        Some((_, Some(holder))) => Previous::Known(holder),
+        Some((id, None)) => Previous::Unknown(id),
+    };
     let planned = plan::plan(
         table,
         &Request {
@@ -299,6 +395,7 @@ fn parse_and_plan(
             headers,
             tenant,
             explain,
+            previous,
         },
     );
     match planned {

@@ -12,6 +12,7 @@ use crate::plan::Translation;
 use crate::translate::find_event_end;
 use crate::translate::{self, StreamTranslator};
 use crate::translate_openai::{self, MessagesStreamTranslator};
+use crate::translate_responses::{self, ResponsesStreamTranslator};
 
 /// An incremental stream translation (either direction).
 pub trait StreamTranslation: std::fmt::Debug + Send + Sync {
@@ -27,6 +28,15 @@ impl StreamTranslation for StreamTranslator {
     }
     fn finish(&mut self) -> Bytes {
         StreamTranslator::finish(self)
+    }
+}
+
+impl StreamTranslation for ResponsesStreamTranslator {
+    fn feed(&mut self, chunk: &[u8]) -> Bytes {
+        ResponsesStreamTranslator::feed(self, chunk)
+    }
+    fn finish(&mut self) -> Bytes {
+        ResponsesStreamTranslator::finish(self)
     }
 }
 
@@ -63,6 +73,8 @@ enum Mode {
     AliasHead {
         buffer: BytesMut,
         from: String,
+        /// How far into the answer the model is looked for.
+        within: usize,
         done: bool,
     },
     /// A native stream: each event's `model` becomes the client's alias.
@@ -103,11 +115,13 @@ impl Answer {
         stream: bool,
         client_model: &str,
         upstream_model: &str,
-        names_model: bool,
+        model_within: Option<usize>,
     ) -> pingora_error::Result<()> {
         let status = response.status.as_u16();
         if translate == Translation::None {
-            if names_model && client_model != upstream_model {
+            if let Some(within) = model_within
+                && client_model != upstream_model
+            {
                 response.remove_header(&http::header::CONTENT_LENGTH);
                 let from = upstream_model.to_owned();
                 self.mode = if stream && status < 400 {
@@ -119,6 +133,7 @@ impl Answer {
                     Mode::AliasHead {
                         buffer: BytesMut::new(),
                         from,
+                        within,
                         done: false,
                     }
                 };
@@ -132,6 +147,9 @@ impl Answer {
                 Translation::ChatToMessages => {
                     Box::new(MessagesStreamTranslator::new(client_model))
                 }
+                Translation::ResponsesToChat => {
+                    Box::new(ResponsesStreamTranslator::new(client_model))
+                }
                 _ => Box::new(StreamTranslator::new(client_model)),
             })
         } else {
@@ -139,6 +157,10 @@ impl Answer {
             let (answer, error): (AnswerFn, ErrorFn) = match translate {
                 Translation::ChatToMessages => (
                     translate_openai::message_response_to_chat,
+                    translate_openai::error_to_openai,
+                ),
+                Translation::ResponsesToChat => (
+                    translate_responses::chat_response_to_responses,
                     translate_openai::error_to_openai,
                 ),
                 _ => (
@@ -193,7 +215,12 @@ impl Answer {
                     });
                 }
             }
-            Mode::AliasHead { buffer, from, done } => {
+            Mode::AliasHead {
+                buffer,
+                from,
+                within,
+                done,
+            } => {
                 if !*done {
                     if let Some(chunk) = body.take() {
                         buffer.extend_from_slice(&chunk);
@@ -205,7 +232,7 @@ impl Answer {
                             *body = Some(Bytes::from(renamed));
                         }
                         // Held until the model shows, within the answer's first bytes.
-                        None if buffer.len() < ALIAS_HEAD_BYTES && !end_of_stream => {}
+                        None if buffer.len() < *within && !end_of_stream => {}
                         None => {
                             *done = true;
                             *body = Some(std::mem::take(buffer).freeze());
@@ -248,8 +275,11 @@ impl Answer {
     }
 }
 
-/// How far into a whole answer its `model` is looked for before it passes as it came.
-const ALIAS_HEAD_BYTES: usize = 4096;
+/// How far into a whole answer its `model` is looked for before it passes as it came: the
+/// first field or so in every API but the Responses API, whose answer echoes the request's
+/// `instructions` (any length) before the model.
+pub const ALIAS_HEAD_BYTES: usize = 4096;
+pub const RESPONSE_ALIAS_BYTES: usize = 8 * 1024 * 1024;
 
 /// `head` (the start of a JSON answer, or one stream payload) with its first
 /// `"model": "<from>"` member renamed to `to`; `None` while there is none.
@@ -319,7 +349,7 @@ mod tests {
                 stream,
                 "alias",
                 "org/served",
-                true,
+                Some(ALIAS_HEAD_BYTES),
             )
             .unwrap();
         assert!(response.headers.get("content-length").is_none());

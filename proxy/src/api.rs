@@ -17,6 +17,11 @@ pub enum Endpoint {
     ChatCompletions,
     Completions,
     Messages,
+    /// OpenAI's Responses API, `POST /v1/responses`: generates, routed like chat.
+    Responses,
+    /// A response a worker keeps: `GET` and `DELETE /v1/responses/{id}`, `POST
+    /// /v1/responses/{id}/cancel`, forwarded to the worker that answered it.
+    StoredResponse,
     /// Anthropic's `POST /v1/messages/count_tokens`, answered by the gateway.
     CountTokens,
     /// vLLM's `POST /tokenize` and `/detokenize`, forwarded to a worker of the model's pool.
@@ -48,6 +53,7 @@ impl Endpoint {
             "/v1/chat/completions" => Endpoint::ChatCompletions,
             "/v1/completions" => Endpoint::Completions,
             "/v1/messages" => Endpoint::Messages,
+            "/v1/responses" => Endpoint::Responses,
             "/v1/messages/count_tokens" => Endpoint::CountTokens,
             "/tokenize" => Endpoint::Tokenize,
             "/detokenize" => Endpoint::Detokenize,
@@ -62,6 +68,7 @@ impl Endpoint {
             _ if path.len() > MODEL_PREFIX.len() && path.starts_with(MODEL_PREFIX) => {
                 Endpoint::Model
             }
+            _ if response_id_of(path).is_some() => Endpoint::StoredResponse,
             _ => return None,
         })
     }
@@ -79,6 +86,9 @@ impl Endpoint {
 
     /// The methods the endpoint takes, for `Allow` (`HEAD` and `OPTIONS` wherever `GET` is).
     pub fn allowed_methods(self) -> &'static str {
+        if self == Endpoint::StoredResponse {
+            return "GET, DELETE, POST, OPTIONS";
+        }
         if self.method() == http::Method::GET {
             "GET, HEAD, OPTIONS"
         } else {
@@ -89,6 +99,13 @@ impl Endpoint {
     /// Whether `method` is served on this endpoint (`HEAD` wherever `GET` is; `OPTIONS` is
     /// answered apart).
     pub fn takes(self, method: &http::Method) -> bool {
+        if self == Endpoint::StoredResponse {
+            // The worker holding the response answers for the methods it serves.
+            return matches!(
+                *method,
+                http::Method::GET | http::Method::DELETE | http::Method::POST
+            );
+        }
         *method == self.method()
             || (*method == http::Method::HEAD && self.method() == http::Method::GET)
     }
@@ -99,6 +116,8 @@ impl Endpoint {
             Endpoint::ChatCompletions => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
             Endpoint::Messages => "/v1/messages",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::StoredResponse => RESPONSE_PREFIX,
             Endpoint::CountTokens => "/v1/messages/count_tokens",
             Endpoint::Tokenize => "/tokenize",
             Endpoint::Detokenize => "/detokenize",
@@ -118,7 +137,10 @@ impl Endpoint {
     pub fn is_inference(self) -> bool {
         matches!(
             self,
-            Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages
+            Endpoint::ChatCompletions
+                | Endpoint::Completions
+                | Endpoint::Messages
+                | Endpoint::Responses
         )
     }
 
@@ -133,9 +155,11 @@ impl Endpoint {
     /// Whether a pool of `task` serves this endpoint (as vLLM's runners do).
     pub fn served_by(self, task: PoolTask) -> bool {
         match self {
-            Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => {
-                task == PoolTask::Generate
-            }
+            Endpoint::ChatCompletions
+            | Endpoint::Completions
+            | Endpoint::Messages
+            | Endpoint::Responses
+            | Endpoint::StoredResponse => task == PoolTask::Generate,
             Endpoint::Embeddings => task == PoolTask::Embed,
             Endpoint::Pooling | Endpoint::Score | Endpoint::Rerank => task != PoolTask::Generate,
             _ => true,
@@ -152,6 +176,8 @@ impl Endpoint {
             Endpoint::ChatCompletions => "chat_completions",
             Endpoint::Completions => "completions",
             Endpoint::Messages => "messages",
+            Endpoint::Responses => "responses",
+            Endpoint::StoredResponse => "stored_response",
             Endpoint::CountTokens => "count_tokens",
             Endpoint::Tokenize => "tokenize",
             Endpoint::Detokenize => "detokenize",
@@ -166,6 +192,19 @@ impl Endpoint {
             Endpoint::Metrics => "metrics",
         }
     }
+}
+
+/// Path prefix of a stored response's routes.
+const RESPONSE_PREFIX: &str = "/v1/responses/";
+
+/// The response id of `/v1/responses/{id}` and `/v1/responses/{id}/cancel` (`None`: not such
+/// a path). Ids are the worker's (`resp_` and hex, or the client's own `request_id`): any
+/// printable text without `/`.
+pub fn response_id_of(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix(RESPONSE_PREFIX)?;
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    let id = rest.strip_suffix("/cancel").unwrap_or(rest);
+    (!id.is_empty() && !id.contains('/') && id.bytes().all(|b| b.is_ascii_graphic())).then_some(id)
 }
 
 /// Path prefix of `GET /v1/models/{id}`.

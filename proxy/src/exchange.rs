@@ -13,18 +13,19 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_http::{RequestHeader, ResponseHeader};
-use switchyard_snapshot::snapshot::{LoadBalancing, ProviderFormat};
+use switchyard_snapshot::snapshot::{Backend, LoadBalancing, ProviderFormat};
 
 use crate::accounting::UsageTap;
-use crate::answer::Answer;
+use crate::answer::{self, Answer};
 use crate::api::{ApiError, Endpoint, ErrorKind};
 use crate::headers;
 use crate::kv::Prediction;
 use crate::limits::Admission;
 use crate::metrics::{Metrics, RequestSeries};
 use crate::plan::{self, ClientRequest, Plan, Target, Translation};
+use crate::responses::{Holder, ResponseDirectory};
 use crate::routing::{
-    InFlight, PendingPrefill, PoolRuntime, ProviderRuntime, RoutingTable, WorkerState,
+    Destination, InFlight, PendingPrefill, PoolRuntime, ProviderRuntime, RoutingTable, WorkerState,
 };
 use crate::scorer::{self, Decision, Outcome};
 use crate::telemetry::RequestSpan;
@@ -91,6 +92,10 @@ pub struct Exchange {
     pending_fallback: bool,
     /// The accounting series of (tenant, model, current target) the request ends in.
     pub series: Arc<RequestSeries>,
+    /// Where the worker of each stored response is noted (Responses API answers).
+    responses: Option<Arc<ResponseDirectory>>,
+    /// A `DELETE /v1/responses/{id}`: the id to forget once its worker deleted it.
+    pub deletes_response: Option<String>,
 }
 
 impl Exchange {
@@ -118,7 +123,15 @@ impl Exchange {
             fallback_requested: false,
             pending_fallback: false,
             series,
+            responses: None,
+            deletes_response: None,
         }
+    }
+
+    /// Note the worker of the stored responses this exchange produces in `directory`.
+    pub fn with_responses(mut self, directory: Arc<ResponseDirectory>) -> Exchange {
+        self.responses = Some(directory);
+        self
     }
 
     pub fn target(&self) -> &Target {
@@ -195,6 +208,14 @@ impl Exchange {
     /// otherwise. `first_attempt` records the decision in the pool's statistics.
     pub fn choose_worker(&mut self, first_attempt: bool) -> Option<usize> {
         let pool = self.pool()?.clone();
+        if let Some(worker) = &self.plan.target.pinned {
+            // The one worker that holds the stored response.
+            return pool
+                .workers
+                .iter()
+                .position(|w| &w.address == worker)
+                .filter(|index| !self.attempt.tried.contains(index));
+        }
         if pool.config.load_balancing != LoadBalancing::CacheAware {
             return pool.pick(&self.attempt.tried);
         }
@@ -323,9 +344,11 @@ impl Exchange {
     pub fn retry_after_connect_failure(&mut self, error: &str) -> bool {
         self.last_connect_error = Some(error.to_owned());
         let attempts = self.attempt.tried.len();
-        let another_worker = self.pool().is_some_and(|pool| {
-            attempts < pool.config.max_attempts as usize && pool.pick(&self.attempt.tried).is_some()
-        });
+        let another_worker = self.plan.target.pinned.is_none()
+            && self.pool().is_some_and(|pool| {
+                attempts < pool.config.max_attempts as usize
+                    && pool.pick(&self.attempt.tried).is_some()
+            });
         another_worker || self.fall_back()
     }
 
@@ -447,26 +470,38 @@ impl Exchange {
         response.insert_header(SERVED_MODEL_HEADER, target.upstream_model.as_str())?;
         let stream = self.client.parsed.stream;
         // vLLM's tokenizer routes answer without naming a model.
-        let names_model = !matches!(
-            self.client.endpoint,
-            Endpoint::Tokenize | Endpoint::Detokenize
-        );
+        let model_within = match self.client.endpoint {
+            Endpoint::Tokenize | Endpoint::Detokenize => None,
+            Endpoint::Responses | Endpoint::StoredResponse => Some(answer::RESPONSE_ALIAS_BYTES),
+            _ => Some(answer::ALIAS_HEAD_BYTES),
+        };
         self.answer.head(
             response,
             target.translate,
             stream,
             &self.client.parsed.model,
             &target.upstream_model,
-            names_model,
+            model_within,
         )
     }
 
     /// A piece of the upstream's body (`status`: the answer's), made the client's.
     pub fn answer_body(&mut self, body: &mut Option<Bytes>, end_of_stream: bool, status: u16) {
-        if !self
+        let first = self
             .answer
-            .body(body, end_of_stream, &self.client.parsed.model)
+            .body(body, end_of_stream, &self.client.parsed.model);
+        if let Some(id) = self.answer.usage.response_id.take()
+            && status < 300
         {
+            self.note_response(&id);
+        }
+        if end_of_stream
+            && status < 300
+            && let (Some(id), Some(directory)) = (&self.deletes_response, &self.responses)
+        {
+            directory.forget(id);
+        }
+        if !first {
             return;
         }
         // vLLM streams nothing before the first token: the prefill is done, and the worker's
@@ -477,6 +512,43 @@ impl Exchange {
         {
             worker.ttft.observe(formula, sent.elapsed().as_secs_f64());
         }
+    }
+
+    /// Note who holds the stored response `id` this answer made: the worker (or provider) it
+    /// came from, for the tenant that asked. Answers the gateway translated are kept nowhere.
+    fn note_response(&self, id: &str) {
+        let Some(directory) = &self.responses else {
+            return;
+        };
+        let target = &self.plan.target;
+        if self.client.endpoint != Endpoint::Responses
+            || !self.client.parsed.store
+            || target.translate != Translation::None
+        {
+            return;
+        }
+        let (backend, worker) = match &target.destination {
+            Destination::Pool(pool) => {
+                let worker = self
+                    .attempt
+                    .tried
+                    .last()
+                    .and_then(|index| pool.workers.get(*index))
+                    .map(|w| w.address.clone());
+                (Backend::Pool(pool.config.id.clone()), worker)
+            }
+            Destination::Provider(provider) => (Backend::Provider(provider.config.id.clone()), None),
+        };
+        directory.record(
+            id,
+            Holder {
+                backend,
+                worker,
+                tenant: self.tenant.clone(),
+                client_model: self.client.parsed.model.clone(),
+                upstream_model: target.upstream_model.clone(),
+            },
+        );
     }
 
     /// The request is over: release the worker and the tenant's slot now rather than when

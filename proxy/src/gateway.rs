@@ -9,6 +9,7 @@ use crate::cors::Cors;
 use crate::exchange::Exchange;
 use crate::limits::RateLimiter;
 use crate::metrics::Metrics;
+use crate::responses::ResponseDirectory;
 use crate::telemetry::{RequestSpan, Tracer};
 
 /// Proxy-wide settings that do not come from the snapshot.
@@ -22,6 +23,9 @@ pub struct Settings {
     pub body_timeout: Duration,
     /// Origins browser clients may call from (none by default).
     pub cors: Cors,
+    /// Response ids whose worker the gateway remembers at most, and for how long.
+    pub response_ids_max: usize,
+    pub response_ids_ttl: Duration,
 }
 
 impl Default for Settings {
@@ -31,6 +35,8 @@ impl Default for Settings {
             upstream_read_timeout: Duration::from_secs(600),
             body_timeout: Duration::from_secs(60),
             cors: Cors::default(),
+            response_ids_max: 100_000,
+            response_ids_ttl: Duration::from_secs(24 * 3600),
         }
     }
 }
@@ -41,6 +47,8 @@ pub struct Gateway {
     pub(crate) settings: Settings,
     /// Per-tenant rate limits, kept across snapshots.
     pub(crate) limiter: Arc<RateLimiter>,
+    /// Which worker holds which stored response (Responses API).
+    pub(crate) responses: Arc<ResponseDirectory>,
     /// Request spans, when OTLP export is configured.
     pub(crate) tracer: Option<Tracer>,
     /// The proxy's metrics, shared by both listeners and the connection layer.
@@ -56,6 +64,10 @@ impl Gateway {
         Gateway {
             metrics: Arc::new(Metrics::new(store.clone())),
             store,
+            responses: Arc::new(ResponseDirectory::new(
+                settings.response_ids_max,
+                settings.response_ids_ttl,
+            )),
             settings,
             limiter: Arc::default(),
             tracer: None,
@@ -82,6 +94,7 @@ impl Gateway {
             store: self.store.clone(),
             settings: self.settings.clone(),
             limiter: self.limiter.clone(),
+            responses: self.responses.clone(),
             tracer: self.tracer.clone(),
             metrics: self.metrics.clone(),
             admin: true,

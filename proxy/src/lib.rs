@@ -29,6 +29,7 @@ pub mod provider;
 pub mod proxy;
 pub mod request;
 pub mod respond;
+pub mod responses;
 pub mod routing;
 pub mod scorer;
 pub mod telemetry;
@@ -36,6 +37,7 @@ pub mod tokens;
 pub mod translate;
 pub mod translate_openai;
 pub mod translate_request;
+pub mod translate_responses;
 pub mod wire;
 pub mod worker;
 

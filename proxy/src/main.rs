@@ -71,6 +71,13 @@ struct Args {
     /// `*` for any); none by default. Preflights are answered by the gateway.
     #[arg(long, default_value = "")]
     cors_allow_origins: String,
+    /// Responses API: how many response ids the gateway remembers the worker of (each
+    /// `previous_response_id` and `/v1/responses/{id}` goes to the worker that made it).
+    #[arg(long, default_value_t = 100_000)]
+    response_ids_max: usize,
+    /// ... and for how long, in seconds.
+    #[arg(long, default_value_t = 86_400.0)]
+    response_ids_ttl_s: f64,
     /// How often configuration files are checked for changes, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     reload_interval_ms: u64,
@@ -159,6 +166,8 @@ fn main() -> anyhow::Result<()> {
         body_timeout: seconds(args.body_timeout_s, "body-timeout-s")?,
         cors: Cors::parse(&args.cors_allow_origins)
             .map_err(|e| anyhow::anyhow!("--cors-allow-origins: {e}"))?,
+        response_ids_max: args.response_ids_max,
+        response_ids_ttl: seconds(args.response_ids_ttl_s, "response-ids-ttl-s")?,
     };
     let connections = ConnectionSettings {
         header_timeout: seconds(args.header_timeout_s, "header-timeout-s")?,

@@ -15,12 +15,13 @@ use bytes::Bytes;
 use switchyard_policy::{
     ClassSet, Classifier, Context, NoTarget, Outcome as PolicyOutcome, PoolState, RequestFacts,
 };
-use switchyard_snapshot::snapshot::Tenant;
+use switchyard_snapshot::snapshot::{Backend, Tenant};
 use switchyard_snapshot::{ModelTarget, PoolId};
 
 use crate::api::{ApiError, Endpoint, ErrorKind, client_text};
 use crate::prompt::{self, PromptInfo};
 use crate::request::ParsedRequest;
+use crate::responses::Holder;
 use crate::routing::{PoolRuntime, RoutingTable};
 use crate::scorer;
 use crate::wire::{self, RequestBody};
@@ -49,6 +50,21 @@ pub struct Request<'a> {
     pub tenant: Option<&'a Tenant>,
     /// Keep the policy trace for the client (`x-switchyard-explain`, `/debug/route`).
     pub explain: bool,
+    /// The stored response a Responses request continues, as the gateway knows it.
+    pub previous: Previous<'a>,
+}
+
+/// What the gateway knows of a request's `previous_response_id`.
+#[derive(Debug, Clone, Copy, Default)]
+pub enum Previous<'a> {
+    /// The request continues no stored response.
+    #[default]
+    None,
+    /// It continues a response the gateway saw being made there.
+    Known(&'a Holder),
+    /// It names a response the gateway does not know (expired, another replica's, or a
+    /// provider's own).
+    Unknown(&'a str),
 }
 
 /// The policy outcome of a request, for the `switchyard_policy_decisions_total` counter.
@@ -94,6 +110,23 @@ pub struct Plan {
     /// Later targets of the model, tried in order when this one cannot be reached or fails
     /// before its first byte.
     pub fallbacks: Vec<ModelTarget>,
+}
+
+impl Plan {
+    /// A plan that is only `target`: no policy decided, no fallback.
+    pub fn to(target: Target) -> Plan {
+        Plan {
+            rule: None,
+            verdict: Verdict {
+                rule: String::new(),
+                outcome: "default",
+            },
+            policy_explain: None,
+            cache_salt: None,
+            target,
+            fallbacks: Vec::new(),
+        }
+    }
 }
 
 /// Decide where `request` goes on `table`.
@@ -200,6 +233,9 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
                 "no_target",
             )
         })?;
+    // A stored response lives where it was made: the request goes there, and nowhere else.
+    let previous_id = parsed.previous_response_id.as_deref().unwrap_or_default();
+    let (target, pinned) = continuation(table, model, target, request.previous, previous_id)?;
     let policy_explain = trace.map(|steps| {
         let mut text = steps
             .iter()
@@ -244,12 +280,16 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
             None => analyse_prompt(pool, client.endpoint, request.body, cache_salt.as_deref()),
         };
     }
-    let fallbacks = chosen
-        .targets
-        .iter()
-        .filter(|t| !std::ptr::eq(**t, target) && table.usable(t))
-        .map(|t| (*t).clone())
-        .collect();
+    prepared.pinned = pinned;
+    let fallbacks = match request.previous {
+        Previous::None => chosen
+            .targets
+            .iter()
+            .filter(|t| !std::ptr::eq(**t, target) && table.usable(t))
+            .map(|t| (*t).clone())
+            .collect(),
+        _ => Vec::new(),
+    };
     Ok(Plan {
         rule,
         verdict,
@@ -258,6 +298,72 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
         target: prepared,
         fallbacks,
     })
+}
+
+/// The target of a request that continues a stored response, and the worker it must go to:
+/// the one that made it. A response the gateway does not know is an error on a pool (only the
+/// worker that made it has it); a provider keeps its own responses and is asked as planned.
+fn continuation<'m>(
+    table: &RoutingTable,
+    model: &'m switchyard_snapshot::Model,
+    planned: &'m ModelTarget,
+    previous: Previous<'_>,
+    previous_id: &str,
+) -> Result<(&'m ModelTarget, Option<String>), Box<Rejection>> {
+    let not_found = |id: &str, why: String| {
+        Rejection::new(
+            ApiError {
+                kind: ErrorKind::NotFound,
+                code: "response_not_found",
+                param: Some("previous_response_id"),
+                message: format!("previous response '{}' {why}", client_text(id)),
+                retry_after: None,
+            },
+            "response_not_found",
+        )
+    };
+    match previous {
+        Previous::None => Ok((planned, None)),
+        Previous::Unknown(id) => match planned.backend {
+            Backend::Provider(_) => Ok((planned, None)),
+            Backend::Pool(_) => Err(not_found(
+                id,
+                "is not known to this gateway: it remembers which worker holds each response it                  forwarded (store enabled) for a limited time; the response may have expired,                  been made through another gateway replica, or not been stored"
+                    .to_owned(),
+            )),
+        },
+        Previous::Known(holder) => {
+            let target = model
+                .targets
+                .iter()
+                .find(|t| t.backend == holder.backend)
+                .ok_or_else(|| {
+                    Rejection::new(
+                        ApiError::invalid(
+                            "previous_response_id",
+                            format!(
+                                "the previous response was made by {}, which model '{}' no longer routes to",
+                                holder.backend,
+                                client_text(&model.name)
+                            ),
+                        ),
+                        "response_elsewhere",
+                    )
+                })?;
+            if let (Backend::Pool(id), Some(worker)) = (&holder.backend, &holder.worker) {
+                let present = table
+                    .pool(id)
+                    .is_some_and(|pool| pool.workers.iter().any(|w| &w.address == worker));
+                if !present {
+                    return Err(not_found(
+                        previous_id,
+                        format!("was kept by worker {worker}, which has left pool {id}: the response is gone with it"),
+                    ));
+                }
+            }
+            Ok((target, holder.worker.clone()))
+        }
+    }
 }
 
 /// Prepare the next of `fallbacks` that can be prepared, removing what it skips. The body is
@@ -375,7 +481,7 @@ impl Context for PolicyContext<'_> {
 mod target;
 
 use target::prepare_target;
-pub use target::{Target, Translation};
+pub use target::{Target, Translation, stored_response_target};
 
 #[cfg(test)]
 mod tests;

@@ -85,6 +85,11 @@ fn prompt_of(
     Ok(match endpoint {
         Endpoint::ChatCompletions => Prompt::Text(render(false)?),
         Endpoint::Messages => Prompt::Text(render(true)?),
+        Endpoint::Responses => Prompt::Text(
+            tokenizer
+                .render_chat(&request.responses_messages())
+                .map_err(|e| e.to_string())?,
+        ),
         Endpoint::Completions => match request.prompt_input() {
             Some(Ok(PromptInput::Text(text))) => Prompt::Text(text.into_owned()),
             Some(Ok(PromptInput::Tokens(ids))) => Prompt::Tokens(ids),

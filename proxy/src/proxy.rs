@@ -76,9 +76,9 @@ impl ProxyHttp for Gateway {
                 "unknown_url",
                 format!(
                     "unknown path '{path}'; this gateway serves POST /v1/chat/completions, \
-                     /v1/completions, /v1/messages, /v1/messages/count_tokens, /v1/embeddings, \
-                     /pooling, /v1/score, /v1/rerank, /tokenize, /detokenize and GET /v1/models, \
-                     /v1/models/{{id}}"
+                     /v1/completions, /v1/messages, /v1/messages/count_tokens, /v1/responses, \
+                     /v1/embeddings, /pooling, /v1/score, /v1/rerank, /tokenize, /detokenize, \
+                     GET /v1/models, /v1/models/{{id}}, and GET/DELETE /v1/responses/{{id}}"
                 ),
             );
             return self.respond_error(session, ctx, error).await;

@@ -23,6 +23,10 @@ pub struct ParsedRequest {
     pub cache_salt: Option<String>,
     /// `stream_options.include_usage` is set: the client wants usage in its stream.
     pub asks_stream_usage: bool,
+    /// Responses API: the stored response this request continues.
+    pub previous_response_id: Option<String>,
+    /// Responses API: the answer is to be kept (`store`, true unless set false).
+    pub store: bool,
     /// Byte range of the `"model"` value (quotes included) in the body.
     model_span: Range<usize>,
     /// Byte range of the `"cache_salt"` value (`null` included), when there is one.
@@ -31,6 +35,26 @@ pub struct ParsedRequest {
     stream_options_span: Option<Range<usize>>,
     /// Where a new first field goes: just after the object's opening brace.
     object_start: usize,
+}
+
+impl ParsedRequest {
+    /// A request without a body (`GET /v1/responses/{id}` and the like), for `model` as the
+    /// client knows it.
+    pub fn bodiless(model: String, stream: bool) -> ParsedRequest {
+        ParsedRequest {
+            model,
+            stream,
+            max_tokens: Some(0),
+            cache_salt: None,
+            asks_stream_usage: false,
+            previous_response_id: None,
+            store: false,
+            model_span: 0..0,
+            cache_salt_span: None,
+            stream_options_span: None,
+            object_start: 0,
+        }
+    }
 }
 
 /// Parse and validate a request body for `endpoint` (tests and tools; the gateway parses once
@@ -77,6 +101,23 @@ pub fn summarise(
                 "missing required field 'input' (or 'messages')",
             ));
         }
+        Endpoint::Responses => match head.responses_input() {
+            None => {
+                return Err(ApiError::invalid(
+                    "input",
+                    "missing required field 'input'",
+                ));
+            }
+            Some(Err(message)) => return Err(ApiError::invalid("input", message)),
+            Some(Ok(_)) => {
+                if head.max_output_tokens == Some(0) {
+                    return Err(ApiError::invalid(
+                        "max_output_tokens",
+                        "'max_output_tokens' must be at least 1",
+                    ));
+                }
+            }
+        },
         Endpoint::Completions => match head.prompt_input() {
             None => {
                 return Err(ApiError::invalid(
@@ -104,8 +145,16 @@ pub fn summarise(
     Ok(ParsedRequest {
         model,
         stream: head.stream.unwrap_or(false),
-        max_tokens: head.max_tokens.or(head.max_completion_tokens),
+        max_tokens: head
+            .max_tokens
+            .or(head.max_completion_tokens)
+            .or(head.max_output_tokens),
         asks_stream_usage: stream_options.include_usage.unwrap_or(false),
+        previous_response_id: head
+            .previous_response_id
+            .as_deref()
+            .map(str::to_owned),
+        store: head.store.unwrap_or(true),
         cache_salt,
         model_span,
         cache_salt_span,

@@ -176,6 +176,8 @@ impl Gateway {
             Endpoint::ChatCompletions
             | Endpoint::Completions
             | Endpoint::Messages
+            | Endpoint::Responses
+            | Endpoint::StoredResponse
             | Endpoint::Tokenize
             | Endpoint::Detokenize
             | Endpoint::Embeddings

@@ -1,5 +1,6 @@
 //! The typed model of an inference request body, OpenAI (chat, legacy completions) and
-//! Anthropic (messages) alike, parsed once per request.
+//! Anthropic (messages) alike, and OpenAI's Responses API ([`responses`]), parsed once per
+//! request.
 //!
 //! The structs borrow from the body: a multi-megabyte prompt is not copied unless JSON escapes
 //! force it, and no tree of values is built for it. Fields the gateway does not read are not
@@ -92,6 +93,27 @@ pub struct RequestBody<'a> {
     pub query: Option<&'a RawValue>,
     #[serde(borrow, default)]
     pub documents: Option<&'a RawValue>,
+    /// Responses API: the system text (see [`responses`] for `input`).
+    #[serde(borrow, default)]
+    pub instructions: Option<&'a RawValue>,
+    /// Responses API: the stored response this one continues (held by one worker).
+    #[serde(borrow, default)]
+    pub previous_response_id: Option<Cow<'a, str>>,
+    #[serde(default)]
+    pub max_output_tokens: Option<u64>,
+    /// Responses API: keep the response for later (`true` unless set).
+    #[serde(default)]
+    pub store: Option<bool>,
+    #[serde(default)]
+    pub background: Option<bool>,
+    /// Responses API: the output format (`text.format`: text, json_object, json_schema).
+    #[serde(borrow, default)]
+    pub text: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub parallel_tool_calls: Option<&'a RawValue>,
+    /// Responses API: a conversation object of OpenAI's (state the gateway cannot translate).
+    #[serde(borrow, default)]
+    pub conversation: Option<&'a RawValue>,
 }
 
 /// A field that is present, `null` included (serde's `Option` makes `null` absent): the
@@ -436,6 +458,7 @@ pub use content::{Content, ImageSource, ImageUrl, Part, PartFields};
 
 pub mod answer;
 mod classify;
+pub mod responses;
 
 #[cfg(test)]
 mod tests;

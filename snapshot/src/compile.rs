@@ -228,6 +228,7 @@ fn compile_pool(
         endpoints,
         load_balancing: spec.load_balancing,
         anthropic_messages: spec.anthropic_messages,
+        responses_api: spec.responses_api,
         task: spec.task,
         connect_timeout_ms: spec
             .connect_timeout_ms
@@ -677,6 +678,7 @@ fn compile_providers<'a>(
                 models: spec.models.iter().map(|m| m.trim().to_owned()).collect(),
                 ca_file: spec.ca_file.as_ref().map(|f| f.trim().to_owned()),
                 forward_headers,
+                responses_api: spec.responses_api,
                 connect_timeout_ms: spec
                     .connect_timeout_ms
                     .unwrap_or(DEFAULT_PROVIDER_CONNECT_TIMEOUT_MS),

@@ -182,6 +182,18 @@ pub enum AnthropicMessages {
     Translate,
 }
 
+/// Whether an upstream serves the OpenAI Responses API (`/v1/responses`) itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ResponsesApi {
+    /// Forward `/v1/responses` unchanged (vLLM and OpenAI serve it).
+    #[default]
+    Native,
+    /// Translate `/v1/responses` to `/v1/chat/completions` and the answer back (stateless
+    /// requests only: no `previous_response_id`, no background mode, function tools only).
+    Translate,
+}
+
 /// `InferencePool`: a set of model-server workers that serve one model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -203,6 +215,10 @@ pub struct InferencePoolSpec {
     pub load_balancing: LoadBalancing,
     #[serde(default)]
     pub anthropic_messages: AnthropicMessages,
+    /// Whether the workers serve `/v1/responses` (`native`, vLLM) or it is translated to Chat
+    /// Completions (`translate`).
+    #[serde(default)]
+    pub responses_api: ResponsesApi,
     /// What the pool's model does: `generate` (default), `embed` or `score`.
     #[serde(default)]
     pub task: PoolTask,
@@ -396,6 +412,10 @@ pub struct ExternalProviderSpec {
     /// content headers, `anthropic-version`, and what the gateway sets (its key, host, request id).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub forward_headers: Vec<String>,
+    /// OpenAI-format providers: whether they serve `/v1/responses` (`native`, OpenAI) or it is
+    /// translated to Chat Completions (`translate`, for Chat-only compatible APIs).
+    #[serde(default)]
+    pub responses_api: ResponsesApi,
 }
 
 /// A numeric comparison; every bound given must hold.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub use crate::documents::{
-    AnthropicMessages, Engine, LoadBalancing, PoolTask, ProviderFormat, RangeSpec as Range,
+    AnthropicMessages, Engine, ResponsesApi, LoadBalancing, PoolTask, ProviderFormat, RangeSpec as Range,
     RateLimitsSpec as RateLimits, ScoringSpec as Scoring, SecretKeyRef, TargetStrategy,
     TokenizerSpec as Tokenizer,
 };
@@ -77,6 +77,8 @@ pub struct Pool {
     pub endpoints: Vec<Endpoint>,
     pub load_balancing: LoadBalancing,
     pub anthropic_messages: AnthropicMessages,
+    #[serde(default)]
+    pub responses_api: ResponsesApi,
     /// What the pool's model does (the endpoints it serves).
     #[serde(default)]
     pub task: PoolTask,
@@ -180,6 +182,8 @@ pub struct Provider {
     /// Client request headers (lowercase) passed on besides the API's own.
     #[serde(default)]
     pub forward_headers: Vec<String>,
+    #[serde(default)]
+    pub responses_api: ResponsesApi,
 }
 
 /// Where a provider's key is read (by the proxy, when it builds its tables; never logged).

@@ -62,6 +62,7 @@ fn exchange_of(metrics: &Metrics, body: Bytes) -> Exchange {
             headers: &HeaderMap::new(),
             tenant: None,
             explain: false,
+            previous: Default::default(),
         },
     )
     .unwrap();

@@ -5,14 +5,16 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use switchyard_snapshot::ModelTarget;
-use switchyard_snapshot::snapshot::{AnthropicMessages, PoolTask, ProviderFormat};
+use switchyard_snapshot::snapshot::{AnthropicMessages, PoolTask, ProviderFormat, ResponsesApi};
 
 use super::ClientRequest;
 use crate::api::{ApiError, Endpoint, ErrorKind};
 use crate::prompt::PromptInfo;
 use crate::request;
+use crate::responses::Holder;
 use crate::routing::{Destination, PoolRuntime, ProviderRuntime, RoutingTable};
 use crate::translate_request;
+use crate::translate_responses;
 use crate::wire::RequestBody;
 
 /// Translation between the client's API and the upstream's.
@@ -23,6 +25,8 @@ pub enum Translation {
     MessagesToChat,
     /// OpenAI Chat Completions client, Anthropic Messages upstream.
     ChatToMessages,
+    /// OpenAI Responses client, Chat Completions upstream.
+    ResponsesToChat,
 }
 
 /// A target made ready: where it goes, which way to translate, and the body to send.
@@ -42,6 +46,9 @@ pub struct Target {
     /// The prompt as the pool's workers tokenize it, when the planner already tokenized it
     /// (a policy read the pool's predicted TTFT).
     pub prompt: Option<Arc<PromptInfo>>,
+    /// The one worker (by address) that may take the request: it holds the stored response
+    /// the request continues or names.
+    pub pinned: Option<String>,
 }
 
 impl Target {
@@ -91,7 +98,10 @@ pub(super) fn prepare_target(
                 ));
             }
             provider_translation(provider, endpoint).ok_or_else(|| {
-                let message = if endpoint.is_inference() {
+                let message = if matches!(
+                    endpoint,
+                    Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages
+                ) {
                     format!(
                         "model '{}' is served by provider {}, which speaks the Anthropic Messages API: \
                          use /v1/chat/completions or /v1/messages (legacy completions cannot be translated)",
@@ -135,15 +145,20 @@ pub(super) fn prepare_target(
                     ),
                 ));
             }
-            if endpoint == Endpoint::Messages
-                && pool.config.anthropic_messages == AnthropicMessages::Translate
-            {
-                (
-                    Translation::MessagesToChat,
+            match endpoint {
+                Endpoint::Messages
+                    if pool.config.anthropic_messages == AnthropicMessages::Translate =>
+                {
+                    (
+                        Translation::MessagesToChat,
+                        Some("/v1/chat/completions".to_owned()),
+                    )
+                }
+                Endpoint::Responses if pool.config.responses_api == ResponsesApi::Translate => (
+                    Translation::ResponsesToChat,
                     Some("/v1/chat/completions".to_owned()),
-                )
-            } else {
-                (Translation::None, None)
+                ),
+                _ => (Translation::None, None),
             }
         }
     };
@@ -170,6 +185,14 @@ pub(super) fn prepare_target(
         Translation::ChatToMessages => {
             translate_request::chat_to_messages(typed, &target.upstream_model)?
         }
+        Translation::ResponsesToChat => {
+            let translated =
+                translate_responses::responses_to_chat(typed, &target.upstream_model)?;
+            match worker_salt {
+                Some(salt) => request::with_leading_cache_salt(translated, salt),
+                None => translated,
+            }
+        }
         Translation::None => {
             let (rewritten, asked) =
                 request::rewrite(body, parsed, &target.upstream_model, worker_salt, ask_usage)?;
@@ -190,6 +213,7 @@ pub(super) fn prepare_target(
         body: upstream_body,
         strip_usage,
         prompt: None,
+        pinned: None,
     })
 }
 
@@ -212,8 +236,65 @@ fn provider_translation(
             (Translation::ChatToMessages, "messages")
         }
         (Endpoint::Completions, ProviderFormat::Openai) => (Translation::None, "completions"),
+        (Endpoint::Responses, ProviderFormat::Openai) => match provider.config.responses_api {
+            ResponsesApi::Native => (Translation::None, "responses"),
+            ResponsesApi::Translate => (Translation::ResponsesToChat, "chat/completions"),
+        },
         (Endpoint::Embeddings, ProviderFormat::Openai) => (Translation::None, "embeddings"),
         _ => return None,
     };
     Some((translate, Some(format!("{base}/{path}"))))
+}
+
+/// The target of a request naming a stored response (`GET`/`DELETE /v1/responses/{id}`, `POST
+/// .../cancel`): the pool's worker (or the provider) that made it, asked on `path` (the
+/// client's path and query, from `/v1/responses/`).
+pub fn stored_response_target(
+    table: &RoutingTable,
+    holder: &Holder,
+    path: &str,
+) -> Result<Target, ApiError> {
+    let gone = |why: String| ApiError {
+        kind: ErrorKind::NotFound,
+        code: "response_not_found",
+        param: Some("response_id"),
+        message: why,
+        retry_after: None,
+    };
+    let target = ModelTarget {
+        backend: holder.backend.clone(),
+        upstream_model: holder.upstream_model.clone(),
+        weight: 1,
+    };
+    let destination = table
+        .destination(&target)
+        .ok_or_else(|| gone(format!("the response was made by {}, which is no longer configured", holder.backend)))?;
+    let upstream_path = match &destination {
+        Destination::Pool(pool) => {
+            if let Some(worker) = &holder.worker
+                && !pool.workers.iter().any(|w| &w.address == worker)
+            {
+                return Err(gone(format!(
+                    "the response was kept by worker {worker}, which has left pool {}: it is gone with it",
+                    pool.config.id
+                )));
+            }
+            path.to_owned()
+        }
+        Destination::Provider(provider) => {
+            let rest = path.strip_prefix("/v1").unwrap_or(path);
+            format!("{}{rest}", provider.base_path)
+        }
+    };
+    Ok(Target {
+        label: holder.backend.to_string(),
+        destination,
+        translate: Translation::None,
+        upstream_path: Some(upstream_path),
+        upstream_model: holder.upstream_model.clone(),
+        body: Bytes::new(),
+        strip_usage: false,
+        prompt: None,
+        pinned: holder.worker.clone(),
+    })
 }

@@ -128,6 +128,7 @@ fn plan_for(
             headers,
             tenant,
             explain: true,
+            previous: Previous::None,
         },
     )
 }

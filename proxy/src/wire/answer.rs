@@ -26,6 +26,9 @@ pub struct UsageFields {
     pub cache_read_input_tokens: Option<u64>,
     #[serde(default)]
     pub cache_creation_input_tokens: Option<u64>,
+    /// Responses API: cached input, counted inside `input_tokens`.
+    #[serde(default)]
+    pub input_tokens_details: Option<PromptTokensDetails>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -56,7 +59,8 @@ impl UsageFields {
             input_tokens,
             output_tokens,
             cache_read_input_tokens,
-            cache_creation_input_tokens
+            cache_creation_input_tokens,
+            input_tokens_details
         );
     }
 }
@@ -143,6 +147,9 @@ pub struct StreamData<'a> {
     pub content_block: Option<PartFields<'a>>,
     #[serde(borrow, default)]
     pub delta: Option<EventDelta<'a>>,
+    /// Responses API events: the response (`response.created`, `response.completed`, ...).
+    #[serde(borrow, default)]
+    pub response: Option<EventMessage<'a>>,
 }
 
 /// `usage` only when it is an object (`null` and other shapes count as absent).
@@ -173,6 +180,7 @@ impl StreamData<'_> {
         self.usage
             .as_ref()
             .or_else(|| self.message.as_ref()?.usage.as_ref())
+            .or_else(|| self.response.as_ref()?.usage.as_ref())
     }
 }
 
@@ -203,7 +211,7 @@ pub struct ToolCallDelta<'a> {
     pub function: Option<FunctionCall<'a>>,
 }
 
-/// The message of Anthropic's `message_start`.
+/// The message of Anthropic's `message_start`, or the response of a Responses API event.
 #[derive(Debug, Default, Deserialize)]
 pub struct EventMessage<'a> {
     #[serde(borrow, default)]
@@ -238,9 +246,13 @@ pub struct MessageResponse<'a> {
     pub usage: Option<UsageFields>,
 }
 
-/// What the usage tap reads of a whole answer, either API.
+/// What the usage tap reads of a whole answer, any API (and a Responses answer's id).
 #[derive(Debug, Default, Deserialize)]
 pub struct AnswerUsage {
+    #[serde(default)]
+    pub id: Option<String>,
+    #[serde(default)]
+    pub object: Option<String>,
     #[serde(default, deserialize_with = "usage_object")]
     pub usage: Option<UsageFields>,
 }

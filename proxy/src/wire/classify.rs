@@ -76,8 +76,11 @@ impl PromptText for RequestBody<'_> {
                 }
             }
         }
-        // What pooling models embed or compare is prompt text too.
+        // What pooling models embed or compare, and a Responses request's instructions and
+        // input items (every string in them: texts, call arguments, tool outputs), are prompt
+        // text too.
         for raw in [
+            self.instructions,
             self.input,
             self.text_1,
             self.text_2,
@@ -103,6 +106,7 @@ impl PromptText for RequestBody<'_> {
             self.tools,
             self.functions,
             self.response_format,
+            self.text,
             self.user,
             self.metadata,
         ]
@@ -121,6 +125,7 @@ impl PromptText for RequestBody<'_> {
     fn user_turns(&self) -> usize {
         match &self.messages {
             Some(messages) => messages.iter().filter(|m| m.role == "user").count(),
+            None if self.input.is_some() => self.responses_user_turns(),
             None => usize::from(self.prompt.is_some()),
         }
     }

@@ -168,6 +168,21 @@ impl Content<'_> {
             Content::Other => String::new(),
         }
     }
+
+    /// The first part's text (vLLM reads an assistant item's `content[0].text`).
+    pub(super) fn first_text(&self) -> String {
+        match self {
+            Content::Text(text) => text.clone().into_owned(),
+            Content::Parts(parts) => parts.first().map_or_else(String::new, |part| {
+                if part.raw.get().starts_with('"') {
+                    serde_json::from_str(part.raw.get()).unwrap_or_default()
+                } else {
+                    part.fields.text.clone().unwrap_or_default().into_owned()
+                }
+            }),
+            Content::Other => String::new(),
+        }
+    }
 }
 
 /// A raw value as compact JSON.
