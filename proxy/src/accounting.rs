@@ -46,7 +46,11 @@ impl Usage {
             self.reported = true;
         }
         // Responses API: `input_tokens` includes the cached ones, given apart in details.
-        if let Some(cached) = usage.input_tokens_details.as_ref().and_then(|d| d.cached_tokens) {
+        if let Some(cached) = usage
+            .input_tokens_details
+            .as_ref()
+            .and_then(|d| d.cached_tokens)
+        {
             self.cached_tokens = cached;
         }
     }
@@ -239,6 +243,45 @@ mod tests {
             (tap.usage.prompt_tokens, tap.usage.completion_tokens),
             (3, 4)
         );
+    }
+
+    #[test]
+    fn responses_api_usage_and_ids_are_read() {
+        let mut tap = UsageTap::new(true, false);
+        let created = "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_7\",\"model\":\"m\",\"usage\":null}}\n\n";
+        let done = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_7\",\"usage\":{\"input_tokens\":30,\"input_tokens_details\":{\"cached_tokens\":16},\"output_tokens\":5,\"total_tokens\":35}}}\n\n";
+        let all = format!("{created}{done}");
+        // Split inside the first event: the id is known once it is whole.
+        tap.feed(Bytes::copy_from_slice(&all.as_bytes()[..40]));
+        assert_eq!(tap.response_id, None);
+        tap.feed(Bytes::copy_from_slice(&all.as_bytes()[40..]));
+        assert_eq!(tap.response_id.as_deref(), Some("resp_7"));
+        assert_eq!(
+            tap.usage,
+            Usage {
+                prompt_tokens: 30,
+                cached_tokens: 16,
+                completion_tokens: 5,
+                reported: true
+            }
+        );
+        let mut whole = UsageTap::new(false, false);
+        whole.feed(Bytes::from(
+            r#"{"id":"resp_9","object":"response","usage":{"input_tokens":4,"output_tokens":2}}"#,
+        ));
+        whole.finish();
+        assert_eq!(whole.response_id.as_deref(), Some("resp_9"));
+        assert_eq!(
+            (whole.usage.prompt_tokens, whole.usage.completion_tokens),
+            (4, 2)
+        );
+        // Another API's answer has no response id.
+        let mut chat = UsageTap::new(false, false);
+        chat.feed(Bytes::from(
+            r#"{"id":"chatcmpl-1","object":"chat.completion"}"#,
+        ));
+        chat.finish();
+        assert_eq!(chat.response_id, None);
     }
 
     #[test]

@@ -21,8 +21,8 @@ use crate::exchange::Exchange;
 use crate::gateway::Gateway;
 use crate::limits::{Admission, RateLimiter, Reservation};
 use crate::plan::{self, ClientRequest, INLINE_PLAN_BYTES, Plan, Previous, Rejection, Request};
-use crate::responses::ResponseDirectory;
 use crate::request::{self, ParsedRequest};
+use crate::responses::ResponseDirectory;
 use crate::routing::{AuthFailure, Caller, RoutingTable};
 use crate::wire;
 
@@ -126,7 +126,9 @@ impl Gateway {
         let planned = if body.len() <= INLINE_PLAN_BYTES {
             let headers = &session.req_header().headers;
             let tenant = caller.tenant();
-            parse_and_plan(&table, responses, endpoint, body, headers, tenant, explained)
+            parse_and_plan(
+                &table, responses, endpoint, body, headers, tenant, explained,
+            )
         } else {
             let (table, tenant) = (table.clone(), tenant.clone());
             let headers = session.req_header().headers.clone();
@@ -135,7 +137,9 @@ impl Gateway {
                 let tenant = tenant
                     .as_deref()
                     .and_then(|t| table.snapshot.tenants.get(t));
-                parse_and_plan(&table, &responses, endpoint, body, &headers, tenant, explained)
+                parse_and_plan(
+                    &table, &responses, endpoint, body, &headers, tenant, explained,
+                )
             })
             .await
             .unwrap_or_else(|e| {
@@ -184,10 +188,10 @@ impl Gateway {
             &client.parsed.model,
             &plan.target.label,
         );
-        Ok(Exchange::new(
-            table, client, tenant, plan, explained, admission, series,
+        Ok(
+            Exchange::new(table, client, tenant, plan, explained, admission, series)
+                .with_responses(self.responses.clone()),
         )
-        .with_responses(self.responses.clone()))
     }
 
     /// Admit a request naming a stored response (`GET`/`DELETE /v1/responses/{id}`, `POST
@@ -201,7 +205,8 @@ impl Gateway {
     ) -> Result<Exchange, ApiError> {
         let tenant_name = tenant.map(|t| t.name.clone());
         let counted = |error: ApiError| {
-            self.metrics.rejected_early(tenant_name.as_deref(), error.code);
+            self.metrics
+                .rejected_early(tenant_name.as_deref(), error.code);
             error
         };
         let request = session.req_header();
@@ -235,7 +240,8 @@ impl Gateway {
             })?;
         // A cancel may carry a body; nothing in it is read.
         self.read_body(session).await.map_err(counted)?;
-        let target = plan::stored_response_target(&table, &holder, &path_and_query).map_err(counted)?;
+        let target =
+            plan::stored_response_target(&table, &holder, &path_and_query).map_err(counted)?;
         let admission = match tenant {
             Some(tenant) => admit_rate(&self.limiter, tenant, Reservation::for_request(0, Some(0)))
                 .map_err(|rejection| {
@@ -249,17 +255,20 @@ impl Gateway {
                 })?,
             None => None,
         };
-        let series =
-            self.metrics
-                .request_series(tenant_name.as_deref(), &holder.client_model, &target.label);
+        let series = self.metrics.request_series(
+            tenant_name.as_deref(),
+            &holder.client_model,
+            &target.label,
+        );
         let client = ClientRequest {
             endpoint: Endpoint::StoredResponse,
             parsed: ParsedRequest::bodiless(holder.client_model.clone(), stream),
             body: Bytes::new(),
         };
         let plan = Plan::to(target);
-        let mut exchange = Exchange::new(table, client, tenant_name, plan, false, admission, series)
-            .with_responses(self.responses.clone());
+        let mut exchange =
+            Exchange::new(table, client, tenant_name, plan, false, admission, series)
+                .with_responses(self.responses.clone());
         exchange.deletes_response = deletes.then_some(id);
         Ok(exchange)
     }

@@ -537,7 +537,9 @@ impl Exchange {
                     .map(|w| w.address.clone());
                 (Backend::Pool(pool.config.id.clone()), worker)
             }
-            Destination::Provider(provider) => (Backend::Provider(provider.config.id.clone()), None),
+            Destination::Provider(provider) => {
+                (Backend::Provider(provider.config.id.clone()), None)
+            }
         };
         directory.record(
             id,

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use switchyard_policy::{
     ClassSet, Classifier, Context, NoTarget, Outcome as PolicyOutcome, PoolState, RequestFacts,
 };
-use switchyard_snapshot::snapshot::{Backend, Tenant};
+use switchyard_snapshot::snapshot::{Backend, ResponsesApi, Tenant};
 use switchyard_snapshot::{ModelTarget, PoolId};
 
 use crate::api::{ApiError, Endpoint, ErrorKind, client_text};
@@ -324,11 +324,21 @@ fn continuation<'m>(
     };
     match previous {
         Previous::None => Ok((planned, None)),
-        Previous::Unknown(id) => match planned.backend {
+        Previous::Unknown(id) => match &planned.backend {
+            // A provider keeps its own; a translating pool refuses it when the body is prepared.
             Backend::Provider(_) => Ok((planned, None)),
+            Backend::Pool(pool)
+                if table
+                    .pool(pool)
+                    .is_some_and(|p| p.config.responses_api == ResponsesApi::Translate) =>
+            {
+                Ok((planned, None))
+            }
             Backend::Pool(_) => Err(not_found(
                 id,
-                "is not known to this gateway: it remembers which worker holds each response it                  forwarded (store enabled) for a limited time; the response may have expired,                  been made through another gateway replica, or not been stored"
+                "is not known to this gateway: it remembers which worker holds each response it \
+                 forwarded (store enabled) for a limited time; the response may have expired, \
+                 been made through another gateway replica, or not been stored"
                     .to_owned(),
             )),
         },
@@ -357,7 +367,9 @@ fn continuation<'m>(
                 if !present {
                     return Err(not_found(
                         previous_id,
-                        format!("was kept by worker {worker}, which has left pool {id}: the response is gone with it"),
+                        format!(
+                            "was kept by worker {worker}, which has left pool {id}: the response is gone with it"
+                        ),
                     ));
                 }
             }

@@ -103,10 +103,7 @@ pub fn summarise(
         }
         Endpoint::Responses => match head.responses_input() {
             None => {
-                return Err(ApiError::invalid(
-                    "input",
-                    "missing required field 'input'",
-                ));
+                return Err(ApiError::invalid("input", "missing required field 'input'"));
             }
             Some(Err(message)) => return Err(ApiError::invalid("input", message)),
             Some(Ok(_)) => {
@@ -150,10 +147,7 @@ pub fn summarise(
             .or(head.max_completion_tokens)
             .or(head.max_output_tokens),
         asks_stream_usage: stream_options.include_usage.unwrap_or(false),
-        previous_response_id: head
-            .previous_response_id
-            .as_deref()
-            .map(str::to_owned),
+        previous_response_id: head.previous_response_id.as_deref().map(str::to_owned),
         store: head.store.unwrap_or(true),
         cache_salt,
         model_span,

@@ -78,7 +78,10 @@ impl ResponseDirectory {
         inner.order.push_back((id.to_owned(), now));
         // Forget the expired, and the oldest beyond the capacity.
         while let Some((oldest, at)) = inner.order.front().cloned() {
-            let live = inner.by_id.get(&oldest).is_some_and(|(_, noted)| *noted == at);
+            let live = inner
+                .by_id
+                .get(&oldest)
+                .is_some_and(|(_, noted)| *noted == at);
             let expired = now.saturating_duration_since(at) >= self.ttl;
             if live && !expired && inner.by_id.len() <= self.capacity {
                 break;
@@ -136,7 +139,9 @@ mod tests {
         let start = Instant::now();
         directory.record_at("resp_1", holder("w1:8000", Some("team-a")), start);
         assert_eq!(
-            directory.find_at("resp_1", Some("team-a"), start).and_then(|h| h.worker),
+            directory
+                .find_at("resp_1", Some("team-a"), start)
+                .and_then(|h| h.worker),
             Some("w1:8000".to_owned())
         );
         assert_eq!(directory.find_at("resp_1", Some("team-b"), start), None);
@@ -167,7 +172,9 @@ mod tests {
         directory.record_at("resp_2", holder("w9", None), at(5));
         directory.record_at("resp_5", holder("w", None), at(6));
         assert_eq!(
-            directory.find_at("resp_2", None, now).and_then(|h| h.worker),
+            directory
+                .find_at("resp_2", None, now)
+                .and_then(|h| h.worker),
             Some("w9".to_owned())
         );
         assert_eq!(directory.len(), 3);

@@ -120,7 +120,9 @@ pub fn responses_to_chat(
             Either::Right(choice) if choice.kind.as_deref() == Some("function") => {
                 json!({"type": "function", "function": {"name": tree_or_null(choice.name)}})
             }
-            Either::Right(_) => return Err(untranslatable("a 'tool_choice' naming a built-in tool")),
+            Either::Right(_) => {
+                return Err(untranslatable("a 'tool_choice' naming a built-in tool"));
+            }
         };
         out.insert("tool_choice".into(), choice);
     }
@@ -183,10 +185,7 @@ fn chat_message_of(
         return Ok(());
     }
     if item.is_function_output() {
-        let output = item
-            .output
-            .as_ref()
-            .map_or_else(String::new, parts_text);
+        let output = item.output.as_ref().map_or_else(String::new, parts_text);
         messages.push(json!({
             "role": "tool",
             "tool_call_id": item.call_id.as_deref().unwrap_or_default(),
@@ -232,7 +231,11 @@ fn chat_message_of(
             }
             if role == "assistant" {
                 // Assistant content is text in Chat Completions.
-                json!(out.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<String>())
+                json!(
+                    out.iter()
+                        .filter_map(|p| p.get("text").and_then(Value::as_str))
+                        .collect::<String>()
+                )
             } else {
                 Value::Array(out)
             }
@@ -347,7 +350,9 @@ pub fn chat_response_to_responses(body: &[u8], client_model: &str) -> Bytes {
             &format!("fc_{id}_{n}"),
             &tree_or_null(call.id),
             &tree_or_null(function.and_then(|f| f.name)),
-            &function.and_then(|f| f.arguments_text()).unwrap_or_default(),
+            &function
+                .and_then(|f| f.arguments_text())
+                .unwrap_or_default(),
             "completed",
         ));
     }
@@ -367,8 +372,17 @@ pub fn chat_response_to_responses(body: &[u8], client_model: &str) -> Bytes {
 /// The item being streamed.
 #[derive(Debug)]
 enum OpenItem {
-    Text { id: String, text: String },
-    Call { openai_index: u64, id: String, call_id: Value, name: Value, arguments: String },
+    Text {
+        id: String,
+        text: String,
+    },
+    Call {
+        openai_index: u64,
+        id: String,
+        call_id: Value,
+        name: Value,
+        arguments: String,
+    },
 }
 
 /// Turns a Chat Completions SSE stream into Responses events, incrementally.
@@ -505,8 +519,12 @@ impl ResponsesStreamTranslator {
                 all.push_str(text);
                 item_id = id.clone();
             }
-            self.emit(out, "response.output_text.delta", Self::fields(json!({"output_index": index, "item_id": item_id,
-                "content_index": 0, "delta": text, "logprobs": []})));
+            self.emit(
+                out,
+                "response.output_text.delta",
+                Self::fields(json!({"output_index": index, "item_id": item_id,
+                "content_index": 0, "delta": text, "logprobs": []})),
+            );
         }
         for call in delta
             .and_then(|d| d.tool_calls.as_deref())
@@ -519,9 +537,16 @@ impl ResponsesStreamTranslator {
                 self.close_item(out);
                 let index = self.output.len();
                 let id = format!("fc_{}_{index}", self.id);
-                let (call_id, name) = (tree_or_null(call.id), tree_or_null(function.and_then(|f| f.name)));
-                self.emit(out, "response.output_item.added", Self::fields(json!({"output_index": index,
-                    "item": call_item(&id, &call_id, &name, "", "in_progress")})));
+                let (call_id, name) = (
+                    tree_or_null(call.id),
+                    tree_or_null(function.and_then(|f| f.name)),
+                );
+                self.emit(
+                    out,
+                    "response.output_item.added",
+                    Self::fields(json!({"output_index": index,
+                    "item": call_item(&id, &call_id, &name, "", "in_progress")})),
+                );
                 self.open = Some(OpenItem::Call {
                     openai_index,
                     id,
@@ -530,7 +555,9 @@ impl ResponsesStreamTranslator {
                     arguments: String::new(),
                 });
             }
-            let piece = function.and_then(|f| f.arguments_text()).unwrap_or_default();
+            let piece = function
+                .and_then(|f| f.arguments_text())
+                .unwrap_or_default();
             if !piece.is_empty() {
                 let index = self.output.len();
                 let mut item_id = String::new();
@@ -538,8 +565,12 @@ impl ResponsesStreamTranslator {
                     arguments.push_str(&piece);
                     item_id = id.clone();
                 }
-                self.emit(out, "response.function_call_arguments.delta", Self::fields(json!({"output_index": index,
-                    "item_id": item_id, "delta": piece})));
+                self.emit(
+                    out,
+                    "response.function_call_arguments.delta",
+                    Self::fields(json!({"output_index": index,
+                    "item_id": item_id, "delta": piece})),
+                );
             }
         }
         if let Some(reason) = choice.finish_reason.as_deref() {
@@ -562,8 +593,16 @@ impl ResponsesStreamTranslator {
             Vec::new(),
             Value::Null,
         );
-        self.emit(out, "response.created", Self::fields(json!({"response": response})));
-        self.emit(out, "response.in_progress", Self::fields(json!({"response": response})));
+        self.emit(
+            out,
+            "response.created",
+            Self::fields(json!({"response": response})),
+        );
+        self.emit(
+            out,
+            "response.in_progress",
+            Self::fields(json!({"response": response})),
+        );
     }
 
     fn close_item(&mut self, out: &mut String) {
@@ -571,19 +610,41 @@ impl ResponsesStreamTranslator {
         match self.open.take() {
             None => {}
             Some(OpenItem::Text { id, text }) => {
-                self.emit(out, "response.output_text.done", Self::fields(json!({"output_index": index, "item_id": id,
-                    "content_index": 0, "text": text, "logprobs": []})));
+                self.emit(
+                    out,
+                    "response.output_text.done",
+                    Self::fields(json!({"output_index": index, "item_id": id,
+                    "content_index": 0, "text": text, "logprobs": []})),
+                );
                 self.emit(out, "response.content_part.done", Self::fields(json!({"output_index": index, "item_id": id,
                     "content_index": 0, "part": {"type": "output_text", "text": text, "annotations": []}})));
                 let item = message_item(&id, &text, "completed");
-                self.emit(out, "response.output_item.done", Self::fields(json!({"output_index": index, "item": item.clone()})));
+                self.emit(
+                    out,
+                    "response.output_item.done",
+                    Self::fields(json!({"output_index": index, "item": item.clone()})),
+                );
                 self.output.push(item);
             }
-            Some(OpenItem::Call { id, call_id, name, arguments, .. }) => {
-                self.emit(out, "response.function_call_arguments.done", Self::fields(json!({"output_index": index,
-                    "item_id": id, "arguments": arguments})));
+            Some(OpenItem::Call {
+                id,
+                call_id,
+                name,
+                arguments,
+                ..
+            }) => {
+                self.emit(
+                    out,
+                    "response.function_call_arguments.done",
+                    Self::fields(json!({"output_index": index,
+                    "item_id": id, "arguments": arguments})),
+                );
                 let item = call_item(&id, &call_id, &name, &arguments, "completed");
-                self.emit(out, "response.output_item.done", Self::fields(json!({"output_index": index, "item": item.clone()})));
+                self.emit(
+                    out,
+                    "response.output_item.done",
+                    Self::fields(json!({"output_index": index, "item": item.clone()})),
+                );
                 self.output.push(item);
             }
         }

@@ -5,9 +5,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub use crate::documents::{
-    AnthropicMessages, Engine, ResponsesApi, LoadBalancing, PoolTask, ProviderFormat, RangeSpec as Range,
-    RateLimitsSpec as RateLimits, ScoringSpec as Scoring, SecretKeyRef, TargetStrategy,
-    TokenizerSpec as Tokenizer,
+    AnthropicMessages, Engine, LoadBalancing, PoolTask, ProviderFormat, RangeSpec as Range,
+    RateLimitsSpec as RateLimits, ResponsesApi, ScoringSpec as Scoring, SecretKeyRef,
+    TargetStrategy, TokenizerSpec as Tokenizer,
 };
 
 /// Default time to open a connection to one worker.

@@ -59,6 +59,8 @@ struct Shared {
     /// What `/metrics` reports as waiting and running requests.
     waiting: std::sync::atomic::AtomicU64,
     running: std::sync::atomic::AtomicU64,
+    /// The model the last request named (stored responses are answered under it).
+    last_model: Mutex<String>,
 }
 
 /// A running test upstream; stops when dropped.
@@ -82,6 +84,7 @@ impl Upstream {
             scrapes: std::sync::atomic::AtomicU64::new(0),
             waiting: std::sync::atomic::AtomicU64::new(0),
             running: std::sync::atomic::AtomicU64::new(0),
+            last_model: Mutex::default(),
         });
         let app = Router::new()
             .fallback(handle)
@@ -243,6 +246,26 @@ async fn answer(
         )
             .into_response();
     }
+    // A stored response (Responses API), as OpenAI and vLLM answer for it.
+    if let Some(id) = path.strip_prefix("/v1/responses/") {
+        let id = id.trim_end_matches("/cancel");
+        let served = shared
+            .last_model
+            .lock()
+            .map(|m| m.clone())
+            .unwrap_or_default();
+        return match method {
+            Method::DELETE => {
+                axum::Json(json!({"id": id, "object": "response.deleted", "deleted": true}))
+                    .into_response()
+            }
+            _ => axum::Json(
+                json!({"id": id, "object": "response", "model": served, "status": "completed",
+                "output": [], "usage": {"input_tokens": 4, "output_tokens": 2, "total_tokens": 6}}),
+            )
+            .into_response(),
+        };
+    }
     let request: Value = match serde_json::from_slice(&body) {
         Ok(value) => value,
         Err(e) => {
@@ -251,6 +274,9 @@ async fn answer(
         }
     };
     let model = request["model"].as_str().unwrap_or_default().to_owned();
+    if let Ok(mut last) = shared.last_model.lock() {
+        last.clone_from(&model);
+    }
     let stream = request["stream"].as_bool().unwrap_or(false);
     let chunks = shared.options.stream_chunks.unwrap_or(3);
     let name = shared.name.clone();
@@ -278,6 +304,17 @@ async fn answer(
             events.push("data: [DONE]\n\n".to_owned());
             sse(events, shared)
         }
+        // The Responses API (whole answers): the request's `instructions` echoed before the
+        // model, as vLLM's answer does.
+        "/v1/responses" => axum::Json(json!({
+            "id": format!("resp_{name}_{}", body.len()), "created_at": 0,
+            "instructions": request["instructions"], "model": model, "object": "response",
+            "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": reply, "annotations": []}]}],
+            "status": "completed",
+            "usage": {"input_tokens": 12, "input_tokens_details": {"cached_tokens": 8}, "output_tokens": 3, "total_tokens": 15},
+        }))
+        .into_response(),
         // Pooling models, in vLLM's shapes: one small vector per input, scores, a ranking.
         "/v1/embeddings" | "/pooling" => {
             let inputs = match &request["input"] {

@@ -186,8 +186,7 @@ pub(super) fn prepare_target(
             translate_request::chat_to_messages(typed, &target.upstream_model)?
         }
         Translation::ResponsesToChat => {
-            let translated =
-                translate_responses::responses_to_chat(typed, &target.upstream_model)?;
+            let translated = translate_responses::responses_to_chat(typed, &target.upstream_model)?;
             match worker_salt {
                 Some(salt) => request::with_leading_cache_salt(translated, salt),
                 None => translated,
@@ -266,9 +265,12 @@ pub fn stored_response_target(
         upstream_model: holder.upstream_model.clone(),
         weight: 1,
     };
-    let destination = table
-        .destination(&target)
-        .ok_or_else(|| gone(format!("the response was made by {}, which is no longer configured", holder.backend)))?;
+    let destination = table.destination(&target).ok_or_else(|| {
+        gone(format!(
+            "the response was made by {}, which is no longer configured",
+            holder.backend
+        ))
+    })?;
     let upstream_path = match &destination {
         Destination::Pool(pool) => {
             if let Some(worker) = &holder.worker

@@ -35,7 +35,10 @@ fn requests_become_chat_completions() {
     assert_eq!(chat["stream_options"]["include_usage"], true);
     assert_eq!(chat["parallel_tool_calls"], false);
     let messages = chat["messages"].as_array().unwrap();
-    assert_eq!(messages[0], json!({"role": "system", "content": "Be brief."}));
+    assert_eq!(
+        messages[0],
+        json!({"role": "system", "content": "Be brief."})
+    );
     assert_eq!(messages[1], json!({"role": "system", "content": "rules"}));
     assert_eq!(
         messages[2]["content"],
@@ -44,12 +47,21 @@ fn requests_become_chat_completions() {
     // The calls join the assistant message before them.
     assert_eq!(messages[3]["content"], "let me look");
     assert_eq!(messages[3]["tool_calls"].as_array().unwrap().len(), 2);
-    assert_eq!(messages[3]["tool_calls"][1]["function"]["arguments"], "{\"q\":2}");
-    assert_eq!(messages[4], json!({"role": "tool", "tool_call_id": "c1", "content": "one"}));
+    assert_eq!(
+        messages[3]["tool_calls"][1]["function"]["arguments"],
+        "{\"q\":2}"
+    );
+    assert_eq!(
+        messages[4],
+        json!({"role": "tool", "tool_call_id": "c1", "content": "one"})
+    );
     assert_eq!(messages.len(), 5);
     assert_eq!(chat["tools"][0]["function"]["name"], "lookup");
     assert_eq!(chat["tools"][0]["function"]["strict"], true);
-    assert_eq!(chat["tool_choice"], json!({"type": "function", "function": {"name": "lookup"}}));
+    assert_eq!(
+        chat["tool_choice"],
+        json!({"type": "function", "function": {"name": "lookup"}})
+    );
     assert_eq!(chat["response_format"]["json_schema"]["name"], "s");
 }
 
@@ -73,7 +85,11 @@ fn whole_answers_become_response_objects() {
         "message": {"role": "assistant", "content": "hello", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         "finish_reason": "length"}],
         "usage": {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 8}}});
-    let out: Value = serde_json::from_slice(&chat_response_to_responses(chat.to_string().as_bytes(), "alias")).unwrap();
+    let out: Value = serde_json::from_slice(&chat_response_to_responses(
+        chat.to_string().as_bytes(),
+        "alias",
+    ))
+    .unwrap();
     assert_eq!(out["object"], "response");
     assert_eq!(out["model"], "alias");
     assert_eq!(out["status"], "incomplete");
@@ -137,7 +153,10 @@ fn streams_become_typed_events_split_anywhere() {
             ],
             "cut at {cut}"
         );
-        let sequence: Vec<u64> = events.iter().map(|e| e["sequence_number"].as_u64().unwrap()).collect();
+        let sequence: Vec<u64> = events
+            .iter()
+            .map(|e| e["sequence_number"].as_u64().unwrap())
+            .collect();
         assert_eq!(sequence, (0..events.len() as u64).collect::<Vec<_>>());
         let done = events.last().unwrap();
         assert_eq!(done["response"]["model"], "alias");

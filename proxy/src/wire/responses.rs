@@ -99,7 +99,9 @@ impl<'a> RequestBody<'a> {
             Some(Ok(ResponsesInput::Items(items))) => {
                 for item in &items {
                     let text_of = |content: &Option<Content<'_>>| {
-                        content.as_ref().map_or_else(String::new, Content::template_text)
+                        content
+                            .as_ref()
+                            .map_or_else(String::new, Content::template_text)
                     };
                     let (role, text) = if item.is_function_call() || item.is_reasoning() {
                         ("assistant", None)
@@ -109,7 +111,11 @@ impl<'a> RequestBody<'a> {
                         match item.role.as_deref() {
                             Some("assistant") => (
                                 "assistant",
-                                Some(item.content.as_ref().map_or_else(String::new, Content::first_text)),
+                                Some(
+                                    item.content
+                                        .as_ref()
+                                        .map_or_else(String::new, Content::first_text),
+                                ),
                             ),
                             Some(role) => (role, Some(text_of(&item.content))),
                             None => continue,
@@ -193,7 +199,11 @@ mod tests {
         for body in bodies {
             let bytes = body.to_string();
             let typed = super::super::parse(bytes.as_bytes()).unwrap();
-            assert_eq!(typed.responses_messages(), responses_messages(&body), "{body}");
+            assert_eq!(
+                typed.responses_messages(),
+                responses_messages(&body),
+                "{body}"
+            );
         }
     }
 }

@@ -25,6 +25,7 @@ mod pooling;
 mod providers;
 mod proxy_sim;
 mod reload_retry;
+mod responses;
 mod sdk_clients;
 mod sdk_tenants;
 mod tenants;
