@@ -93,6 +93,9 @@ impl RouterKind {
             RouterKind::LeastOutstanding => Launch::Switchyard("least-outstanding"),
             RouterKind::Switchyard => Launch::Switchyard("cache-aware"),
             RouterKind::VllmRouter => Launch::VllmRouter("cache_aware"),
+            // power_of_two picks the less loaded of two random workers; the load it polls is
+            // SGLang's `GET /get_load` (every 5 s), which neither vLLM nor the simulator serves
+            // (404), so it runs on whatever load vllm-router tracks itself.
             RouterKind::VllmRouterPow2 => Launch::VllmRouter("power_of_two"),
             // kv_aware subscribes to the KV events (`--kv-event-source`) and tokenizes through
             // the workers' own `/tokenize`, which the simulator serves with its chat template.
