@@ -21,6 +21,7 @@ use serde_json::Value;
 use tokio::sync::Mutex;
 
 use crate::overhead::quantile;
+use crate::peers::{self, PeerKind, WorkerAddress};
 use crate::sim::GpuProfile;
 use crate::workload::{Conversation, WorkloadKind, WorkloadSize};
 
@@ -36,6 +37,32 @@ pub enum RouterKind {
     Switchyard,
     /// vllm-router (PyPI) with its cache_aware policy, when installed.
     VllmRouter,
+    /// vllm-router's power_of_two policy.
+    #[value(name = "vllm-router-pow2")]
+    #[serde(rename = "vllm-router-pow2")]
+    VllmRouterPow2,
+    /// vllm-router's kv_aware policy, fed by the workers' KV events.
+    #[value(name = "vllm-router-kv")]
+    #[serde(rename = "vllm-router-kv")]
+    VllmRouterKv,
+    /// Each request to the worker whose engine predicts the lowest TTFT for it (in process).
+    Oracle,
+    /// llm-d's default precise-prefix-cache profile, re-implemented (in process).
+    #[value(name = "llm-d")]
+    #[serde(rename = "llm-d")]
+    Llmd,
+    /// NVIDIA Dynamo's KV router cost, re-implemented (in process).
+    Dynamo,
+}
+
+/// How a router under test runs.
+enum Launch {
+    /// `switchyard-proxy` with this pool `loadBalancing`.
+    Switchyard(&'static str),
+    /// vllm-router with this `--policy`.
+    VllmRouter(&'static str),
+    /// In the benchmark process.
+    Peer(PeerKind),
 }
 
 impl RouterKind {
@@ -46,16 +73,36 @@ impl RouterKind {
             RouterKind::LeastOutstanding => "least-outstanding",
             RouterKind::Switchyard => "switchyard",
             RouterKind::VllmRouter => "vllm-router",
+            RouterKind::VllmRouterPow2 => "vllm-router-pow2",
+            RouterKind::VllmRouterKv => "vllm-router-kv",
+            RouterKind::Oracle => "oracle",
+            RouterKind::Llmd => "llm-d",
+            RouterKind::Dynamo => "dynamo",
         }
     }
 
-    fn policy(self) -> Option<&'static str> {
+    /// Whether it needs the `vllm-router` executable.
+    pub fn is_vllm_router(self) -> bool {
+        matches!(self.launch(), Launch::VllmRouter(_))
+    }
+
+    fn launch(self) -> Launch {
         match self {
-            RouterKind::Random => Some("random"),
-            RouterKind::RoundRobin => Some("round-robin"),
-            RouterKind::LeastOutstanding => Some("least-outstanding"),
-            RouterKind::Switchyard => Some("cache-aware"),
-            RouterKind::VllmRouter => None,
+            RouterKind::Random => Launch::Switchyard("random"),
+            RouterKind::RoundRobin => Launch::Switchyard("round-robin"),
+            RouterKind::LeastOutstanding => Launch::Switchyard("least-outstanding"),
+            RouterKind::Switchyard => Launch::Switchyard("cache-aware"),
+            RouterKind::VllmRouter => Launch::VllmRouter("cache_aware"),
+            // power_of_two picks the less loaded of two random workers; the load it polls is
+            // SGLang's `GET /get_load` (every 5 s), which neither vLLM nor the simulator serves
+            // (404), so it runs on whatever load vllm-router tracks itself.
+            RouterKind::VllmRouterPow2 => Launch::VllmRouter("power_of_two"),
+            // kv_aware subscribes to the KV events (`--kv-event-source`) and tokenizes through
+            // the workers' own `/tokenize`, which the simulator serves with its chat template.
+            RouterKind::VllmRouterKv => Launch::VllmRouter("kv_aware"),
+            RouterKind::Oracle => Launch::Peer(PeerKind::Oracle),
+            RouterKind::Llmd => Launch::Peer(PeerKind::Llmd),
+            RouterKind::Dynamo => Launch::Peer(PeerKind::Dynamo),
         }
     }
 }
@@ -256,17 +303,23 @@ fn start_sim(config: &RunConfig) -> anyhow::Result<Sim> {
     })
 }
 
-/// Start the router in front of `sim`; returns its base URL and process.
+/// A running router under test (a child process or tasks in this one), stopped when dropped.
+struct RouterUnderTest {
+    _process: Option<Killed>,
+    _in_process: Option<peers::Running>,
+}
+
+/// Start the router in front of `sim`; returns its base URL and handle.
 async fn start_router(
     config: &RunConfig,
     router: RouterKind,
     sim: &Sim,
     dir: &Path,
-) -> anyhow::Result<(String, Killed)> {
+) -> anyhow::Result<(String, RouterUnderTest)> {
     let port = free_port()?;
     let url = format!("http://127.0.0.1:{port}");
-    let child = match router.policy() {
-        Some(policy) => {
+    let (child, ready) = match router.launch() {
+        Launch::Switchyard(policy) => {
             let endpoints: Vec<String> = sim
                 .workers
                 .iter()
@@ -286,7 +339,7 @@ async fn start_router(
             );
             let path = dir.join(format!("{}.yaml", router.name()));
             std::fs::write(&path, yaml)?;
-            Command::new(config.bin_dir.join("switchyard-proxy"))
+            let child = Command::new(config.bin_dir.join("switchyard-proxy"))
                 .arg("--config")
                 .arg(&path)
                 .args([
@@ -301,9 +354,10 @@ async fn start_router(
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
-                .context("starting switchyard-proxy")?
+                .context("starting switchyard-proxy")?;
+            (child, format!("{url}/ready"))
         }
-        None => {
+        Launch::VllmRouter(policy) => {
             let executable = config
                 .vllm_router
                 .clone()
@@ -313,17 +367,55 @@ async fn start_router(
                 .iter()
                 .map(|(http, _, _)| format!("http://{http}"))
                 .collect();
-            spawn_vllm_router(&executable, &urls, "cache_aware", port)?
+            let mut extra = Vec::new();
+            if policy == "kv_aware" {
+                for (http, events, replay) in &sim.workers {
+                    extra.push("--kv-event-source".to_owned());
+                    extra.push(format!("http://{http}={events}"));
+                    extra.push("--kv-event-replay-source".to_owned());
+                    extra.push(format!("http://{http}={replay}"));
+                }
+                extra.extend([
+                    "--kv-event-block-size".to_owned(),
+                    config.block_size.to_string(),
+                    "--kv-event-model".to_owned(),
+                    sim.model.clone(),
+                ]);
+            }
+            let child = spawn_vllm_router(&executable, &urls, policy, port, &extra)?;
+            (child, format!("{url}/health"))
+        }
+        Launch::Peer(kind) => {
+            let workers: Vec<WorkerAddress> = sim
+                .workers
+                .iter()
+                .map(|(http, events, _)| WorkerAddress {
+                    http: http.clone(),
+                    kv_events: events.clone(),
+                })
+                .collect();
+            let running = peers::start(kind, &workers, config.block_size, port, config.seed)
+                .await
+                .with_context(|| format!("starting {}", router.name()))?;
+            wait_ready(&format!("{url}/health"), Duration::from_secs(60)).await?;
+            return Ok((
+                url,
+                RouterUnderTest {
+                    _process: None,
+                    _in_process: Some(running),
+                },
+            ));
         }
     };
     let child = Killed(child);
-    let ready = if router.policy().is_some() {
-        format!("{url}/ready")
-    } else {
-        format!("{url}/health")
-    };
     wait_ready(&ready, Duration::from_secs(60)).await?;
-    Ok((url, child))
+    Ok((
+        url,
+        RouterUnderTest {
+            _process: Some(child),
+            _in_process: None,
+        },
+    ))
 }
 
 /// One streamed answer as the client saw it.
@@ -866,13 +958,15 @@ pub fn print_table(title: &str, summaries: &[RouterSummary]) {
     );
 }
 
-/// Start vllm-router on 127.0.0.1:`port` in front of `worker_urls` with `policy` (it waits for
-/// the workers' `/health` before it serves; poll its own `/health`).
+/// Start vllm-router on 127.0.0.1:`port` in front of `worker_urls` with `policy` and any
+/// policy-specific `extra_args` (it waits for the workers' `/health` before it serves; poll its
+/// own `/health`).
 pub fn spawn_vllm_router(
     executable: &Path,
     worker_urls: &[String],
     policy: &str,
     port: u16,
+    extra_args: &[String],
 ) -> anyhow::Result<Child> {
     let metrics_port = free_port()?;
     Command::new(executable)
@@ -892,6 +986,7 @@ pub fn spawn_vllm_router(
             "--prometheus-port",
             &metrics_port.to_string(),
         ])
+        .args(extra_args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

@@ -3,5 +3,6 @@
 
 pub mod compare;
 pub mod overhead;
+pub mod peers;
 pub mod sim;
 pub mod workload;

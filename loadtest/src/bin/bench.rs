@@ -59,7 +59,7 @@ enum Bench {
 struct CompareArgs {
     #[arg(long, value_enum, num_args = 1.., default_values_t = [WorkloadKind::SharedPrefix, WorkloadKind::MultiTurn, WorkloadKind::NoShared])]
     workloads: Vec<WorkloadKind>,
-    #[arg(long, value_enum, num_args = 1.., default_values_t = [RouterKind::Random, RouterKind::RoundRobin, RouterKind::LeastOutstanding, RouterKind::Switchyard, RouterKind::VllmRouter])]
+    #[arg(long, value_enum, num_args = 1.., default_values_t = [RouterKind::Random, RouterKind::RoundRobin, RouterKind::LeastOutstanding, RouterKind::Switchyard, RouterKind::VllmRouter, RouterKind::VllmRouterPow2, RouterKind::VllmRouterKv, RouterKind::Llmd, RouterKind::Dynamo, RouterKind::Oracle])]
     routers: Vec<RouterKind>,
     /// Requests per workload (per seed).
     #[arg(long, default_value_t = 128)]
@@ -236,6 +236,7 @@ async fn overhead_bench(
             &[format!("http://{upstream}")],
             "round_robin",
             peer_port,
+            &[],
         )?);
         wait_ready(
             &format!("http://127.0.0.1:{peer_port}/health"),
@@ -380,11 +381,14 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
         .context("binary directory")?;
     let root = project_root();
     let vllm_router = compare::find_vllm_router(&root);
-    if args.routers.contains(&RouterKind::VllmRouter) && vllm_router.is_none() {
-        println!(
-            "vllm-router: skipped (not installed; `pip install vllm-router` into .venv or PATH to include it)"
-        );
-        args.routers.retain(|r| *r != RouterKind::VllmRouter);
+    if vllm_router.is_none() {
+        for router in args.routers.iter().filter(|r| r.is_vllm_router()) {
+            println!(
+                "{}: skipped (vllm-router is not installed; `pip install vllm-router` into .venv or PATH to include it)",
+                router.name()
+            );
+        }
+        args.routers.retain(|r| !r.is_vllm_router());
     }
     // The tokenizer the simulator and the proxy use, so workload sizes are their token counts.
     let tokenizer = PromptTokenizer::shipped().context("loading the shipped tokenizer")?;

@@ -149,7 +149,45 @@ pub enum SubmitError {
 enum Command {
     Submit(Box<Sequence>),
     Reset(oneshot::Sender<bool>),
+    Predict(Box<PredictRequest>),
 }
+
+/// A request the oracle asks about: what its TTFT would be if it arrived now.
+struct PredictRequest {
+    prompt: Vec<u32>,
+    cache_salt: Option<String>,
+    reply: oneshot::Sender<Prediction>,
+}
+
+/// The engine's own answer to "what TTFT would this request get if it arrived now?".
+///
+/// It is computed by running a copy of this engine's scheduler, block pool, queues and latency
+/// model forward from the present state, with the request appended to the waiting queue, until
+/// it samples its first token. Every figure the real engine would use is exact: the queues, the
+/// tokens each request still has to prefill, the prefix cache (same block hashing, eviction,
+/// admission rules) and the step costs, including the rest of a step already running. It is
+/// still a prediction: requests that arrive later than "now" but are scheduled before this one
+/// (none under FCFS, but they change the batches it shares) are not known, the HTTP hop between
+/// the question and the real submission is ignored, and nothing here is random, so the only
+/// error is future arrivals.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Prediction {
+    /// Model seconds from now to the first token; `None` when the current state can never admit
+    /// it (it waits on blocks nobody will free until a new request arrives).
+    pub predicted_ttft_s: Option<f64>,
+    /// Prompt tokens the prefix cache would supply when it is admitted (the dry run's hit).
+    pub cached_tokens: usize,
+    /// Prompt tokens cached now (the hit if it were admitted at this instant).
+    pub cached_tokens_now: usize,
+    /// Queue lengths now (waiting includes requests submitted during the running step).
+    pub waiting: usize,
+    pub running: usize,
+    /// Scheduler steps the dry run took (the running step counts as one).
+    pub steps: usize,
+}
+
+/// A dry run gives up after this many steps (a request this far back is never the argmin).
+const PREDICTION_MAX_STEPS: usize = 100_000;
 
 /// Cheap to clone; every HTTP handler of a worker holds one.
 #[derive(Clone)]
@@ -192,6 +230,25 @@ impl EngineHandle {
             .send(Command::Submit(Box::new(sequence)))
             .map_err(|_| SubmitError::Stopped)?;
         Ok(rx)
+    }
+
+    /// The TTFT this prompt would get if it arrived now (see [`Prediction`]); `None` when the
+    /// engine has stopped. Answered at once, also while a step runs.
+    pub async fn predict_ttft(
+        &self,
+        prompt: Vec<u32>,
+        cache_salt: Option<String>,
+    ) -> Option<Prediction> {
+        let (reply, rx) = oneshot::channel();
+        let request = PredictRequest {
+            prompt,
+            cache_salt,
+            reply,
+        };
+        self.commands
+            .send(Command::Predict(Box::new(request)))
+            .ok()?;
+        rx.await.ok()
     }
 
     /// Clear the prefix cache; false while requests hold blocks (as vLLM refuses then).
@@ -249,6 +306,29 @@ impl Sequence {
             arrived: Instant::now(),
             first_token_at: None,
         }
+    }
+
+    /// A copy for a dry run, with its own output channel (closed if the original's is, so the
+    /// copy is aborted exactly when the original would be); the receiver must be kept alive.
+    fn dry_copy(&self) -> (Sequence, Option<mpsc::UnboundedReceiver<Output>>) {
+        let (output, rx) = mpsc::unbounded_channel();
+        let copy = Sequence {
+            tokens: self.tokens.clone(),
+            prompt_len: self.prompt_len,
+            output_tokens: self.output_tokens.clone(),
+            generated: self.generated,
+            computed: self.computed,
+            blocks: self.blocks.clone(),
+            block_hashes: self.block_hashes.clone(),
+            cache_salt: self.cache_salt.clone(),
+            cached_blocks: self.cached_blocks,
+            cached_tokens: self.cached_tokens,
+            preemptions: self.preemptions,
+            output,
+            arrived: self.arrived,
+            first_token_at: self.first_token_at,
+        };
+        (copy, (!self.output.is_closed()).then_some(rx))
     }
 
     /// Hash the blocks that became full since the last call.
@@ -338,11 +418,121 @@ impl Engine {
             }
             let seconds = self.config.latency.step_seconds(&self.step_shape(&plan))
                 * self.config.step_time_multiplier;
-            tokio::time::sleep(Duration::from_secs_f64(seconds * self.config.time_scale)).await;
+            let step_end =
+                Instant::now() + Duration::from_secs_f64(seconds * self.config.time_scale);
+            // While the step runs, predictions are answered at once; everything else waits for
+            // the step to end, as it would in the loop above.
+            let mut deferred = Vec::new();
+            let mut open = true;
+            loop {
+                tokio::select! {
+                    () = tokio::time::sleep_until(step_end) => break,
+                    command = commands.recv(), if open => match command {
+                        Some(Command::Predict(request)) => {
+                            let prediction =
+                                self.predict(Some((&plan, step_end)), &deferred, &request);
+                            let _ = request.reply.send(prediction);
+                        }
+                        Some(command) => deferred.push(command),
+                        None => open = false,
+                    },
+                }
+            }
             self.apply(&plan);
             self.publish_events();
             self.update_gauges();
+            for command in deferred {
+                self.handle(command);
+            }
         }
+    }
+
+    /// Run a copy of this engine forward with `request` appended to the waiting queue until it
+    /// samples its first token (see [`Prediction`]). `in_flight` is the step now running and
+    /// when it ends; `deferred` the commands that arrived during it (submissions join the
+    /// queue when it ends, ahead of this request).
+    fn predict(
+        &self,
+        in_flight: Option<(&[Scheduled], Instant)>,
+        deferred: &[Command],
+        request: &PredictRequest,
+    ) -> Prediction {
+        let mut receivers = Vec::new();
+        let mut copy_of = |sequence: &Sequence| {
+            let (copy, rx) = sequence.dry_copy();
+            receivers.extend(rx);
+            copy
+        };
+        let running = self.running.iter().map(&mut copy_of).collect();
+        let mut waiting: VecDeque<Sequence> = self.waiting.iter().map(&mut copy_of).collect();
+        let submitted: Vec<Sequence> = deferred
+            .iter()
+            .filter_map(|command| match command {
+                Command::Submit(sequence) => Some(copy_of(sequence)),
+                _ => None,
+            })
+            .collect();
+        let mut dry = Engine {
+            config: self.config.clone(),
+            cache: self.cache.clone(),
+            waiting: VecDeque::new(),
+            running,
+            events: None,
+            stats: Arc::new(EngineStats::default()),
+        };
+        let (mut elapsed, mut steps) = (0.0, 0);
+        dry.waiting.append(&mut waiting);
+        if let Some((plan, step_end)) = in_flight {
+            elapsed = self.model_seconds(Instant::now(), step_end);
+            steps = 1;
+            dry.apply(plan);
+        }
+        for mut sequence in submitted {
+            sequence.update_hashes(&dry.cache);
+            dry.waiting.push_back(sequence);
+        }
+        let (output, mut first) = mpsc::unbounded_channel();
+        let mut probe = Sequence::new(request.prompt.clone(), vec![0], output);
+        probe.cache_salt = request.cache_salt.clone();
+        probe.update_hashes(&dry.cache);
+        let size = self.config.block_size;
+        let max_hit_blocks = probe.tokens.len().saturating_sub(1) / size;
+        let cached_tokens_now = self
+            .cache
+            .longest_cache_hit(
+                probe
+                    .block_hashes
+                    .get(..max_hit_blocks.min(probe.block_hashes.len()))
+                    .unwrap_or(&[]),
+            )
+            .len()
+            * size;
+        let queued = (dry.waiting.len(), dry.running.len());
+        dry.waiting.push_back(probe);
+        let mut prediction = Prediction {
+            predicted_ttft_s: None,
+            cached_tokens: 0,
+            cached_tokens_now,
+            waiting: queued.0,
+            running: queued.1,
+            steps,
+        };
+        while prediction.steps < PREDICTION_MAX_STEPS {
+            let plan = dry.schedule();
+            if plan.is_empty() {
+                break;
+            }
+            elapsed += dry.config.latency.step_seconds(&dry.step_shape(&plan))
+                * dry.config.step_time_multiplier;
+            prediction.steps += 1;
+            dry.apply(&plan);
+            if let Ok(Output::Started { cached_tokens }) = first.try_recv() {
+                prediction.predicted_ttft_s = Some(elapsed);
+                prediction.cached_tokens = cached_tokens;
+                break;
+            }
+        }
+        prediction
     }
 
     /// Model seconds between two instants.
@@ -361,6 +551,10 @@ impl Engine {
                 let done = self.cache.reset();
                 self.publish_events();
                 let _ = reply.send(done);
+            }
+            Command::Predict(request) => {
+                let prediction = self.predict(None, &[], &request);
+                let _ = request.reply.send(prediction);
             }
         }
     }
@@ -904,6 +1098,69 @@ mod tests {
         let engine = spawn(config, None);
         let seen = run_one(&engine, (0..300).collect(), vec![1]).await;
         assert_close(seen.ttft, 1.5 * step, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_prediction_is_the_ttft_the_request_then_gets_when_nothing_else_arrives() {
+        let config = EngineConfig {
+            max_num_batched_tokens: 512,
+            ..EngineConfig::default()
+        };
+        let latency = config.latency;
+        let engine = spawn(config, None);
+        // Idle: one prefill step.
+        let alone = engine.predict_ttft((0..300).collect(), None).await.unwrap();
+        assert_close(
+            Duration::from_secs_f64(alone.predicted_ttft_s.unwrap()),
+            latency.step_seconds(&prefill(0, 300)),
+            0,
+        );
+        assert_eq!(
+            (alone.waiting, alone.running, alone.cached_tokens),
+            (0, 0, 0)
+        );
+
+        // Busy: a 1,500-token request decoding 20 tokens; ask in the middle of its first step.
+        let start = Instant::now();
+        let first = engine
+            .submit((0..1500).collect(), (0..20).collect())
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs_f64(
+            latency.step_seconds(&prefill(0, 512)) / 2.0,
+        ))
+        .await;
+        let prompt: Vec<u32> = (5000..5700).collect();
+        let predicted = engine.predict_ttft(prompt.clone(), None).await.unwrap();
+        assert_eq!((predicted.waiting, predicted.running), (0, 1));
+        // The question queued nothing: the real request now gets exactly that TTFT.
+        let asked_at = Instant::now();
+        let seen = collect(asked_at, engine.submit(prompt, vec![1]).unwrap()).await;
+        let predicted_s = predicted.predicted_ttft_s.unwrap();
+        assert!(predicted_s > alone.predicted_ttft_s.unwrap());
+        assert_close(seen.ttft, predicted_s, predicted.steps as u32);
+        drop((first, start));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_prediction_counts_the_prefix_cache_and_requests_submitted_during_the_step() {
+        let engine = spawn(EngineConfig::default(), None);
+        let shared: Vec<u32> = (0..1024).collect();
+        run_one(&engine, shared.clone(), vec![1]).await;
+        let warm = [shared.clone(), (9000..9100).collect()].concat();
+        let cold: Vec<u32> = (20_000..21_124).collect();
+        let hit = engine.predict_ttft(warm.clone(), None).await.unwrap();
+        let miss = engine.predict_ttft(cold.clone(), None).await.unwrap();
+        assert_eq!((hit.cached_tokens, hit.cached_tokens_now), (1024, 1024));
+        assert_eq!(miss.cached_tokens, 0);
+        assert!(hit.predicted_ttft_s.unwrap() < miss.predicted_ttft_s.unwrap());
+
+        // A request submitted while a step runs is ahead of the question in the queue.
+        let _busy = engine.submit((30_000..32_000).collect(), vec![1]).unwrap();
+        tokio::task::yield_now().await;
+        let _queued = engine.submit(cold.clone(), vec![1]).unwrap();
+        let behind = engine.predict_ttft(warm, None).await.unwrap();
+        assert_eq!(behind.waiting, 1, "{behind:?}");
+        assert!(behind.predicted_ttft_s.unwrap() > hit.predicted_ttft_s.unwrap());
     }
 
     #[test]

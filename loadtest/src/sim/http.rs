@@ -72,6 +72,7 @@ pub fn router(worker: Arc<Worker>) -> Router {
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
+        .route("/debug/predicted_ttft", post(super::debug::predicted_ttft))
         .layer(DefaultBodyLimit::disable())
         .with_state(worker)
 }

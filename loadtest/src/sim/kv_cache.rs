@@ -38,8 +38,8 @@ struct Block {
     free: bool,
 }
 
-/// The block pool of one worker.
-#[derive(Debug)]
+/// The block pool of one worker. Cloned only for the oracle's dry run of the scheduler.
+#[derive(Debug, Clone)]
 pub struct KvCache {
     block_size: usize,
     blocks: Vec<Block>,

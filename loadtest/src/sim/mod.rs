@@ -4,6 +4,7 @@
 //! Use [`start_worker`] to run one worker on the current tokio runtime; the `switchyard-sim`
 //! binary starts several.
 
+pub mod debug;
 pub mod engine;
 pub mod gpu;
 pub mod http;
@@ -18,7 +19,7 @@ use std::sync::Arc;
 use switchyard_kv::tokenize::PromptTokenizer;
 use tokio::sync::mpsc;
 
-pub use engine::{EngineConfig, EngineHandle, LatencyModel, Output, StepShape};
+pub use engine::{EngineConfig, EngineHandle, LatencyModel, Output, Prediction, StepShape};
 pub use gpu::GpuProfile;
 pub use publisher::PublisherConfig;
 
