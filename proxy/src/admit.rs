@@ -20,6 +20,7 @@ use crate::api::{ApiError, Endpoint, ErrorKind, client_text, response_id_of};
 use crate::exchange::Exchange;
 use crate::gateway::Gateway;
 use crate::limits::{Admission, RateLimiter, Reservation};
+use crate::multipart;
 use crate::plan::{self, ClientRequest, INLINE_PLAN_BYTES, Plan, Previous, Rejection, Request};
 use crate::request::{self, ParsedRequest};
 use crate::responses::ResponseDirectory;
@@ -379,8 +380,15 @@ fn parse_and_plan(
     tenant: Option<&Tenant>,
     explain: bool,
 ) -> Result<(ClientRequest, Plan), Refusal> {
-    let typed = wire::parse(&body).map_err(Refusal::Invalid)?;
-    let parsed = request::summarise(endpoint, &body, &typed).map_err(Refusal::Invalid)?;
+    let (typed, parsed) = if endpoint.is_audio() {
+        // A form, not JSON: the fields routing needs; nothing to classify or tokenize.
+        let parsed = form_request(&body, headers).map_err(Refusal::Invalid)?;
+        (wire::parse(b"{}").map_err(Refusal::Invalid)?, parsed)
+    } else {
+        let typed = wire::parse(&body).map_err(Refusal::Invalid)?;
+        let parsed = request::summarise(endpoint, &body, &typed).map_err(Refusal::Invalid)?;
+        (typed, parsed)
+    };
     let client = ClientRequest {
         endpoint,
         parsed,
@@ -411,6 +419,41 @@ fn parse_and_plan(
         Ok(plan) => Ok((client, plan)),
         Err(rejection) => Err(Refusal::Rejected(client.parsed.model, rejection)),
     }
+}
+
+/// What routing needs of a speech-to-text form: `model` (and where its value lies) and `stream`.
+fn form_request(body: &[u8], headers: &http::HeaderMap) -> Result<ParsedRequest, ApiError> {
+    let content_type = headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let boundary = multipart::boundary(content_type).ok_or_else(|| {
+        ApiError::invalid(
+            "body",
+            "this endpoint takes a multipart/form-data body (the audio file and its fields)",
+        )
+    })?;
+    let fields = multipart::fields(body, boundary)?;
+    let model = fields
+        .iter()
+        .find(|f| f.name == "model" && f.filename.is_none())
+        .ok_or_else(|| ApiError::invalid("model", "missing required field 'model'"))?;
+    let name = multipart::text(body, &fields, "model")
+        .map(str::trim)
+        .filter(|m| !m.is_empty())
+        .ok_or_else(|| ApiError::invalid("model", "'model' must be a non-empty string"))?;
+    if !fields
+        .iter()
+        .any(|f| f.name == "file" && f.filename.is_some())
+    {
+        return Err(ApiError::invalid("file", "missing required file 'file'"));
+    }
+    let stream = multipart::text(body, &fields, "stream").is_some_and(|v| v.trim() == "true");
+    Ok(ParsedRequest::form(
+        name.to_owned(),
+        model.value.clone(),
+        stream,
+    ))
 }
 
 /// Take the tenant's rate limits for `client`'s request (`None`: the tenant has none).

@@ -22,6 +22,10 @@ pub enum Endpoint {
     /// A response a worker keeps: `GET` and `DELETE /v1/responses/{id}`, `POST
     /// /v1/responses/{id}/cancel`, forwarded to the worker that answered it.
     StoredResponse,
+    /// Speech to text (vLLM's Whisper-style models): `POST /v1/audio/transcriptions` and
+    /// `/v1/audio/translations`, multipart forms, forwarded with the model rewritten.
+    Transcriptions,
+    AudioTranslations,
     /// Anthropic's `POST /v1/messages/count_tokens`, answered by the gateway.
     CountTokens,
     /// vLLM's `POST /tokenize` and `/detokenize`, forwarded to a worker of the model's pool.
@@ -54,6 +58,8 @@ impl Endpoint {
             "/v1/completions" => Endpoint::Completions,
             "/v1/messages" => Endpoint::Messages,
             "/v1/responses" => Endpoint::Responses,
+            "/v1/audio/transcriptions" => Endpoint::Transcriptions,
+            "/v1/audio/translations" => Endpoint::AudioTranslations,
             "/v1/messages/count_tokens" => Endpoint::CountTokens,
             "/tokenize" => Endpoint::Tokenize,
             "/detokenize" => Endpoint::Detokenize,
@@ -118,6 +124,8 @@ impl Endpoint {
             Endpoint::Messages => "/v1/messages",
             Endpoint::Responses => "/v1/responses",
             Endpoint::StoredResponse => RESPONSE_PREFIX,
+            Endpoint::Transcriptions => "/v1/audio/transcriptions",
+            Endpoint::AudioTranslations => "/v1/audio/translations",
             Endpoint::CountTokens => "/v1/messages/count_tokens",
             Endpoint::Tokenize => "/tokenize",
             Endpoint::Detokenize => "/detokenize",
@@ -144,6 +152,11 @@ impl Endpoint {
         )
     }
 
+    /// Speech to text: a multipart form with an audio file, not JSON.
+    pub fn is_audio(self) -> bool {
+        matches!(self, Endpoint::Transcriptions | Endpoint::AudioTranslations)
+    }
+
     /// Requests for pooling models (embeddings, scores).
     pub fn is_pooling(self) -> bool {
         matches!(
@@ -159,7 +172,9 @@ impl Endpoint {
             | Endpoint::Completions
             | Endpoint::Messages
             | Endpoint::Responses
-            | Endpoint::StoredResponse => task == PoolTask::Generate,
+            | Endpoint::StoredResponse
+            | Endpoint::Transcriptions
+            | Endpoint::AudioTranslations => task == PoolTask::Generate,
             Endpoint::Embeddings => task == PoolTask::Embed,
             Endpoint::Pooling | Endpoint::Score | Endpoint::Rerank => task != PoolTask::Generate,
             _ => true,
@@ -178,6 +193,8 @@ impl Endpoint {
             Endpoint::Messages => "messages",
             Endpoint::Responses => "responses",
             Endpoint::StoredResponse => "stored_response",
+            Endpoint::Transcriptions => "transcriptions",
+            Endpoint::AudioTranslations => "audio_translations",
             Endpoint::CountTokens => "count_tokens",
             Endpoint::Tokenize => "tokenize",
             Endpoint::Detokenize => "detokenize",

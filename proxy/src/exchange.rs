@@ -406,7 +406,10 @@ impl Exchange {
         }
         request.remove_header(&http::header::TRANSFER_ENCODING);
         request.insert_header(http::header::CONTENT_LENGTH, target.body.len().to_string())?;
-        request.insert_header(http::header::CONTENT_TYPE, "application/json")?;
+        if !self.client.endpoint.is_audio() {
+            // A form keeps the client's type (its boundary); everything else is JSON.
+            request.insert_header(http::header::CONTENT_TYPE, "application/json")?;
+        }
         // The client's gateway credentials are not the worker's business.
         request.remove_header(&http::header::AUTHORIZATION);
         request.remove_header("x-api-key");

@@ -22,6 +22,7 @@ pub mod kv;
 pub mod limits;
 pub mod logging;
 pub mod metrics;
+pub mod multipart;
 pub mod observe;
 pub mod plan;
 pub mod prompt;

@@ -38,6 +38,19 @@ pub struct ParsedRequest {
 }
 
 impl ParsedRequest {
+    /// A multipart form (speech to text): its `model` field's text and where its value lies.
+    pub fn form(model: String, model_span: Range<usize>, stream: bool) -> ParsedRequest {
+        ParsedRequest {
+            model_span,
+            ..ParsedRequest::bodiless(model, stream)
+        }
+    }
+
+    /// Where the `model` value lies in the body (JSON: quotes included; a form: the value).
+    pub fn model_span(&self) -> &Range<usize> {
+        &self.model_span
+    }
+
     /// A request without a body (`GET /v1/responses/{id}` and the like), for `model` as the
     /// client knows it.
     pub fn bodiless(model: String, stream: bool) -> ParsedRequest {

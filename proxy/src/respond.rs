@@ -178,6 +178,8 @@ impl Gateway {
             | Endpoint::Messages
             | Endpoint::Responses
             | Endpoint::StoredResponse
+            | Endpoint::Transcriptions
+            | Endpoint::AudioTranslations
             | Endpoint::Tokenize
             | Endpoint::Detokenize
             | Endpoint::Embeddings

@@ -111,6 +111,7 @@ mod tests {
             task: crate::sim::http::Task::Generate,
             output_vocab: Arc::new(output_vocab),
             token_text: Arc::new(token_text),
+            responses: crate::sim::responses::ResponseStore::new(false),
         })
     }
 

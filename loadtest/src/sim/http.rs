@@ -18,6 +18,7 @@ use sha2::{Digest, Sha256};
 use switchyard_kv::tokenize::{PromptTokenizer, anthropic_messages, openai_messages};
 use tokio::sync::mpsc;
 
+use super::audio;
 use super::engine::{EngineHandle, Output};
 use super::responses::{self, ResponseStore};
 
@@ -64,6 +65,8 @@ pub fn router(worker: Arc<Worker>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
         .route("/v1/responses", post(responses::create))
+        .route("/v1/audio/transcriptions", post(audio::transcriptions))
+        .route("/v1/audio/translations", post(audio::translations))
         .route("/v1/responses/{id}", get(responses::retrieve))
         .route("/v1/responses/{id}/cancel", post(responses::cancel))
         .route("/v1/models", get(models))

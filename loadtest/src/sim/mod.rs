@@ -4,6 +4,7 @@
 //! Use [`start_worker`] to run one worker on the current tokio runtime; the `switchyard-sim`
 //! binary starts several.
 
+pub mod audio;
 pub mod debug;
 pub mod engine;
 pub mod gpu;

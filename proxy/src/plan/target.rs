@@ -9,6 +9,7 @@ use switchyard_snapshot::snapshot::{AnthropicMessages, PoolTask, ProviderFormat,
 
 use super::ClientRequest;
 use crate::api::{ApiError, Endpoint, ErrorKind};
+use crate::multipart;
 use crate::prompt::PromptInfo;
 use crate::request;
 use crate::responses::Holder;
@@ -192,6 +193,9 @@ pub(super) fn prepare_target(
                 None => translated,
             }
         }
+        Translation::None if endpoint.is_audio() => {
+            multipart::replaced(body, parsed.model_span(), &target.upstream_model)
+        }
         Translation::None => {
             let (rewritten, asked) =
                 request::rewrite(body, parsed, &target.upstream_model, worker_salt, ask_usage)?;
@@ -240,6 +244,12 @@ fn provider_translation(
             ResponsesApi::Translate => (Translation::ResponsesToChat, "chat/completions"),
         },
         (Endpoint::Embeddings, ProviderFormat::Openai) => (Translation::None, "embeddings"),
+        (Endpoint::Transcriptions, ProviderFormat::Openai) => {
+            (Translation::None, "audio/transcriptions")
+        }
+        (Endpoint::AudioTranslations, ProviderFormat::Openai) => {
+            (Translation::None, "audio/translations")
+        }
         _ => return None,
     };
     Some((translate, Some(format!("{base}/{path}"))))

@@ -6,6 +6,7 @@
 //! `cargo test -p switchyard-e2e --test e2e chat::`.
 
 mod anthropic;
+mod audio;
 mod bench_quick;
 mod cache_routing;
 mod chat;
