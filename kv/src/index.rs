@@ -176,6 +176,11 @@ impl Overlap {
         self.depths.get(usize::from(worker.0)).copied().unwrap_or(0)
     }
 
+    /// The deepest match of any worker.
+    pub fn deepest(&self) -> u32 {
+        self.depths.iter().copied().max().unwrap_or(0)
+    }
+
     /// Raise a worker's depth to at least `depth` (knowledge from outside the index).
     pub fn raise(&mut self, worker: WorkerId, depth: u32) {
         let index = usize::from(worker.0);

@@ -168,6 +168,8 @@ pub struct PromptTokenizer {
     /// Tokens of text pieces seen before, when this tokenizer splits text the way
     /// [`SegmentCache`] needs (checked when it is loaded).
     segments: Option<SegmentCache>,
+    /// Whether a head of a text may be tokenized alone (see [`PromptTokenizer::encode_head`]).
+    word_cuts: bool,
 }
 
 /// Smallest piece of a prompt worth remembering, in bytes.
@@ -242,6 +244,42 @@ fn cut_points(text: &str, min_bytes: usize) -> Vec<usize> {
     cuts
 }
 
+/// The first byte offset at or after `from` just before a space that follows a non-space and
+/// precedes a letter (where a word-level cut is safe, see [`PromptTokenizer::encode_head`]).
+fn next_word_cut(text: &str, from: usize) -> Option<usize> {
+    let bytes = text.as_bytes();
+    let mut at = from.max(1);
+    while at + 1 < bytes.len() {
+        if bytes.get(at) == Some(&b' ')
+            && bytes.get(at - 1).is_some_and(|b| !b.is_ascii_whitespace())
+            && text.is_char_boundary(at)
+            && text
+                .get(at + 1..)
+                .and_then(|rest| rest.chars().next())
+                .is_some_and(char::is_alphabetic)
+        {
+            return Some(at);
+        }
+        at += 1;
+    }
+    None
+}
+
+/// Texts with word boundaries after letters, digits, punctuation, symbols and special tokens:
+/// a tokenizer that gives the same tokens for each whole as for its pieces cut before every
+/// " word" may be cut there.
+const WORD_CUT_CHECKS: &[&str] = &[
+    "Hello world. Second sentence, with punctuation! Third one?",
+    "<|im_start|>system You are terse.<|im_end|> <|im_start|>user Hi there<|im_end|>",
+    "numbers 12345 abc 6789 def 1 x 22 yy",
+    "symbols $%^&* (paren) [bracket] {brace} \"quote\" 'single' `tick` a-b c_d",
+    "contractions it's we'll they've I'm don't emoji 😀 party 🎉 end",
+    "accents café naïve Ångström ﬁ ligature über straße",
+    "mixed 中文 text 日本語 and 한국어 words",
+    "code: fn main() { let x = 1; } // comment #include <x> done",
+    "river123 mountain456 garden789 kernel0 summer42",
+];
+
 /// Texts with line breaks in every position the cut rule allows, after letters, digits,
 /// punctuation, symbols, CJK, spaces and other line breaks: a tokenizer that gives the same
 /// tokens for each whole as for its pieces may be cut.
@@ -287,6 +325,63 @@ impl PromptTokenizer {
         })
     }
 
+    /// Whether a cut just before a space that follows a non-space and precedes a letter gives
+    /// the tokens of the whole, for every [`WORD_CUT_CHECKS`] text (see [`Self::encode_head`]).
+    fn word_cuts_are_exact(&self) -> bool {
+        WORD_CUT_CHECKS.iter().all(|text| {
+            let Ok(whole) = self.encode_whole(text) else {
+                return false;
+            };
+            let mut at = 0;
+            while let Some(cut) = next_word_cut(text, at + 1) {
+                let (Some(head), Some(tail)) = (text.get(..cut), text.get(cut..)) else {
+                    return false;
+                };
+                match (self.encode_whole(head), self.encode_whole(tail)) {
+                    (Ok(mut head), Ok(tail)) => {
+                        head.extend(tail);
+                        if head != whole {
+                            return false;
+                        }
+                    }
+                    _ => return false,
+                }
+                at = cut;
+            }
+            true
+        })
+    }
+
+    /// The tokens of a head of `text` holding at least `min_tokens` tokens (all of `text` when
+    /// it is shorter, or when this tokenizer cannot be cut between words), and the bytes of
+    /// `text` that head covers. The head ends just before a space that starts a word: with the
+    /// regex pre-tokenizers of byte-level BPE tokenizers no token spans such a point, so these
+    /// are exactly the first tokens of the whole (checked for every tokenizer when it is loaded).
+    /// Routing reads a prompt's blocks only as far as some worker holds them: a long prompt
+    /// nobody has seen costs its first blocks, not all of it.
+    pub fn encode_head(
+        &self,
+        text: &str,
+        min_tokens: usize,
+    ) -> Result<(Vec<u32>, usize), TokenizeError> {
+        if !self.word_cuts {
+            return Ok((self.encode(text)?, text.len()));
+        }
+        // Generous bytes per token; doubled while the head falls short.
+        let mut bytes = min_tokens.saturating_mul(6).max(64);
+        loop {
+            let Some(cut) = next_word_cut(text, bytes) else {
+                return Ok((self.encode(text)?, text.len()));
+            };
+            let head = text.get(..cut).unwrap_or(text);
+            let tokens = self.encode(head)?;
+            if tokens.len() >= min_tokens {
+                return Ok((tokens, cut));
+            }
+            bytes = cut.saturating_mul(2);
+        }
+    }
+
     /// Whether this tokenizer remembers the tokens of prompt pieces (see [`SegmentCache`]).
     pub fn caches_segments(&self) -> bool {
         self.segments.is_some()
@@ -324,10 +419,12 @@ impl PromptTokenizer {
             tokenizer,
             templates,
             segments: None,
+            word_cuts: false,
         };
         if prompt_tokenizer.cuts_are_exact() {
             prompt_tokenizer.segments = Some(SegmentCache::default());
         }
+        prompt_tokenizer.word_cuts = prompt_tokenizer.word_cuts_are_exact();
         Ok(prompt_tokenizer)
     }
 
@@ -416,6 +513,42 @@ mod tests {
             &dir.join("chat_template.jinja"),
         )
         .unwrap()
+    }
+
+    #[test]
+    fn heads_are_the_first_tokens_of_the_whole() {
+        let tokenizer = shipped();
+        assert!(
+            tokenizer.word_cuts,
+            "the shipped tokenizer can be cut between words"
+        );
+        let text: String = (0..400)
+            .map(|i| format!("word{i} river, mountain's 12{i} café? "))
+            .collect::<String>()
+            + "<|im_end|>\n<|im_start|>assistant\n";
+        let whole = tokenizer.encode(&text).unwrap();
+        for want in [1, 64, 100, 1000, whole.len(), whole.len() + 10] {
+            let (head, bytes) = tokenizer.encode_head(&text, want).unwrap();
+            assert!(
+                head.len() >= want.min(whole.len()),
+                "{want}: {}",
+                head.len()
+            );
+            assert_eq!(head, whole[..head.len()], "{want}");
+            if bytes < text.len() {
+                assert_eq!(
+                    tokenizer.encode(&text[bytes..]).unwrap(),
+                    whole[head.len()..]
+                );
+            } else {
+                assert_eq!(head.len(), whole.len());
+            }
+        }
+        // Short texts are encoded whole.
+        assert_eq!(
+            tokenizer.encode_head("hi there", 64).unwrap(),
+            (tokenizer.encode("hi there").unwrap(), 8)
+        );
     }
 
     #[test]

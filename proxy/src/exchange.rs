@@ -23,6 +23,7 @@ use crate::kv::Prediction;
 use crate::limits::Admission;
 use crate::metrics::{Metrics, RequestSeries};
 use crate::plan::{self, ClientRequest, Plan, Target, Translation};
+use crate::prompt::{self, Unfinished};
 use crate::responses::{Holder, ResponseDirectory};
 use crate::routing::{
     Destination, InFlight, PendingPrefill, PoolRuntime, ProviderRuntime, RoutingTable, WorkerState,
@@ -306,7 +307,14 @@ impl Exchange {
             .map(|score| (worker.clone(), score.formula_ttft_s, Instant::now()));
         attempt.pending = Some(PendingPrefill::start(&worker, uncached));
         attempt.prediction = match (prompt, pool.slots.get(index)) {
-            (Some(prompt), Some(slot)) => Some(pool.kv.predictions.add(*slot, prompt)),
+            (Some(prompt), Some(slot)) => {
+                let unfinished = prompt.unfinished.clone();
+                let prediction = pool.kv.predictions.add(*slot, prompt);
+                if let Some(unfinished) = unfinished {
+                    finish_prompt(&pool, &prediction, unfinished);
+                }
+                Some(prediction)
+            }
             _ => None,
         };
         let mut peer = HttpPeer::new(socket, false, String::new());
@@ -568,6 +576,25 @@ impl Exchange {
         self.admission = None;
         self.attempt.release();
     }
+}
+
+/// Tokenize the whole of a prompt routed by its head, on the blocking pool, and predict all of
+/// its blocks on the chosen worker: a request that shares more of it, sent before the worker's
+/// KV events arrive, then finds it there.
+fn finish_prompt(pool: &Arc<PoolRuntime>, prediction: &Prediction, unfinished: Arc<Unfinished>) {
+    let (Some(tokenizer), Ok(runtime)) = (
+        pool.tokenizer.clone(),
+        tokio::runtime::Handle::try_current(),
+    ) else {
+        return;
+    };
+    let kv = pool.kv.clone();
+    let (predictions, id) = prediction.handle();
+    runtime.spawn_blocking(move || {
+        if let Some(whole) = prompt::finish(&tokenizer, &kv.prompts, &unfinished) {
+            predictions.finish(id, whole);
+        }
+    });
 }
 
 #[cfg(test)]

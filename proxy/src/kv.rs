@@ -59,6 +59,14 @@ impl Predictions {
         }
     }
 
+    /// Replace the prompt of prediction `id` by the whole of it (it was predicted from its head
+    /// only); nothing when that request has ended.
+    pub fn finish(&self, id: u64, prompt: Arc<crate::prompt::PromptInfo>) {
+        if let Some(entry) = lock(&self.entries).iter_mut().find(|(e, _, _)| *e == id) {
+            entry.2 = prompt;
+        }
+    }
+
     /// Raise each worker's depth in `overlap` to the longest prefix of `request` it was sent.
     pub fn raise(
         &self,
@@ -92,6 +100,13 @@ impl Predictions {
 pub struct Prediction {
     predictions: Arc<Predictions>,
     id: u64,
+}
+
+impl Prediction {
+    /// The predictions this one is kept in, and its id there (see [`Predictions::finish`]).
+    pub fn handle(&self) -> (Arc<Predictions>, u64) {
+        (self.predictions.clone(), self.id)
+    }
 }
 
 impl Drop for Prediction {

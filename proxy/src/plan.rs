@@ -408,14 +408,23 @@ pub fn analyse_prompt(
     cache_salt: Option<&str>,
 ) -> Option<Arc<PromptInfo>> {
     let tokenizer = pool.tokenizer.as_ref()?;
-    let block_size = pool.kv.index.block_size();
+    let kv = &pool.kv;
+    let block_size = kv.index.block_size();
+    // Whether some worker holds (or is being sent) every one of these blocks.
+    let held = |hashes: &[switchyard_kv::hash::SequenceHash]| {
+        let mut overlap = switchyard_kv::index::Overlap::default();
+        kv.index.overlap_into(hashes, kv.slot_count(), &mut overlap);
+        kv.predictions.raise(hashes, &mut overlap);
+        !hashes.is_empty() && overlap.deepest() as usize >= hashes.len()
+    };
     match prompt::analyse(
         tokenizer,
-        &pool.kv.prompts,
+        &kv.prompts,
         endpoint,
         body,
         block_size,
         cache_salt,
+        &held,
     ) {
         Ok(info) => Some(info),
         Err(error) => {

@@ -26,11 +26,28 @@ const CACHE_ENTRIES: usize = 512;
 /// What routing needs to know about a prompt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PromptInfo {
-    /// Prompt tokens (of the tokenized prefix, when the prompt was longer than the bound).
+    /// Prompt tokens (of the tokenized prefix, when the prompt was longer than the bound;
+    /// estimated from the head's bytes per token when only a head was tokenized).
     pub tokens: usize,
-    /// Chained hashes of its full blocks.
+    /// Chained hashes of its full blocks (of the head only, when [`PromptInfo::unfinished`]).
     pub hashes: Vec<SequenceHash>,
+    /// Set when only a head was tokenized (no worker holds the prompt past it): what
+    /// [`finish`] needs to tokenize the whole, off the request's path.
+    pub unfinished: Option<Arc<Unfinished>>,
 }
+
+/// A prompt tokenized only as far as routing needed.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Unfinished {
+    text: Arc<str>,
+    key: u64,
+    block_size: usize,
+    cache_salt: Option<String>,
+}
+
+/// Tokens (at least two blocks) tokenized at first, enough to estimate the rest by its bytes;
+/// the head grows fourfold while some worker holds all of it.
+const FIRST_HEAD_TOKENS: usize = 256;
 
 /// Entries by key, and keys in insertion order.
 #[derive(Debug, Default)]
@@ -144,6 +161,7 @@ pub fn analyse(
     request: &RequestBody<'_>,
     block_size: usize,
     cache_salt: Option<&str>,
+    held: &dyn Fn(&[SequenceHash]) -> bool,
 ) -> Result<Arc<PromptInfo>, String> {
     let hashes = |tokens: &[u32]| sequence_hashes_keyed(tokens, block_size, &[], cache_salt);
     let tokens = match prompt_of(tokenizer, endpoint, request)? {
@@ -155,19 +173,68 @@ pub fn analyse(
             if let Some(hit) = cache.get(key) {
                 return Ok(hit);
             }
-            let tokens = tokenizer.encode(text).map_err(|e| e.to_string())?;
-            let info = Arc::new(PromptInfo {
-                tokens: tokens.len(),
-                hashes: hashes(&tokens),
-            });
-            cache.put(key, info.clone());
-            return Ok(info);
+            // Only as far as some worker holds the prompt's blocks: past the first block that
+            // no worker (and no request in flight) holds, no worker can match, so the rest is
+            // counted, not hashed.
+            let mut want = block_size.saturating_mul(2).max(FIRST_HEAD_TOKENS);
+            loop {
+                let (tokens, bytes) = tokenizer
+                    .encode_head(text, want)
+                    .map_err(|e| e.to_string())?;
+                let head = hashes(&tokens);
+                if bytes >= text.len() {
+                    let info = Arc::new(PromptInfo {
+                        tokens: tokens.len(),
+                        hashes: head,
+                        unfinished: None,
+                    });
+                    cache.put(key, info.clone());
+                    return Ok(info);
+                }
+                if !held(&head) {
+                    let rest = (text.len() - bytes) as f64 * tokens.len() as f64 / bytes as f64;
+                    return Ok(Arc::new(PromptInfo {
+                        tokens: tokens.len() + rest.round() as usize,
+                        hashes: head,
+                        unfinished: Some(Arc::new(Unfinished {
+                            text: Arc::from(text),
+                            key,
+                            block_size,
+                            cache_salt: cache_salt.map(str::to_owned),
+                        })),
+                    }));
+                }
+                want = want.saturating_mul(4);
+            }
         }
     };
     Ok(Arc::new(PromptInfo {
         tokens: tokens.len(),
         hashes: hashes(&tokens),
+        unfinished: None,
     }))
+}
+
+/// The whole of a prompt tokenized only as far as routing needed (CPU work: run it on the
+/// blocking pool), remembered in `cache` for the next request with the same text.
+pub fn finish(
+    tokenizer: &PromptTokenizer,
+    cache: &PromptCache,
+    unfinished: &Unfinished,
+) -> Option<Arc<PromptInfo>> {
+    let tokens = tokenizer.encode(&unfinished.text).ok()?;
+    let info = Arc::new(PromptInfo {
+        tokens: tokens.len(),
+        hashes: sequence_hashes_keyed(
+            &tokens,
+            unfinished.block_size,
+            &[],
+            unfinished.cache_salt.as_deref(),
+        ),
+        unfinished: None,
+    });
+    cache.put(unfinished.key, info.clone());
+    Some(info)
 }
 
 #[cfg(test)]
@@ -187,6 +254,7 @@ mod tests {
             &parsed,
             4,
             None,
+            &|_| true,
         )
         .unwrap();
         let rendered = tokenizer
@@ -205,6 +273,7 @@ mod tests {
             &parsed,
             4,
             None,
+            &|_| true,
         )
         .unwrap();
         assert!(Arc::ptr_eq(&info, &again));
@@ -216,6 +285,7 @@ mod tests {
             &parsed,
             4,
             Some("t:1"),
+            &|_| true,
         )
         .unwrap();
         assert_eq!(
@@ -223,6 +293,81 @@ mod tests {
             sequence_hashes_keyed(&tokens, 4, &[], Some("t:1"))
         );
         assert_ne!(salted.hashes, info.hashes);
+    }
+
+    #[test]
+    fn a_prompt_no_worker_holds_is_hashed_only_as_far_as_its_first_blocks() {
+        let tokenizer = PromptTokenizer::shipped().unwrap();
+        let cache = PromptCache::default();
+        let long: String = (0..600)
+            .map(|i| format!("river{i} mountain garden "))
+            .collect();
+        let body =
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": long}]})
+                .to_string();
+        let parsed = crate::wire::parse(body.as_bytes()).unwrap();
+        let rendered = tokenizer.render_chat(&parsed.chat_messages(false)).unwrap();
+        let tokens = tokenizer.encode(&rendered).unwrap();
+        let all = sequence_hashes_keyed(&tokens, 16, &[], None);
+        // Nobody holds anything: two blocks are hashed, the rest estimated.
+        let asked = std::cell::Cell::new(0);
+        let nobody = |_: &[SequenceHash]| {
+            asked.set(asked.get() + 1);
+            false
+        };
+        let head = analyse(
+            &tokenizer,
+            &cache,
+            Endpoint::ChatCompletions,
+            &parsed,
+            16,
+            None,
+            &nobody,
+        )
+        .unwrap();
+        assert_eq!(asked.get(), 1);
+        assert!(
+            head.hashes.len() >= 16 && head.hashes.len() < all.len() / 4,
+            "{}",
+            head.hashes.len()
+        );
+        assert_eq!(head.hashes, all[..head.hashes.len()]);
+        let error = head.tokens.abs_diff(tokens.len()) as f64 / tokens.len() as f64;
+        assert!(
+            error < 0.1,
+            "estimated {} of {} tokens",
+            head.tokens,
+            tokens.len()
+        );
+        // The whole, later: exact, and remembered for the same prompt.
+        let whole = finish(&tokenizer, &cache, head.unfinished.as_ref().unwrap()).unwrap();
+        assert_eq!((whole.tokens, &whole.hashes), (tokens.len(), &all));
+        let again = analyse(
+            &tokenizer,
+            &cache,
+            Endpoint::ChatCompletions,
+            &parsed,
+            16,
+            None,
+            &nobody,
+        )
+        .unwrap();
+        assert!(Arc::ptr_eq(&again, &whole));
+        // Held as far as 20 blocks: the head grows past them, then stops.
+        let cache = PromptCache::default();
+        let twenty = |hashes: &[SequenceHash]| hashes.len() <= 20;
+        let deeper = analyse(
+            &tokenizer,
+            &cache,
+            Endpoint::ChatCompletions,
+            &parsed,
+            16,
+            None,
+            &twenty,
+        )
+        .unwrap();
+        assert!(deeper.hashes.len() > head.hashes.len() && deeper.unfinished.is_some());
+        assert_eq!(deeper.hashes, all[..deeper.hashes.len()]);
     }
 
     #[test]
@@ -266,6 +411,7 @@ mod tests {
             &crate::wire::parse(br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#).unwrap(),
             4,
             None,
+            &|_| true,
         )
         .unwrap();
         assert_eq!((info.tokens, info.hashes.len()), (9, 2));
@@ -277,7 +423,8 @@ mod tests {
                 Endpoint::Completions,
                 &crate::wire::parse(br#"{"model":"m"}"#).unwrap(),
                 4,
-                None
+                None,
+                &|_| true,
             )
             .is_err()
         );
