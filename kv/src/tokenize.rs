@@ -244,6 +244,39 @@ fn cut_points(text: &str, min_bytes: usize) -> Vec<usize> {
     cuts
 }
 
+/// Where [`PromptTokenizer::encode`] cuts a text into pieces for the [`SegmentCache`], at least
+/// `min_bytes` apart: after a line break followed by a non-space (every tokenizer that passes
+/// [`CUT_CHECKS`]) and, with `words`, before a space that starts a word (see
+/// [`next_word_cut`]). The cuts depend only on the text before them, so two prompts that share a
+/// prefix are cut alike up to where they differ, and their shared pieces are tokenized once.
+fn segment_cuts(text: &str, min_bytes: usize, words: bool) -> Vec<usize> {
+    let bytes = text.as_bytes();
+    let mut cuts = Vec::new();
+    let mut last = 0;
+    let mut at = min_bytes.max(1);
+    while at < bytes.len() {
+        let next_char = || text.get(at..).and_then(|rest| rest.chars().next());
+        let after_line = bytes.get(at - 1) == Some(&b'\n')
+            && text.is_char_boundary(at)
+            && next_char().is_some_and(|c| !c.is_whitespace());
+        let before_word = words
+            && bytes.get(at) == Some(&b' ')
+            && bytes.get(at - 1).is_some_and(|b| !b.is_ascii_whitespace())
+            && text
+                .get(at + 1..)
+                .and_then(|rest| rest.chars().next())
+                .is_some_and(char::is_alphabetic);
+        if after_line || before_word {
+            cuts.push(at);
+            last = at;
+            at = last + min_bytes;
+        } else {
+            at += 1;
+        }
+    }
+    cuts
+}
+
 /// The first byte offset at or after `from` just before a space that follows a non-space and
 /// precedes a letter (where a word-level cut is safe, see [`PromptTokenizer::encode_head`]).
 fn next_word_cut(text: &str, from: usize) -> Option<usize> {
@@ -466,7 +499,7 @@ impl PromptTokenizer {
         let Some(cache) = &self.segments else {
             return self.encode_whole(text);
         };
-        let cuts = cut_points(text, MIN_SEGMENT_BYTES);
+        let cuts = segment_cuts(text, MIN_SEGMENT_BYTES, self.word_cuts);
         if cuts.is_empty() {
             return self.encode_whole(text);
         }
@@ -544,6 +577,15 @@ mod tests {
                 assert_eq!(head.len(), whole.len());
             }
         }
+        // One long line: cut between words for the segment cache, and exact.
+        let line: String = (0..600).map(|i| format!("garden{i} kernel ")).collect();
+        let cuts = segment_cuts(&line, MIN_SEGMENT_BYTES, true);
+        assert!(cuts.len() > 5 && cuts.windows(2).all(|w| w[1] - w[0] >= MIN_SEGMENT_BYTES));
+        assert_eq!(
+            tokenizer.encode(&line).unwrap(),
+            tokenizer.encode_whole(&line).unwrap()
+        );
+        assert!(segment_cuts(&line, MIN_SEGMENT_BYTES, false).is_empty());
         // Short texts are encoded whole.
         assert_eq!(
             tokenizer.encode_head("hi there", 64).unwrap(),
