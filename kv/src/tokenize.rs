@@ -252,7 +252,6 @@ fn cut_points(text: &str, min_bytes: usize) -> Vec<usize> {
 fn segment_cuts(text: &str, min_bytes: usize, words: bool) -> Vec<usize> {
     let bytes = text.as_bytes();
     let mut cuts = Vec::new();
-    let mut last = 0;
     let mut at = min_bytes.max(1);
     while at < bytes.len() {
         let next_char = || text.get(at..).and_then(|rest| rest.chars().next());
@@ -268,8 +267,7 @@ fn segment_cuts(text: &str, min_bytes: usize, words: bool) -> Vec<usize> {
                 .is_some_and(char::is_alphabetic);
         if after_line || before_word {
             cuts.push(at);
-            last = at;
-            at = last + min_bytes;
+            at += min_bytes.max(1);
         } else {
             at += 1;
         }
