@@ -168,8 +168,9 @@ pub struct PromptTokenizer {
     /// Tokens of text pieces seen before, when this tokenizer splits text the way
     /// [`SegmentCache`] needs (checked when it is loaded).
     segments: Option<SegmentCache>,
-    /// Whether a head of a text may be tokenized alone (see [`PromptTokenizer::encode_head`]).
-    word_cuts: bool,
+    /// Whether a head of a text may be tokenized alone (see [`PromptTokenizer::encode_head`]);
+    /// turned off for good if a head ever turns out not to be the start of its whole.
+    word_cuts: std::sync::atomic::AtomicBool,
 }
 
 /// Smallest piece of a prompt worth remembering, in bytes.
@@ -395,7 +396,7 @@ impl PromptTokenizer {
         text: &str,
         min_tokens: usize,
     ) -> Result<(Vec<u32>, usize), TokenizeError> {
-        if !self.word_cuts {
+        if !self.cuts_words() {
             return Ok((self.encode(text)?, text.len()));
         }
         // Generous bytes per token; doubled while the head falls short.
@@ -411,6 +412,18 @@ impl PromptTokenizer {
             }
             bytes = cut.saturating_mul(2);
         }
+    }
+
+    /// Whether texts are cut between words (see [`PromptTokenizer::encode_head`]).
+    pub fn cuts_words(&self) -> bool {
+        self.word_cuts.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Stop cutting between words: a head was found not to be the start of its whole (a
+    /// tokenizer the load-time checks did not catch).
+    pub fn stop_cutting_words(&self) {
+        self.word_cuts
+            .store(false, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether this tokenizer remembers the tokens of prompt pieces (see [`SegmentCache`]).
@@ -450,12 +463,13 @@ impl PromptTokenizer {
             tokenizer,
             templates,
             segments: None,
-            word_cuts: false,
+            word_cuts: std::sync::atomic::AtomicBool::new(false),
         };
         if prompt_tokenizer.cuts_are_exact() {
             prompt_tokenizer.segments = Some(SegmentCache::default());
         }
-        prompt_tokenizer.word_cuts = prompt_tokenizer.word_cuts_are_exact();
+        let exact = prompt_tokenizer.word_cuts_are_exact();
+        prompt_tokenizer.word_cuts = std::sync::atomic::AtomicBool::new(exact);
         Ok(prompt_tokenizer)
     }
 
@@ -497,7 +511,7 @@ impl PromptTokenizer {
         let Some(cache) = &self.segments else {
             return self.encode_whole(text);
         };
-        let cuts = segment_cuts(text, MIN_SEGMENT_BYTES, self.word_cuts);
+        let cuts = segment_cuts(text, MIN_SEGMENT_BYTES, self.cuts_words());
         if cuts.is_empty() {
             return self.encode_whole(text);
         }
@@ -550,7 +564,7 @@ mod tests {
     fn heads_are_the_first_tokens_of_the_whole() {
         let tokenizer = shipped();
         assert!(
-            tokenizer.word_cuts,
+            tokenizer.cuts_words(),
             "the shipped tokenizer can be cut between words"
         );
         let text: String = (0..400)

@@ -23,7 +23,7 @@ use crate::limits::{Admission, RateLimiter, Reservation};
 use crate::multipart;
 use crate::plan::{self, ClientRequest, INLINE_PLAN_BYTES, Plan, Previous, Rejection, Request};
 use crate::request::{self, ParsedRequest};
-use crate::responses::ResponseDirectory;
+use crate::responses::{Lookup, ResponseDirectory};
 use crate::routing::{AuthFailure, Caller, RoutingTable};
 use crate::wire;
 
@@ -217,10 +217,11 @@ impl Gateway {
             .path_and_query()
             .map_or_else(|| path.clone(), |p| p.as_str().to_owned());
         let deletes = request.method == http::Method::DELETE;
-        let stream = request
-            .uri
-            .query()
-            .is_some_and(|q| q.split('&').any(|pair| pair == "stream=true"));
+        let stream = request.uri.query().is_some_and(|q| {
+            q.split('&')
+                .filter_map(|pair| pair.split_once('='))
+                .any(|(name, value)| name == "stream" && truthy(value))
+        });
         let id = response_id_of(&path).unwrap_or_default().to_owned();
         let holder = self
             .responses
@@ -385,7 +386,8 @@ fn parse_and_plan(
         let parsed = form_request(&body, headers).map_err(Refusal::Invalid)?;
         (wire::parse(b"{}").map_err(Refusal::Invalid)?, parsed)
     } else {
-        let typed = wire::parse(&body).map_err(Refusal::Invalid)?;
+        let mut typed = wire::parse(&body).map_err(Refusal::Invalid)?;
+        typed.is_responses = endpoint == Endpoint::Responses;
         let parsed = request::summarise(endpoint, &body, &typed).map_err(Refusal::Invalid)?;
         (typed, parsed)
     };
@@ -394,14 +396,29 @@ fn parse_and_plan(
         parsed,
         body: body.clone(),
     };
+    let tenant_name = tenant.map(|t| t.name.as_str());
+    // A response id the client chooses must not be one another caller's response has: the
+    // worker would keep this answer in its place.
+    if let Some(id) = &client.parsed.response_id
+        && responses.lookup(id, tenant_name) == Lookup::Foreign
+    {
+        return Err(Refusal::Invalid(ApiError {
+            kind: ErrorKind::InvalidRequest,
+            code: "response_id_taken",
+            param: Some("request_id"),
+            message: "'request_id' names a response that is not yours; choose another id".into(),
+            retry_after: None,
+        }));
+    }
     let holder = client
         .parsed
         .previous_response_id
         .as_deref()
-        .map(|id| (id, responses.find(id, tenant.map(|t| t.name.as_str()))));
+        .map(|id| (id, responses.find(id, tenant_name)));
     let previous = match &holder {
         None => Previous::None,
         Some((_, Some(holder))) => Previous::Known(holder),
+        // Unknown, expired, or another tenant's: answered alike.
         Some((id, None)) => Previous::Unknown(id),
     };
     let planned = plan::plan(
@@ -434,6 +451,15 @@ fn form_request(body: &[u8], headers: &http::HeaderMap) -> Result<ParsedRequest,
         )
     })?;
     let fields = multipart::fields(body, boundary)?;
+    // The gateway reads the first of a field, form parsers upstream the last: one each.
+    for name in ["model", "stream", "file"] {
+        if fields.iter().filter(|f| f.name == name).count() > 1 {
+            return Err(ApiError::invalid(
+                "body",
+                format!("the form has more than one '{name}' field"),
+            ));
+        }
+    }
     let model = fields
         .iter()
         .find(|f| f.name == "model" && f.filename.is_none())
@@ -448,12 +474,21 @@ fn form_request(body: &[u8], headers: &http::HeaderMap) -> Result<ParsedRequest,
     {
         return Err(ApiError::invalid("file", "missing required file 'file'"));
     }
-    let stream = multipart::text(body, &fields, "stream").is_some_and(|v| v.trim() == "true");
+    let stream = multipart::text(body, &fields, "stream").is_some_and(truthy);
     Ok(ParsedRequest::form(
         name.to_owned(),
         model.value.clone(),
         stream,
     ))
+}
+
+/// A form or query value the way vLLM's request models read a boolean (pydantic: `true`, `1`,
+/// `yes`, `on`, `t`, `y`, any case).
+fn truthy(value: &str) -> bool {
+    matches!(
+        value.trim().to_ascii_lowercase().as_str(),
+        "true" | "1" | "yes" | "on" | "t" | "y"
+    )
 }
 
 /// Take the tenant's rate limits for `client`'s request (`None`: the tenant has none).

@@ -75,6 +75,8 @@ enum Mode {
         from: String,
         /// How far into the answer the model is looked for.
         within: usize,
+        /// How far it has been looked for already (each chunk only adds to the search).
+        searched: usize,
         done: bool,
     },
     /// A native stream: each event's `model` becomes the client's alias.
@@ -134,6 +136,7 @@ impl Answer {
                         buffer: BytesMut::new(),
                         from,
                         within,
+                        searched: 0,
                         done: false,
                     }
                 };
@@ -219,13 +222,17 @@ impl Answer {
                 buffer,
                 from,
                 within,
+                searched,
                 done,
             } => {
                 if !*done {
                     if let Some(chunk) = body.take() {
                         buffer.extend_from_slice(&chunk);
                     }
-                    match renamed_head(buffer, from, client_model) {
+                    // A match may straddle the last chunk's end: look again from a little before.
+                    let start = searched.saturating_sub(from.len() + 64);
+                    *searched = buffer.len();
+                    match renamed_head_from(buffer, start, from, client_model) {
                         Some(renamed) => {
                             *done = true;
                             buffer.clear();
@@ -284,10 +291,15 @@ pub const RESPONSE_ALIAS_BYTES: usize = 8 * 1024 * 1024;
 /// `head` (the start of a JSON answer, or one stream payload) with its first
 /// `"model": "<from>"` member renamed to `to`; `None` while there is none.
 fn renamed_head(head: &[u8], from: &str, to: &str) -> Option<Vec<u8>> {
+    renamed_head_from(head, 0, from, to)
+}
+
+/// [`renamed_head`], looking for the member from byte `start` on.
+fn renamed_head_from(head: &[u8], start: usize, from: &str, to: &str) -> Option<Vec<u8>> {
     let quoted = |name: &str| serde_json::Value::String(name.to_owned()).to_string();
     let (from, to) = (quoted(from), quoted(to));
     let key: &[u8] = b"\"model\"";
-    let mut at = 0;
+    let mut at = start;
     while let Some(found) = find(head.get(at..)?, key) {
         let key_end = at + found + key.len();
         let rest = head.get(key_end..)?;

@@ -8,6 +8,7 @@
 //! the upstream request's head must say.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -308,7 +309,10 @@ impl Exchange {
         attempt.pending = Some(PendingPrefill::start(&worker, uncached));
         attempt.prediction = match (prompt, pool.slots.get(index)) {
             (Some(prompt), Some(slot)) => {
-                let unfinished = prompt.unfinished.clone();
+                let unfinished = prompt
+                    .unfinished
+                    .clone()
+                    .filter(|_| attempt.tried.len() == 1);
                 let prediction = pool.kv.predictions.add(*slot, prompt);
                 if let Some(unfinished) = unfinished {
                     finish_prompt(&pool, &prediction, unfinished);
@@ -581,6 +585,8 @@ impl Exchange {
 /// Tokenize the whole of a prompt routed by its head, on the blocking pool, and predict all of
 /// its blocks on the chosen worker: a request that shares more of it, sent before the worker's
 /// KV events arrive, then finds it there.
+/// Bounded: past [`MAX_FINISHING`] at once, a prompt keeps its head's prediction (the work is
+/// an optimisation, not owed to the request, and must not crowd the blocking pool).
 fn finish_prompt(pool: &Arc<PoolRuntime>, prediction: &Prediction, unfinished: Arc<Unfinished>) {
     let (Some(tokenizer), Ok(runtime)) = (
         pool.tokenizer.clone(),
@@ -588,14 +594,26 @@ fn finish_prompt(pool: &Arc<PoolRuntime>, prediction: &Prediction, unfinished: A
     ) else {
         return;
     };
+    if FINISHING.fetch_add(1, Ordering::AcqRel) >= MAX_FINISHING {
+        FINISHING.fetch_sub(1, Ordering::AcqRel);
+        return;
+    }
     let kv = pool.kv.clone();
     let (predictions, id) = prediction.handle();
     runtime.spawn_blocking(move || {
-        if let Some(whole) = prompt::finish(&tokenizer, &kv.prompts, &unfinished) {
+        // The request may be over already: then nobody needs the whole.
+        if predictions.contains(id)
+            && let Some(whole) = prompt::finish(&tokenizer, &kv.prompts, &unfinished)
+        {
             predictions.finish(id, whole);
         }
+        FINISHING.fetch_sub(1, Ordering::AcqRel);
     });
 }
+
+/// Prompts being tokenized whole at once, at most (see [`finish_prompt`]).
+const MAX_FINISHING: usize = 4;
+static FINISHING: AtomicUsize = AtomicUsize::new(0);
 
 #[cfg(test)]
 mod tests;

@@ -59,6 +59,11 @@ impl Predictions {
         }
     }
 
+    /// Whether prediction `id` is still held (its request has not ended).
+    pub fn contains(&self, id: u64) -> bool {
+        lock(&self.entries).iter().any(|(e, _, _)| *e == id)
+    }
+
     /// Replace the prompt of prediction `id` by the whole of it (it was predicted from its head
     /// only); nothing when that request has ended.
     pub fn finish(&self, id: u64, prompt: Arc<crate::prompt::PromptInfo>) {

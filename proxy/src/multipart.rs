@@ -46,14 +46,18 @@ pub fn fields(body: &[u8], boundary: &str) -> Result<Vec<Field>, ApiError> {
             return Ok(out);
         }
         let headers_start = skip_line_end(body, after).ok_or_else(|| malformed("boundary line"))?;
-        let headers_end =
-            find(body, b"\r\n\r\n", headers_start).ok_or_else(|| malformed("part headers"))?;
-        let headers = std::str::from_utf8(body.get(headers_start..headers_end).unwrap_or_default())
-            .map_err(|_| malformed("part headers are not UTF-8"))?;
-        let value_start = headers_end + 4;
         let mut next_delimiter = Vec::with_capacity(delimiter.len() + 2);
         next_delimiter.extend_from_slice(b"\r\n");
         next_delimiter.extend_from_slice(delimiter);
+        // A part's headers end before its content, and within the part.
+        let part_end = find(body, &next_delimiter, headers_start);
+        let headers_end = find(body, b"\r\n\r\n", headers_start)
+            .filter(|end| part_end.is_none_or(|part_end| *end < part_end))
+            .filter(|end| *end > headers_start)
+            .ok_or_else(|| malformed("part headers"))?;
+        let headers = std::str::from_utf8(body.get(headers_start..headers_end).unwrap_or_default())
+            .map_err(|_| malformed("part headers are not UTF-8"))?;
+        let value_start = headers_end + 4;
         let value_end = find(body, &next_delimiter, value_start)
             .ok_or_else(|| malformed("unterminated part"))?;
         let disposition = headers
@@ -171,6 +175,11 @@ mod tests {
                 "unterminated",
             ),
             (b"--XyZ\r\nX: y\r\n\r\nv\r\n--XyZ--", "Content-Disposition"),
+            // No headers: the next part's are not borrowed.
+            (
+                b"--XyZ\r\n\r\nv\r\n--XyZ\r\nContent-Disposition: form-data; name=\"m\"\r\n\r\nx\r\n--XyZ--",
+                "part headers",
+            ),
         ] {
             let error = fields(bad, "XyZ").unwrap_err();
             assert!(error.message.contains(why), "{}", error.message);

@@ -22,7 +22,7 @@ use crate::api::{ApiError, Endpoint, ErrorKind, client_text};
 use crate::prompt::{self, PromptInfo};
 use crate::request::ParsedRequest;
 use crate::responses::Holder;
-use crate::routing::{PoolRuntime, RoutingTable};
+use crate::routing::{Destination, PoolRuntime, RoutingTable};
 use crate::scorer;
 use crate::wire::{self, RequestBody};
 
@@ -270,9 +270,12 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
     // The prompt as the chosen pool's workers tokenize it, for cache-aware worker choice (the
     // tokenizer endpoints generate nothing: they go by queue alone).
     let generates = client.endpoint.is_inference();
+    // A continuation's prompt is the worker's stored conversation and this input: the gateway
+    // cannot render it, and the worker is fixed anyway.
+    let continues = !matches!(request.previous, Previous::None);
     if let Some(pool) = prepared
         .pool()
-        .filter(|p| p.tokenizer.is_some() && generates)
+        .filter(|p| p.tokenizer.is_some() && generates && !continues)
     {
         let known = predictions.iter().find(|(id, _)| *id == pool.config.id);
         prepared.prompt = match known {
@@ -301,8 +304,8 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
 }
 
 /// The target of a request that continues a stored response, and the worker it must go to:
-/// the one that made it. A response the gateway does not know is an error on a pool (only the
-/// worker that made it has it); a provider keeps its own responses and is asked as planned.
+/// the one that made it. A response the gateway does not know (or another tenant's) is a 404,
+/// unless the target translates (which refuses it with its own reason).
 fn continuation<'m>(
     table: &RoutingTable,
     model: &'m switchyard_snapshot::Model,
@@ -324,17 +327,22 @@ fn continuation<'m>(
     };
     match previous {
         Previous::None => Ok((planned, None)),
-        Previous::Unknown(id) => match &planned.backend {
-            // A provider keeps its own; a translating pool refuses it when the body is prepared.
-            Backend::Provider(_) => Ok((planned, None)),
-            Backend::Pool(pool)
-                if table
-                    .pool(pool)
-                    .is_some_and(|p| p.config.responses_api == ResponsesApi::Translate) =>
+        Previous::Unknown(id) => match table.destination(planned) {
+            // A target that translates refuses it with its own reason when the body is prepared.
+            Some(Destination::Pool(pool))
+                if pool.config.responses_api == ResponsesApi::Translate =>
             {
                 Ok((planned, None))
             }
-            Backend::Pool(_) => Err(not_found(
+            Some(Destination::Provider(provider))
+                if provider.config.responses_api == ResponsesApi::Translate =>
+            {
+                Ok((planned, None))
+            }
+            // On a pool only the worker that made a response has it; a provider is reached with
+            // the gateway's own key, shared by every tenant, so only a response this tenant made
+            // through the gateway may be continued there.
+            _ => Err(not_found(
                 id,
                 "is not known to this gateway: it remembers which worker holds each response it \
                  forwarded (store enabled) for a limited time; the response may have expired, \
@@ -368,7 +376,7 @@ fn continuation<'m>(
                     return Err(not_found(
                         previous_id,
                         format!(
-                            "was kept by worker {worker}, which has left pool {id}: the response is gone with it"
+                            "was kept by a worker that has left pool {id}: the response is gone with it"
                         ),
                     ));
                 }
@@ -386,7 +394,14 @@ pub fn next_fallback(
     client: &ClientRequest,
     cache_salt: Option<&str>,
 ) -> Option<Target> {
-    let body = wire::parse(&client.body).ok()?;
+    // A form (speech to text) has no typed model: its target needs only the model's place.
+    let json: &[u8] = if client.endpoint.is_audio() {
+        b"{}"
+    } else {
+        &client.body
+    };
+    let mut body = wire::parse(json).ok()?;
+    body.is_responses = client.endpoint == Endpoint::Responses;
     while !fallbacks.is_empty() {
         let target = fallbacks.remove(0);
         match prepare_target(table, &target, client, &body, cache_salt) {

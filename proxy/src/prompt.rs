@@ -40,6 +40,8 @@ pub struct PromptInfo {
 #[derive(Debug, PartialEq, Eq)]
 pub struct Unfinished {
     text: Arc<str>,
+    /// The head's hashes, which the whole's must start with.
+    head: Vec<SequenceHash>,
     key: u64,
     block_size: usize,
     cache_salt: Option<String>,
@@ -195,9 +197,10 @@ pub fn analyse(
                     let rest = (text.len() - bytes) as f64 * tokens.len() as f64 / bytes as f64;
                     return Ok(Arc::new(PromptInfo {
                         tokens: tokens.len() + rest.round() as usize,
-                        hashes: head,
+                        hashes: head.clone(),
                         unfinished: Some(Arc::new(Unfinished {
                             text: Arc::from(text),
+                            head,
                             key,
                             block_size,
                             cache_salt: cache_salt.map(str::to_owned),
@@ -233,6 +236,13 @@ pub fn finish(
         ),
         unfinished: None,
     });
+    if !info.hashes.starts_with(&unfinished.head) {
+        // Checked at load on sample texts; a prompt found otherwise ends word cuts for good.
+        tracing::warn!(
+            "a prompt's head did not tokenize as the start of the whole: routing now tokenizes whole prompts with this tokenizer"
+        );
+        tokenizer.stop_cutting_words();
+    }
     cache.put(unfinished.key, info.clone());
     Some(info)
 }

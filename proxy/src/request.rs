@@ -25,6 +25,8 @@ pub struct ParsedRequest {
     pub asks_stream_usage: bool,
     /// Responses API: the stored response this request continues.
     pub previous_response_id: Option<String>,
+    /// Responses API: the id the client chose for the response (vLLM's `request_id`).
+    pub response_id: Option<String>,
     /// Responses API: the answer is to be kept (`store`, true unless set false).
     pub store: bool,
     /// Byte range of the `"model"` value (quotes included) in the body.
@@ -61,6 +63,7 @@ impl ParsedRequest {
             cache_salt: None,
             asks_stream_usage: false,
             previous_response_id: None,
+            response_id: None,
             store: false,
             model_span: 0..0,
             cache_salt_span: None,
@@ -119,14 +122,7 @@ pub fn summarise(
                 return Err(ApiError::invalid("input", "missing required field 'input'"));
             }
             Some(Err(message)) => return Err(ApiError::invalid("input", message)),
-            Some(Ok(_)) => {
-                if head.max_output_tokens == Some(0) {
-                    return Err(ApiError::invalid(
-                        "max_output_tokens",
-                        "'max_output_tokens' must be at least 1",
-                    ));
-                }
-            }
+            Some(Ok(_)) => {}
         },
         Endpoint::Completions => match head.prompt_input() {
             None => {
@@ -148,6 +144,20 @@ pub fn summarise(
     // A `null` salt is replaced in place too: one added before it would lose to it.
     let cache_salt_span = head.cache_salt.and_then(|raw| span_within(body, raw.get()));
     let stream_options = head.stream_options()?;
+    // The Responses API's own fields mean something on that endpoint only.
+    let responses = match endpoint {
+        Endpoint::Responses => {
+            let fields = head.responses_fields()?;
+            if fields.max_output_tokens == Some(0) {
+                return Err(ApiError::invalid(
+                    "max_output_tokens",
+                    "'max_output_tokens' must be at least 1",
+                ));
+            }
+            fields
+        }
+        _ => Default::default(),
+    };
     let object_start = body
         .iter()
         .position(|b| *b == b'{')
@@ -155,13 +165,14 @@ pub fn summarise(
     Ok(ParsedRequest {
         model,
         stream: head.stream.unwrap_or(false),
-        max_tokens: head
-            .max_tokens
-            .or(head.max_completion_tokens)
-            .or(head.max_output_tokens),
+        max_tokens: match endpoint {
+            Endpoint::Responses => responses.max_output_tokens,
+            _ => head.max_tokens.or(head.max_completion_tokens),
+        },
         asks_stream_usage: stream_options.include_usage.unwrap_or(false),
-        previous_response_id: head.previous_response_id.as_deref().map(str::to_owned),
-        store: head.store.unwrap_or(true),
+        previous_response_id: responses.previous_response_id,
+        response_id: responses.request_id,
+        store: responses.store,
         cache_salt,
         model_span,
         cache_salt_span,

@@ -28,6 +28,17 @@ pub struct Holder {
     pub upstream_model: String,
 }
 
+/// What the directory knows of a response id for one tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    /// The tenant's own: where it is.
+    Mine(Holder),
+    /// Another tenant's (live): to this tenant, as if unknown.
+    Foreign,
+    /// Never noted, expired or forgotten.
+    Unknown,
+}
+
 /// Bounded, expiring map of response id → [`Holder`].
 #[derive(Debug)]
 pub struct ResponseDirectory {
@@ -67,15 +78,27 @@ impl ResponseDirectory {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Note that `holder` has response `id`.
-    pub fn record(&self, id: &str, holder: Holder) {
-        self.record_at(id, holder, Instant::now());
+    /// Note that `holder` has response `id`. An id another tenant's live response already has
+    /// is not taken over (clients may choose ids: vLLM's `request_id`); `false` then.
+    pub fn record(&self, id: &str, holder: Holder) -> bool {
+        self.record_at(id, holder, Instant::now())
     }
 
-    fn record_at(&self, id: &str, holder: Holder, now: Instant) {
+    fn record_at(&self, id: &str, holder: Holder, now: Instant) -> bool {
         let mut inner = self.lock();
+        if let Some((held, at)) = inner.by_id.get(id)
+            && held.tenant != holder.tenant
+            && now.saturating_duration_since(*at) < self.ttl
+        {
+            return false;
+        }
         inner.by_id.insert(id.to_owned(), (holder, now));
         inner.order.push_back((id.to_owned(), now));
+        // Ids noted again or forgotten leave stale places in line: drop them when they pile up.
+        if inner.order.len() > 2 * self.capacity + 64 {
+            let Inner { by_id, order } = &mut *inner;
+            order.retain(|(id, at)| by_id.get(id).is_some_and(|(_, noted)| noted == at));
+        }
         // Forget the expired, and the oldest beyond the capacity.
         while let Some((oldest, at)) = inner.order.front().cloned() {
             let live = inner
@@ -91,18 +114,42 @@ impl ResponseDirectory {
                 inner.by_id.remove(&oldest);
             }
         }
+        true
+    }
+
+    /// What the directory knows of `id` for `tenant`.
+    pub fn lookup(&self, id: &str, tenant: Option<&str>) -> Lookup {
+        self.lookup_at(id, tenant, Instant::now())
+    }
+
+    fn lookup_at(&self, id: &str, tenant: Option<&str>, now: Instant) -> Lookup {
+        let inner = self.lock();
+        match inner.by_id.get(id) {
+            Some((holder, at)) if now.saturating_duration_since(*at) < self.ttl => {
+                if holder.tenant.as_deref() == tenant {
+                    Lookup::Mine(holder.clone())
+                } else {
+                    Lookup::Foreign
+                }
+            }
+            _ => Lookup::Unknown,
+        }
     }
 
     /// The holder of `id` for `tenant` (`None`: unknown, expired, or another tenant's).
     pub fn find(&self, id: &str, tenant: Option<&str>) -> Option<Holder> {
-        self.find_at(id, tenant, Instant::now())
+        match self.lookup(id, tenant) {
+            Lookup::Mine(holder) => Some(holder),
+            _ => None,
+        }
     }
 
+    #[cfg(test)]
     fn find_at(&self, id: &str, tenant: Option<&str>, now: Instant) -> Option<Holder> {
-        let inner = self.lock();
-        let (holder, at) = inner.by_id.get(id)?;
-        (now.saturating_duration_since(*at) < self.ttl && holder.tenant.as_deref() == tenant)
-            .then(|| holder.clone())
+        match self.lookup_at(id, tenant, now) {
+            Lookup::Mine(holder) => Some(holder),
+            _ => None,
+        }
     }
 
     /// Forget `id` (it was deleted on its worker).
@@ -145,6 +192,22 @@ mod tests {
             Some("w1:8000".to_owned())
         );
         assert_eq!(directory.find_at("resp_1", Some("team-b"), start), None);
+        assert_eq!(
+            directory.lookup_at("resp_1", Some("team-b"), start),
+            Lookup::Foreign
+        );
+        assert_eq!(
+            directory.lookup_at("resp_x", Some("team-b"), start),
+            Lookup::Unknown
+        );
+        // Another tenant cannot take a live id over (clients may choose ids).
+        assert!(!directory.record_at("resp_1", holder("w9:8000", Some("team-b")), start));
+        assert_eq!(
+            directory
+                .find_at("resp_1", Some("team-a"), start)
+                .and_then(|h| h.worker),
+            Some("w1:8000".to_owned())
+        );
         assert_eq!(directory.find_at("resp_1", None, start), None);
         assert_eq!(directory.find_at("resp_2", Some("team-a"), start), None);
         let later = start + Duration::from_secs(61);
@@ -178,5 +241,10 @@ mod tests {
             Some("w9".to_owned())
         );
         assert_eq!(directory.len(), 3);
+        // Places in line left by ids noted again do not pile up.
+        for n in 0..1000 {
+            directory.record_at("resp_5", holder("w", None), at(7 + n));
+        }
+        assert!(directory.lock().order.len() <= 2 * 3 + 64 + 1);
     }
 }

@@ -32,12 +32,13 @@ pub fn responses_to_chat(
     request: &RequestBody<'_>,
     upstream_model: &str,
 ) -> Result<Bytes, ApiError> {
-    if request.previous_response_id.is_some() {
+    let fields = request.responses_fields()?;
+    if fields.previous_response_id.is_some() {
         return Err(untranslatable(
             "'previous_response_id' (a response stored upstream)",
         ));
     }
-    if request.background == Some(true) {
+    if fields.background {
         return Err(untranslatable("background mode"));
     }
     if request.conversation.is_some_and(|raw| raw.get() != "null") {
@@ -62,7 +63,7 @@ pub fn responses_to_chat(
         None => return Err(ApiError::invalid("input", "missing required field 'input'")),
     }
     out.insert("messages".into(), Value::Array(messages));
-    if let Some(max) = request.max_output_tokens {
+    if let Some(max) = fields.max_output_tokens {
         out.insert("max_completion_tokens".into(), json!(max));
     }
     for (name, raw) in [
@@ -400,6 +401,8 @@ pub struct ResponsesStreamTranslator {
     output: Vec<Value>,
     finish_reason: Option<String>,
     usage: Option<UsageFields>,
+    /// The upstream said it was done (`[DONE]`).
+    done: bool,
 }
 
 impl ResponsesStreamTranslator {
@@ -416,6 +419,7 @@ impl ResponsesStreamTranslator {
             output: Vec::new(),
             finish_reason: None,
             usage: None,
+            done: false,
         }
     }
 
@@ -474,6 +478,7 @@ impl ResponsesStreamTranslator {
             return;
         }
         if data == "[DONE]" {
+            self.done = true;
             self.close(out);
             return;
         }
@@ -657,8 +662,14 @@ impl ResponsesStreamTranslator {
         self.start(None, out);
         self.finished = true;
         self.close_item(out);
-        let (status, incomplete) = status_of(self.finish_reason.as_deref());
-        let response = response_object(
+        // An upstream that stopped without saying why (no finish reason, no `[DONE]`) was cut off.
+        let cut_off = self.finish_reason.is_none() && !self.done;
+        let (status, incomplete) = if cut_off {
+            ("failed", Value::Null)
+        } else {
+            status_of(self.finish_reason.as_deref())
+        };
+        let mut response = response_object(
             &format!("resp_{}", self.id),
             self.created,
             &self.client_model,
@@ -667,10 +678,16 @@ impl ResponsesStreamTranslator {
             std::mem::take(&mut self.output),
             responses_usage(self.usage.as_ref()),
         );
-        let kind = if status == "incomplete" {
-            "response.incomplete"
-        } else {
-            "response.completed"
+        if cut_off && let Some(fields) = response.as_object_mut() {
+            fields.insert(
+                "error".into(),
+                json!({"code": "server_error", "message": "the upstream's answer ended before it was complete"}),
+            );
+        }
+        let kind = match status {
+            "failed" => "response.failed",
+            "incomplete" => "response.incomplete",
+            _ => "response.completed",
         };
         self.emit(out, kind, Self::fields(json!({"response": response})));
     }

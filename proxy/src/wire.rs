@@ -96,16 +96,23 @@ pub struct RequestBody<'a> {
     /// Responses API: the system text (see [`responses`] for `input`).
     #[serde(borrow, default)]
     pub instructions: Option<&'a RawValue>,
-    /// Responses API: the stored response this one continues (held by one worker).
+    /// Responses API fields, raw (read through [`RequestBody::responses_fields`] for that API
+    /// only: on another endpoint they are the upstream's to judge).
     #[serde(borrow, default)]
-    pub previous_response_id: Option<Cow<'a, str>>,
-    #[serde(default)]
-    pub max_output_tokens: Option<u64>,
-    /// Responses API: keep the response for later (`true` unless set).
-    #[serde(default)]
-    pub store: Option<bool>,
-    #[serde(default)]
-    pub background: Option<bool>,
+    pub previous_response_id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub max_output_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub store: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub background: Option<&'a RawValue>,
+    /// vLLM's `request_id`: on `/v1/responses`, the id the response gets.
+    #[serde(borrow, default)]
+    pub request_id: Option<&'a RawValue>,
+    /// Set by the reader when the body is a Responses API request (`input` and
+    /// `instructions` are then a conversation, not texts to embed).
+    #[serde(skip)]
+    pub is_responses: bool,
     /// Responses API: the output format (`text.format`: text, json_object, json_schema).
     #[serde(borrow, default)]
     pub text: Option<&'a RawValue>,

@@ -18,6 +18,8 @@ use tokio::sync::Semaphore;
 pub struct Received {
     pub method: Method,
     pub path: String,
+    /// The query string, when there was one.
+    pub query: Option<String>,
     pub headers: HeaderMap,
     pub body: Bytes,
 }
@@ -231,6 +233,7 @@ async fn answer(
         received.push(Received {
             method: method.clone(),
             path: path.clone(),
+            query: uri.query().map(str::to_owned),
             headers,
             body: body.clone(),
         });

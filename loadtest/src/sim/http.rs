@@ -76,6 +76,14 @@ pub fn router(worker: Arc<Worker>) -> Router {
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
         .route("/debug/predicted_ttft", post(super::debug::predicted_ttft))
+        // FastAPI's answer for a method a route does not take (vLLM has no DELETE
+        // /v1/responses/{id}, for one).
+        .method_not_allowed_fallback(|| async {
+            (
+                StatusCode::METHOD_NOT_ALLOWED,
+                axum::Json(json!({"detail": "Method Not Allowed"})),
+            )
+        })
         .layer(DefaultBodyLimit::disable())
         .with_state(worker)
 }

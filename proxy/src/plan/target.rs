@@ -287,7 +287,7 @@ pub fn stored_response_target(
                 && !pool.workers.iter().any(|w| &w.address == worker)
             {
                 return Err(gone(format!(
-                    "the response was kept by worker {worker}, which has left pool {}: it is gone with it",
+                    "the response was kept by a worker that has left pool {}: it is gone with it",
                     pool.config.id
                 )));
             }

@@ -165,3 +165,17 @@ fn streams_become_typed_events_split_anywhere() {
         assert_eq!(done["response"]["usage"]["output_tokens"], 4);
     }
 }
+
+#[test]
+fn a_stream_cut_off_upstream_ends_failed() {
+    let mut translator = ResponsesStreamTranslator::new("alias");
+    let mut out = translator
+        .feed(b"data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hel\"}}]}\n\n")
+        .to_vec();
+    out.extend_from_slice(&translator.finish());
+    let events = events(&String::from_utf8(out).unwrap());
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "response.failed");
+    assert_eq!(last["response"]["status"], "failed");
+    assert_eq!(last["response"]["output"][0]["content"][0]["text"], "Hel");
+}

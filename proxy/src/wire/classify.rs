@@ -125,7 +125,7 @@ impl PromptText for RequestBody<'_> {
     fn user_turns(&self) -> usize {
         match &self.messages {
             Some(messages) => messages.iter().filter(|m| m.role == "user").count(),
-            None if self.input.is_some() => self.responses_user_turns(),
+            None if self.is_responses => self.responses_user_turns(),
             None => usize::from(self.prompt.is_some()),
         }
     }

@@ -63,7 +63,50 @@ impl InputItem<'_> {
     }
 }
 
+/// The Responses API's own fields, checked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResponsesFields {
+    pub previous_response_id: Option<String>,
+    pub max_output_tokens: Option<u64>,
+    /// `store`, true unless set false.
+    pub store: bool,
+    pub background: bool,
+    /// The id the client chose for the response (vLLM's `request_id`).
+    pub request_id: Option<String>,
+}
+
 impl<'a> RequestBody<'a> {
+    /// The Responses API's own fields (`null` is absent); `Err` names the one of a wrong type.
+    pub fn responses_fields(&self) -> Result<ResponsesFields, crate::api::ApiError> {
+        fn read<'de, T: serde::Deserialize<'de>>(
+            raw: Option<&'de RawValue>,
+            name: &'static str,
+            expected: &str,
+        ) -> Result<Option<T>, crate::api::ApiError> {
+            match raw.filter(|raw| raw.get() != "null") {
+                None => Ok(None),
+                Some(raw) => serde_json::from_str(raw.get()).map(Some).map_err(|_| {
+                    crate::api::ApiError::invalid(name, format!("'{name}' must be {expected}"))
+                }),
+            }
+        }
+        Ok(ResponsesFields {
+            previous_response_id: read(
+                self.previous_response_id,
+                "previous_response_id",
+                "a string",
+            )?,
+            max_output_tokens: read(
+                self.max_output_tokens,
+                "max_output_tokens",
+                "a positive integer",
+            )?,
+            store: read(self.store, "store", "a boolean")?.unwrap_or(true),
+            background: read(self.background, "background", "a boolean")?.unwrap_or(false),
+            request_id: read(self.request_id, "request_id", "a string")?,
+        })
+    }
+
     /// `instructions` when it is a string.
     pub fn instructions_text(&self) -> Option<Cow<'a, str>> {
         serde_json::from_str(self.instructions?.get()).ok()

@@ -49,7 +49,8 @@ async fn forms_pass_byte_exact_but_the_model() {
     )
     .await;
     let audio: Vec<u8> = (0..=255u8)
-        .chain(b"\r\n--b0undary\r\n".iter().copied())
+        // Text that looks like (but is not) the delimiter.
+        .chain(b"\r\n--b0undar\r\n-b0undary".iter().copied())
         .collect();
     let mut form = b"--b0undary\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.wav\"\r\nContent-Type: audio/wav\r\n\r\n".to_vec();
     form.extend_from_slice(&audio);
@@ -72,9 +73,32 @@ async fn forms_pass_byte_exact_but_the_model() {
         received.headers.get("content-type").unwrap(),
         "multipart/form-data; boundary=b0undary"
     );
-    let expected =
-        String::from_utf8_lossy(&form).replace("\r\n\r\nwhisper\r\n", "\r\n\r\norg/whisper\r\n");
-    assert_eq!(String::from_utf8_lossy(&received.body), expected);
+    let at = form
+        .windows(13)
+        .position(|w| w == b"\r\n\r\nwhisper\r\n")
+        .unwrap()
+        + 4;
+    let mut expected = form[..at].to_vec();
+    expected.extend_from_slice(b"org/whisper");
+    expected.extend_from_slice(&form[at + "whisper".len()..]);
+    assert_eq!(
+        received.body.to_vec(),
+        expected,
+        "byte for byte, but the model"
+    );
+
+    // Two model fields: the gateway would read one, the worker the other.
+    let mut twice = form.clone();
+    twice.truncate(twice.len() - b"--b0undary--\r\n".len());
+    twice.extend_from_slice(b"--b0undary\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nother\r\n--b0undary--\r\n");
+    let refused = reqwest::Client::new()
+        .post(format!("{}/v1/audio/transcriptions", proxy.url()))
+        .header("content-type", "multipart/form-data; boundary=b0undary")
+        .body(twice)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 400);
 
     let refused = reqwest::Client::new()
         .post(format!("{}/v1/audio/transcriptions", proxy.url()))

@@ -183,6 +183,11 @@ async fn responses_pass_through_and_stay_with_their_tenant() {
             (received.method.as_str(), received.path.as_str()),
             ("GET", format!("/v1/responses/{id}").as_str())
         );
+        assert_eq!(
+            received.query.as_deref(),
+            Some("include[]=x"),
+            "the query goes along"
+        );
     }
     let continued = format!(r#"{{"model":"chat","input":"more","previous_response_id":"{id}"}}"#);
     let (status, _) = call(
@@ -217,6 +222,15 @@ async fn responses_pass_through_and_stay_with_their_tenant() {
         assert_eq!(status, 404, "{error}");
         assert_eq!(error["error"]["code"], "response_not_found");
     }
+
+    // Nor can it give its own response that id: the worker would keep it in A's place.
+    let taken = format!(r#"{{"model":"chat","input":"x","request_id":"{id}"}}"#);
+    let (status, error) = call(reqwest::Method::POST, "/v1/responses", "key-b", Some(taken)).await;
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (400, Some("response_id_taken")),
+        "{error}"
+    );
 
     let (status, deleted) = call(
         reqwest::Method::DELETE,
