@@ -118,18 +118,7 @@ pub fn responses_messages(request: &Value) -> Vec<ChatMessage> {
                     ),
                     _ => continue,
                 };
-                if next_role == "assistant"
-                    && let Some((last_role, last_text)) = out.last_mut()
-                    && last_role == "assistant"
-                    && (text.is_none() || last_text.is_none())
-                {
-                    // Merged into the assistant message before it (its text, if it has none).
-                    if last_text.is_none() {
-                        *last_text = text;
-                    }
-                    continue;
-                }
-                out.push((next_role.to_owned(), text));
+                push_response_message(&mut out, next_role, text);
             }
         }
         _ => {}
@@ -140,6 +129,27 @@ pub fn responses_messages(request: &Value) -> Vec<ChatMessage> {
             content: content.unwrap_or_default(),
         })
         .collect()
+}
+
+/// Add one Responses input item, as a message of `role` with `text` (`None`: a function call or
+/// reasoning, which carry no content), to the conversation `out` as vLLM builds it: an
+/// assistant item joins the assistant message before it when one of the two has no text yet.
+pub fn push_response_message(
+    out: &mut Vec<(String, Option<String>)>,
+    role: &str,
+    text: Option<String>,
+) {
+    if role == "assistant"
+        && let Some((last_role, last_text)) = out.last_mut()
+        && last_role == "assistant"
+        && (text.is_none() || last_text.is_none())
+    {
+        if last_text.is_none() {
+            *last_text = text;
+        }
+        return;
+    }
+    out.push((role.to_owned(), text));
 }
 
 /// An assistant item's text: its first part's (vLLM takes `content[0].text`).

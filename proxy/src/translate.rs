@@ -136,18 +136,10 @@ impl StreamTranslator {
     pub fn feed(&mut self, chunk: &[u8]) -> Bytes {
         self.pending.extend_from_slice(chunk);
         let mut out = String::new();
-        while let Some((end, separator)) = find_event_end(&self.pending) {
-            let event = self.pending.split_to(end + separator);
-            let text = String::from_utf8_lossy(event.get(..end).unwrap_or_default()).into_owned();
-            let data: Vec<&str> = text
-                .lines()
-                .filter_map(|line| line.strip_prefix("data:"))
-                .map(str::trim_start)
-                .collect();
-            if data.is_empty() {
-                continue;
+        while let Some(data) = next_event_data(&mut self.pending) {
+            if let Some(data) = data {
+                self.on_data(&data, &mut out);
             }
-            self.on_data(&data.join("\n"), &mut out);
         }
         Bytes::from(out)
     }
@@ -315,6 +307,20 @@ fn emit(out: &mut String, event: &str, data: &Value) {
     out.push_str("\ndata: ");
     out.push_str(&data.to_string());
     out.push_str("\n\n");
+}
+
+/// Take the first complete SSE event off `pending`: its `data:` lines joined (`None` inside
+/// when it has none); `None` when no event is complete yet.
+pub(crate) fn next_event_data(pending: &mut BytesMut) -> Option<Option<String>> {
+    let (end, separator) = find_event_end(pending)?;
+    let event = pending.split_to(end + separator);
+    let text = String::from_utf8_lossy(event.get(..end).unwrap_or_default()).into_owned();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("data:"))
+        .map(str::trim_start)
+        .collect();
+    Some((!data.is_empty()).then(|| data.join("\n")))
 }
 
 /// End of the first complete SSE event in `buffer` and the length of its separator.

@@ -11,7 +11,7 @@ use bytes::{Bytes, BytesMut};
 use serde_json::{Map, Value, json};
 
 use crate::api::{ApiError, ErrorKind};
-use crate::translate::find_event_end;
+use crate::translate::next_event_data;
 use crate::wire::answer::{self, ChatCompletion, StreamData, UsageFields};
 use crate::wire::responses::{InputItem, ResponsesInput, ResponsesTool};
 use crate::wire::{Content, Either, RequestBody, tree, tree_or_null};
@@ -427,16 +427,9 @@ impl ResponsesStreamTranslator {
     pub fn feed(&mut self, chunk: &[u8]) -> Bytes {
         self.pending.extend_from_slice(chunk);
         let mut out = String::new();
-        while let Some((end, separator)) = find_event_end(&self.pending) {
-            let event = self.pending.split_to(end + separator);
-            let text = String::from_utf8_lossy(event.get(..end).unwrap_or_default()).into_owned();
-            let data: Vec<&str> = text
-                .lines()
-                .filter_map(|line| line.strip_prefix("data:"))
-                .map(str::trim_start)
-                .collect();
-            if !data.is_empty() {
-                self.on_data(&data.join("\n"), &mut out);
+        while let Some(data) = next_event_data(&mut self.pending) {
+            if let Some(data) = data {
+                self.on_data(&data, &mut out);
             }
         }
         Bytes::from(out)

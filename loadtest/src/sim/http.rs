@@ -207,35 +207,9 @@ fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> 
     let max_tokens = request
         .get("max_tokens")
         .or_else(|| request.get("max_completion_tokens"))
-        .and_then(Value::as_u64)
-        .map_or(worker.default_max_tokens, |n| n as usize);
-    if max_tokens == 0 {
-        return Err(bad_request("max_tokens must be at least 1"));
-    }
-    if prompt.len() + max_tokens > worker.max_model_len {
-        return Err(bad_request(format!(
-            "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the messages, {} in the completion). Please reduce the length of the messages or completion.",
-            worker.max_model_len,
-            prompt.len() + max_tokens,
-            prompt.len(),
-            max_tokens
-        )));
-    }
-    // vLLM's protocol check: "Parameter 'cache_salt' must be a non-empty string if provided."
-    let cache_salt = match request.get("cache_salt") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(salt)) if !salt.is_empty() => Some(salt.clone()),
-        Some(_) => {
-            return Err(bad_request(
-                "Parameter 'cache_salt' must be a non-empty string if provided.",
-            ));
-        }
-    };
-    let vocab = &worker.output_vocab;
-    let offset = prompt.len() % vocab.len().max(1);
-    let output = (0..max_tokens)
-        .filter_map(|i| vocab.get((offset + i) % vocab.len().max(1)).copied())
-        .collect();
+        .and_then(Value::as_u64);
+    let (output, cache_salt) =
+        generation(worker, &request, prompt.len(), max_tokens, "max_tokens")?;
     Ok(Prepared {
         prompt,
         output,
@@ -251,6 +225,47 @@ fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> 
         request_model: worker.model.clone(),
         cache_salt,
     })
+}
+
+/// What a generation request produces and how it is salted, checked as vLLM checks them: the
+/// output tokens (`max_tokens`, called `field` in the request's API, or the worker's default;
+/// at least 1; prompt and output within `--max-model-len`) and the `cache_salt`.
+pub(super) fn generation(
+    worker: &Worker,
+    request: &Value,
+    prompt_len: usize,
+    max_tokens: Option<u64>,
+    field: &str,
+) -> Result<(Vec<u32>, Option<String>), Failure> {
+    let max_tokens = max_tokens.map_or(worker.default_max_tokens, |n| n as usize);
+    if max_tokens == 0 {
+        return Err(bad_request(format!("{field} must be at least 1")));
+    }
+    if prompt_len + max_tokens > worker.max_model_len {
+        return Err(bad_request(format!(
+            "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the messages, {} in the completion). Please reduce the length of the messages or completion.",
+            worker.max_model_len,
+            prompt_len + max_tokens,
+            prompt_len,
+            max_tokens
+        )));
+    }
+    // vLLM's protocol check: "Parameter 'cache_salt' must be a non-empty string if provided."
+    let cache_salt = match request.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(salt)) if !salt.is_empty() => Some(salt.clone()),
+        Some(_) => {
+            return Err(bad_request(
+                "Parameter 'cache_salt' must be a non-empty string if provided.",
+            ));
+        }
+    };
+    let vocab = &worker.output_vocab;
+    let offset = prompt_len % vocab.len().max(1);
+    let output = (0..max_tokens)
+        .filter_map(|i| vocab.get((offset + i) % vocab.len().max(1)).copied())
+        .collect();
+    Ok((output, cache_salt))
 }
 
 pub(super) fn unix_now() -> u64 {

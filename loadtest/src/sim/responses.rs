@@ -24,8 +24,8 @@ use tokio::sync::mpsc;
 
 use super::engine::Output;
 use super::http::{
-    Failure, Task, Worker, bad_request, collect, error, request_for, route_not_served, text_of,
-    unix_now,
+    Failure, Task, Worker, bad_request, collect, error, generation, request_for, route_not_served,
+    text_of, unix_now,
 };
 
 /// Responses a worker keeps at most (oldest forgotten first).
@@ -167,32 +167,14 @@ fn prepare(worker: &Worker, body: &[u8]) -> Result<Prepared, Failure> {
         .tokenizer
         .encode_chat(&messages)
         .map_err(|e| bad_request(e.to_string()))?;
-    let max_tokens = request
-        .get("max_output_tokens")
-        .and_then(Value::as_u64)
-        .map_or(worker.default_max_tokens, |n| n as usize);
-    if max_tokens == 0 {
-        return Err(bad_request("max_output_tokens must be at least 1"));
-    }
-    if prompt.len() + max_tokens > worker.max_model_len {
-        return Err(bad_request(format!(
-            "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the messages, {} in the completion). Please reduce the length of the messages or completion.",
-            worker.max_model_len,
-            prompt.len() + max_tokens,
-            prompt.len(),
-            max_tokens
-        )));
-    }
-    let cache_salt = match request.get("cache_salt") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(salt)) if !salt.is_empty() => Some(salt.clone()),
-        Some(_) => return Err(bad_request("'cache_salt' must be a non-empty string")),
-    };
-    let vocab = &worker.output_vocab;
-    let offset = prompt.len() % vocab.len().max(1);
-    let output = (0..max_tokens)
-        .filter_map(|i| vocab.get((offset + i) % vocab.len().max(1)).copied())
-        .collect();
+    let max_tokens = request.get("max_output_tokens").and_then(Value::as_u64);
+    let (output, cache_salt) = generation(
+        worker,
+        &request,
+        prompt.len(),
+        max_tokens,
+        "max_output_tokens",
+    )?;
     let id = request
         .get("request_id")
         .and_then(Value::as_str)

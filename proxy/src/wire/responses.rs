@@ -5,7 +5,7 @@ use std::borrow::Cow;
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
-use switchyard_kv::tokenize::ChatMessage;
+use switchyard_kv::tokenize::{ChatMessage, push_response_message};
 
 use super::{Content, RequestBody};
 
@@ -164,17 +164,7 @@ impl<'a> RequestBody<'a> {
                             None => continue,
                         }
                     };
-                    if role == "assistant"
-                        && let Some((last_role, last_text)) = out.last_mut()
-                        && last_role == "assistant"
-                        && (text.is_none() || last_text.is_none())
-                    {
-                        if last_text.is_none() {
-                            *last_text = text;
-                        }
-                        continue;
-                    }
-                    out.push((role.to_owned(), text));
+                    push_response_message(&mut out, role, text);
                 }
             }
             _ => {}
