@@ -958,6 +958,39 @@ pub fn print_table(title: &str, summaries: &[RouterSummary]) {
     );
 }
 
+/// One line for a workload: switchyard's median TTFT p50 and p90 divided by the best other
+/// router's (below 1: switchyard is better; the oracle is not a router anyone can run, so it is
+/// left out of "other" and given its own ratio). `None` without switchyard or another router.
+pub fn headline(summaries: &[RouterSummary]) -> Option<String> {
+    let ours = summaries.iter().find(|s| s.router == "switchyard")?;
+    let others: Vec<&RouterSummary> = summaries
+        .iter()
+        .filter(|s| s.router != "switchyard" && s.router != "oracle")
+        .collect();
+    let best = |metric: fn(&RouterSummary) -> f64| {
+        others
+            .iter()
+            .map(|s| (metric(s), s.router.as_str()))
+            .filter(|(v, _)| v.is_finite())
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+    };
+    let (p50, p50_router) = best(|s| s.ttft_p50.median)?;
+    let (p90, p90_router) = best(|s| s.ttft_p90.median)?;
+    let mut line = format!(
+        "switchyard / best other router: TTFT p50 {:.2}x ({p50_router}), p90 {:.2}x ({p90_router})",
+        ours.ttft_p50.median / p50,
+        ours.ttft_p90.median / p90
+    );
+    if let Some(oracle) = summaries.iter().find(|s| s.router == "oracle") {
+        line.push_str(&format!(
+            "; / oracle: p50 {:.2}x, p90 {:.2}x",
+            ours.ttft_p50.median / oracle.ttft_p50.median,
+            ours.ttft_p90.median / oracle.ttft_p90.median
+        ));
+    }
+    Some(line)
+}
+
 /// Start vllm-router on 127.0.0.1:`port` in front of `worker_urls` with `policy` and any
 /// policy-specific `extra_args` (it waits for the workers' `/health` before it serves; poll its
 /// own `/health`).
@@ -1072,6 +1105,45 @@ mod tests {
         // Within the first bucket, interpolation starts at 0.
         assert!((scraped.ttft_quantile(0.25) - 0.5).abs() < 1e-9);
         assert_eq!(Scraped::default().engine_ttft().p50, 0.0);
+    }
+
+    #[test]
+    fn the_headline_compares_with_the_best_other_router_and_the_oracle() {
+        let summary = |router: &str, p50: f64, p90: f64| {
+            let spread = |v: f64| Spread {
+                median: v,
+                min: v,
+                max: v,
+            };
+            RouterSummary {
+                router: router.into(),
+                seeds: vec![1],
+                requests: 1,
+                errors: 0,
+                ttft_p50: spread(p50),
+                ttft_p90: spread(p90),
+                ttft_p99: spread(p90),
+                engine_ttft_mean: spread(p50),
+                engine_ttft_p50: spread(p50),
+                engine_ttft_p90: spread(p90),
+                e2e_p50: spread(p50),
+                throughput: spread(1.0),
+                cache_hit_rate: spread(0.0),
+                ttft_p50_vs_random: f64::NAN,
+                ttft_p90_vs_random: f64::NAN,
+            }
+        };
+        let all = [
+            summary("round-robin", 0.5, 2.0),
+            summary("switchyard", 1.0, 1.0),
+            summary("vllm-router", 2.0, 0.8),
+            summary("oracle", 0.25, 0.5),
+        ];
+        assert_eq!(
+            headline(&all).unwrap(),
+            "switchyard / best other router: TTFT p50 2.00x (round-robin), p90 1.25x (vllm-router); / oracle: p50 4.00x, p90 2.00x"
+        );
+        assert_eq!(headline(&all[1..2]), None);
     }
 
     #[test]

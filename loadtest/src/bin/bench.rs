@@ -482,6 +482,9 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
             ),
             &summaries,
         );
+        if let Some(line) = compare::headline(&summaries) {
+            println!("{}: {line}", kind.name());
+        }
         let mut capacity = serde_json::Map::new();
         if !args.sweep_rates.is_empty() {
             println!(
@@ -533,6 +536,22 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 capacity.insert(
                     router.name().to_owned(),
                     json!({"capacity": best, "points": points}),
+                );
+            }
+            // Switchyard's capacity over the best other router's (above 1: switchyard serves more).
+            let of = |name: &str| capacity.get(name).and_then(|c| c["capacity"].as_f64());
+            let best_other = capacity
+                .iter()
+                .filter(|(name, _)| *name != "switchyard" && *name != "oracle")
+                .filter_map(|(name, c)| Some((c["capacity"].as_f64()?, name.clone())))
+                .max_by(|a, b| a.0.total_cmp(&b.0));
+            if let (Some(ours), Some((theirs, name))) = (of("switchyard"), best_other)
+                && theirs > 0.0
+            {
+                println!(
+                    "{}: switchyard capacity / best other router's: {:.2}x ({name})",
+                    kind.name(),
+                    ours / theirs
                 );
             }
         }
