@@ -168,19 +168,12 @@ impl Gateway {
         // front (estimated from the body's size), the completion when the answer's usage
         // arrives. A dry run explains without spending the tenant's allowance.
         let admission = match caller.tenant() {
-            Some(tenant) if explain != Explain::DryRun => {
-                admit_rate(&self.limiter, tenant, reservation_for(&client)).map_err(
-                    |rejection| {
-                        self.metrics.rejected(
-                            &table,
-                            Some(&tenant.name),
-                            &client.parsed.model,
-                            rejection.reason,
-                        );
-                        rejection.error
-                    },
-                )?
-            }
+            Some(tenant) if explain != Explain::DryRun => self.take_limits(
+                &table,
+                tenant,
+                &client.parsed.model,
+                reservation_for(&client),
+            )?,
             _ => None,
         };
         // The request's accounting series, resolved once: its end only adds to counters.
@@ -245,16 +238,12 @@ impl Gateway {
         let target =
             plan::stored_response_target(&table, &holder, &path_and_query).map_err(counted)?;
         let admission = match tenant {
-            Some(tenant) => admit_rate(&self.limiter, tenant, Reservation::for_request(0, Some(0)))
-                .map_err(|rejection| {
-                    self.metrics.rejected(
-                        &table,
-                        Some(&tenant.name),
-                        &holder.client_model,
-                        rejection.reason,
-                    );
-                    rejection.error
-                })?,
+            Some(tenant) => self.take_limits(
+                &table,
+                tenant,
+                &holder.client_model,
+                Reservation::for_request(0, Some(0)),
+            )?,
             None => None,
         };
         let series = self.metrics.request_series(
@@ -273,6 +262,22 @@ impl Gateway {
                 .with_responses(self.responses.clone());
         exchange.deletes_response = deletes.then_some(id);
         Ok(exchange)
+    }
+
+    /// Take `tenant`'s rate limits for a request of `model`; a refusal is counted under its
+    /// limit and becomes the client's error.
+    fn take_limits(
+        &self,
+        table: &RoutingTable,
+        tenant: &Tenant,
+        model: &str,
+        reservation: Reservation,
+    ) -> Result<Option<Admission>, ApiError> {
+        admit_rate(&self.limiter, tenant, reservation).map_err(|rejection| {
+            self.metrics
+                .rejected(table, Some(&tenant.name), model, rejection.reason);
+            rejection.error
+        })
     }
 
     /// Read the whole request body within the size limit (see the module note on buffering).

@@ -166,6 +166,18 @@ impl PoolKv {
     }
 
     /// One past the highest slot in use (the size of an overlap buffer).
+    /// How deep each worker holds `hashes`: in the index, or by a request in flight to it.
+    pub fn overlap(
+        &self,
+        hashes: &[switchyard_kv::hash::SequenceHash],
+    ) -> switchyard_kv::index::Overlap {
+        let mut overlap = switchyard_kv::index::Overlap::default();
+        self.index
+            .overlap_into(hashes, self.slot_count(), &mut overlap);
+        self.predictions.raise(hashes, &mut overlap);
+        overlap
+    }
+
     pub fn slot_count(&self) -> usize {
         lock(&self.slots)
             .values()

@@ -427,10 +427,7 @@ pub fn analyse_prompt(
     let block_size = kv.index.block_size();
     // Whether some worker holds (or is being sent) every one of these blocks.
     let held = |hashes: &[switchyard_kv::hash::SequenceHash]| {
-        let mut overlap = switchyard_kv::index::Overlap::default();
-        kv.index.overlap_into(hashes, kv.slot_count(), &mut overlap);
-        kv.predictions.raise(hashes, &mut overlap);
-        !hashes.is_empty() && overlap.deepest() as usize >= hashes.len()
+        !hashes.is_empty() && kv.overlap(hashes).deepest() as usize >= hashes.len()
     };
     match prompt::analyse(
         tokenizer,

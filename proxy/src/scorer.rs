@@ -126,16 +126,9 @@ pub fn decide_for_prompt(
     prompt: Option<&PromptInfo>,
     exclude: &[usize],
 ) -> Option<Decision> {
-    let kv = &pool.kv;
-    let mut overlap = Overlap::default();
-    let tokens = match prompt {
-        Some(prompt) => {
-            kv.index
-                .overlap_into(&prompt.hashes, kv.slot_count(), &mut overlap);
-            kv.predictions.raise(&prompt.hashes, &mut overlap);
-            prompt.tokens
-        }
-        None => 0,
+    let (tokens, overlap) = match prompt {
+        Some(prompt) => (prompt.tokens, pool.kv.overlap(&prompt.hashes)),
+        None => (0, Overlap::default()),
     };
     decide(pool, tokens, &overlap, exclude)
 }

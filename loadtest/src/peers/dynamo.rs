@@ -29,7 +29,7 @@ use async_trait::async_trait;
 use rand::Rng;
 use rand::rngs::StdRng;
 use switchyard_kv::hash::SequenceHash;
-use switchyard_kv::index::{Overlap, WorkerId};
+use switchyard_kv::index::WorkerId;
 use switchyard_kv::tokenize::PromptTokenizer;
 
 use super::fleet::Fleet;
@@ -235,10 +235,7 @@ impl Policy for Dynamo {
     async fn choose(&self, request: &Request) -> Result<Choice, ChooseError> {
         let prompt = super::prompt_blocks(&self.tokenizer, &request.json, self.block_size).await?;
         let workers = self.fleet.workers();
-        let mut overlap = Overlap::default();
-        self.fleet
-            .index
-            .overlap_into(&prompt.hashes, workers, &mut overlap);
+        let overlap = self.fleet.overlap(&prompt.hashes);
         let slot = |worker: usize| u16::try_from(worker).map(WorkerId).ok();
         let tree_sizes: Vec<usize> = (0..workers)
             .map(|w| slot(w).map_or(0, |id| self.fleet.index.worker_blocks(id)))

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use switchyard_kv::events::decode_frames;
-use switchyard_kv::index::{PrefixIndex, WorkerId};
+use switchyard_kv::index::{Overlap, PrefixIndex, WorkerId};
 use tokio::task::JoinHandle;
 use zeromq::{Socket, SocketRecv};
 
@@ -73,6 +73,14 @@ impl Fleet {
 
     pub fn workers(&self) -> usize {
         self.gauges.len()
+    }
+
+    /// How deep each worker holds `hashes`, as its KV events tell.
+    pub fn overlap(&self, hashes: &[switchyard_kv::hash::SequenceHash]) -> Overlap {
+        let mut overlap = Overlap::default();
+        self.index
+            .overlap_into(hashes, self.workers(), &mut overlap);
+        overlap
     }
 
     /// The last scrape of `worker` (zeros before the first one).

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
-use switchyard_kv::index::{Overlap, WorkerId};
+use switchyard_kv::index::WorkerId;
 use switchyard_kv::tokenize::PromptTokenizer;
 
 use super::fleet::Fleet;
@@ -131,10 +131,7 @@ impl Policy for Llmd {
     async fn choose(&self, request: &Request) -> Result<Choice, ChooseError> {
         let prompt = super::prompt_blocks(&self.tokenizer, &request.json, self.block_size).await?;
         let workers = self.fleet.workers();
-        let mut overlap = Overlap::default();
-        self.fleet
-            .index
-            .overlap_into(&prompt.hashes, workers, &mut overlap);
+        let overlap = self.fleet.overlap(&prompt.hashes);
         let candidates: Vec<Candidate> = (0..workers)
             .map(|worker| {
                 let gauges = self.fleet.gauges(worker);
