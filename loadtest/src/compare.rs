@@ -35,6 +35,11 @@ pub enum RouterKind {
     LeastOutstanding,
     /// Switchyard's cache- and queue-aware scorer.
     Switchyard,
+    /// Two switchyard-proxy replicas in front of the same workers, each client's conversations
+    /// sent to one of them (alternating): each replica sees only its own requests in flight.
+    #[value(name = "switchyard-2")]
+    #[serde(rename = "switchyard-2")]
+    SwitchyardReplicas,
     /// vllm-router (PyPI) with its cache_aware policy, when installed.
     VllmRouter,
     /// vllm-router's power_of_two policy.
@@ -57,8 +62,8 @@ pub enum RouterKind {
 
 /// How a router under test runs.
 enum Launch {
-    /// `switchyard-proxy` with this pool `loadBalancing`.
-    Switchyard(&'static str),
+    /// `switchyard-proxy` with this pool `loadBalancing`, this many replicas.
+    Switchyard(&'static str, usize),
     /// vllm-router with this `--policy`.
     VllmRouter(&'static str),
     /// In the benchmark process.
@@ -72,6 +77,7 @@ impl RouterKind {
             RouterKind::RoundRobin => "round-robin",
             RouterKind::LeastOutstanding => "least-outstanding",
             RouterKind::Switchyard => "switchyard",
+            RouterKind::SwitchyardReplicas => "switchyard-2",
             RouterKind::VllmRouter => "vllm-router",
             RouterKind::VllmRouterPow2 => "vllm-router-pow2",
             RouterKind::VllmRouterKv => "vllm-router-kv",
@@ -88,10 +94,11 @@ impl RouterKind {
 
     fn launch(self) -> Launch {
         match self {
-            RouterKind::Random => Launch::Switchyard("random"),
-            RouterKind::RoundRobin => Launch::Switchyard("round-robin"),
-            RouterKind::LeastOutstanding => Launch::Switchyard("least-outstanding"),
-            RouterKind::Switchyard => Launch::Switchyard("cache-aware"),
+            RouterKind::Random => Launch::Switchyard("random", 1),
+            RouterKind::RoundRobin => Launch::Switchyard("round-robin", 1),
+            RouterKind::LeastOutstanding => Launch::Switchyard("least-outstanding", 1),
+            RouterKind::Switchyard => Launch::Switchyard("cache-aware", 1),
+            RouterKind::SwitchyardReplicas => Launch::Switchyard("cache-aware", 2),
             RouterKind::VllmRouter => Launch::VllmRouter("cache_aware"),
             // power_of_two picks the less loaded of two random workers; the load it polls is
             // SGLang's `GET /get_load` (every 5 s), which neither vLLM nor the simulator serves
@@ -115,6 +122,59 @@ pub enum Arrival {
     Poisson { rate: f64 },
     /// This many clients, each starting the next conversation when its last one ends.
     Concurrency { clients: usize },
+    /// Bursts of `size` conversations started together, the bursts a Poisson process at
+    /// `rate / size` (the same mean rate as `Poisson { rate }`).
+    Bursts { rate: f64, size: usize },
+}
+
+impl Arrival {
+    /// This arrival with conversations grouped in bursts of `size` (Poisson only; a burst of 1
+    /// is plain Poisson).
+    pub fn in_bursts(self, size: usize) -> Arrival {
+        match self {
+            Arrival::Poisson { rate } if size > 1 => Arrival::Bursts { rate, size },
+            other => other,
+        }
+    }
+
+    /// Model seconds at which each of `n` conversations starts (open-loop arrivals only).
+    fn start_times(self, n: usize, seed: u64) -> Vec<f64> {
+        let (rate, size) = match self {
+            Arrival::Poisson { rate } => (rate, 1),
+            Arrival::Bursts { rate, size } => (rate, size.max(1)),
+            Arrival::Concurrency { .. } => return Vec::new(),
+        };
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+        let mut at = 0.0f64;
+        (0..n)
+            .map(|i| {
+                if i % size == 0 {
+                    // Exponential gaps between bursts, in model time.
+                    at += -(1.0 - rng.random::<f64>()).ln() * size as f64 / rate.max(1e-9);
+                }
+                at
+            })
+            .collect()
+    }
+
+    /// The same arrival process at another mean rate (closed loop becomes Poisson).
+    pub fn at_rate(self, rate: f64) -> Arrival {
+        match self {
+            Arrival::Bursts { size, .. } => Arrival::Bursts { rate, size },
+            _ => Arrival::Poisson { rate },
+        }
+    }
+
+    /// How it reads in a table title.
+    pub fn describe(self) -> String {
+        match self {
+            Arrival::Poisson { rate } => format!("Poisson {rate} req/s"),
+            Arrival::Bursts { rate, size } => {
+                format!("bursts of {size} at Poisson {rate} req/s on average")
+            }
+            Arrival::Concurrency { clients } => format!("{clients} concurrent clients"),
+        }
+    }
 }
 
 /// Everything one run needs.
@@ -305,21 +365,21 @@ fn start_sim(config: &RunConfig) -> anyhow::Result<Sim> {
 
 /// A running router under test (a child process or tasks in this one), stopped when dropped.
 struct RouterUnderTest {
-    _process: Option<Killed>,
+    _processes: Vec<Killed>,
     _in_process: Option<peers::Running>,
 }
 
-/// Start the router in front of `sim`; returns its base URL and handle.
+/// Start the router in front of `sim`; returns its base URLs (one per replica) and handle.
 async fn start_router(
     config: &RunConfig,
     router: RouterKind,
     sim: &Sim,
     dir: &Path,
-) -> anyhow::Result<(String, RouterUnderTest)> {
+) -> anyhow::Result<(Vec<String>, RouterUnderTest)> {
     let port = free_port()?;
     let url = format!("http://127.0.0.1:{port}");
     let (child, ready) = match router.launch() {
-        Launch::Switchyard(policy) => {
+        Launch::Switchyard(policy, replicas) => {
             let endpoints: Vec<String> = sim
                 .workers
                 .iter()
@@ -339,23 +399,40 @@ async fn start_router(
             );
             let path = dir.join(format!("{}.yaml", router.name()));
             std::fs::write(&path, yaml)?;
-            let child = Command::new(config.bin_dir.join("switchyard-proxy"))
-                .arg("--config")
-                .arg(&path)
-                .args([
-                    "--listen",
-                    &format!("127.0.0.1:{port}"),
-                    "--admin-listen",
-                    "off",
-                    "--grace-period-s",
-                    "0",
-                ])
-                .env("RUST_LOG", "warn")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .context("starting switchyard-proxy")?;
-            (child, format!("{url}/ready"))
+            // Replicas share nothing but the workers, as separate pods of the Helm chart do.
+            let mut processes = Vec::new();
+            let mut urls = Vec::new();
+            for replica in 0..replicas.max(1) {
+                let port = if replica == 0 { port } else { free_port()? };
+                let child = Command::new(config.bin_dir.join("switchyard-proxy"))
+                    .arg("--config")
+                    .arg(&path)
+                    .args([
+                        "--listen",
+                        &format!("127.0.0.1:{port}"),
+                        "--admin-listen",
+                        "off",
+                        "--grace-period-s",
+                        "0",
+                    ])
+                    .env("RUST_LOG", "warn")
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .context("starting switchyard-proxy")?;
+                processes.push(Killed(child));
+                urls.push(format!("http://127.0.0.1:{port}"));
+            }
+            for url in &urls {
+                wait_ready(&format!("{url}/ready"), Duration::from_secs(60)).await?;
+            }
+            return Ok((
+                urls,
+                RouterUnderTest {
+                    _processes: processes,
+                    _in_process: None,
+                },
+            ));
         }
         Launch::VllmRouter(policy) => {
             let executable = config
@@ -399,9 +476,9 @@ async fn start_router(
                 .with_context(|| format!("starting {}", router.name()))?;
             wait_ready(&format!("{url}/health"), Duration::from_secs(60)).await?;
             return Ok((
-                url,
+                vec![url],
                 RouterUnderTest {
-                    _process: None,
+                    _processes: Vec::new(),
                     _in_process: Some(running),
                 },
             ));
@@ -410,9 +487,9 @@ async fn start_router(
     let child = Killed(child);
     wait_ready(&ready, Duration::from_secs(60)).await?;
     Ok((
-        url,
+        vec![url],
         RouterUnderTest {
-            _process: Some(child),
+            _processes: vec![child],
             _in_process: None,
         },
     ))
@@ -678,7 +755,13 @@ pub async fn run(
     let dir = std::env::temp_dir().join(format!("switchyard-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let sim = start_sim(config)?;
-    let (url, _router) = start_router(config, router, &sim, &dir).await?;
+    let (urls, _router) = start_router(config, router, &sim, &dir).await?;
+    // Several replicas: each conversation talks to one, alternating.
+    let url_of = |index: usize| {
+        urls.get(index % urls.len().max(1))
+            .cloned()
+            .unwrap_or_default()
+    };
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(256)
         .build()?;
@@ -692,11 +775,11 @@ pub async fn run(
             let queue = Arc::new(Mutex::new(
                 conversations.iter().cloned().collect::<VecDeque<_>>(),
             ));
-            for _ in 0..clients.max(1) {
+            for index in 0..clients.max(1) {
                 let (queue, client, url, model, progress) = (
                     queue.clone(),
                     client.clone(),
-                    url.clone(),
+                    url_of(index),
                     sim.model.clone(),
                     progress.clone(),
                 );
@@ -722,17 +805,15 @@ pub async fn run(
                 }));
             }
         }
-        Arrival::Poisson { rate } => {
-            let mut rng = StdRng::seed_from_u64(config.seed ^ 0x5eed);
-            let mut at = 0.0f64;
-            for conversation in conversations {
+        Arrival::Poisson { .. } | Arrival::Bursts { .. } => {
+            let starts = config.arrival.start_times(conversations.len(), config.seed);
+            for (index, (conversation, at)) in conversations.iter().zip(starts).enumerate() {
                 let conversation = conversation.clone();
-                // Exponential gaps in model time, slept in wall time.
-                at += -(1.0 - rng.random::<f64>()).ln() / rate.max(1e-9);
+                // Model time, slept in wall time.
                 let start = started + Duration::from_secs_f64(at * scale);
                 let (client, url, model, progress) = (
                     client.clone(),
-                    url.clone(),
+                    url_of(index),
                     sim.model.clone(),
                     progress.clone(),
                 );
@@ -965,7 +1046,7 @@ pub fn headline(summaries: &[RouterSummary]) -> Option<String> {
     let ours = summaries.iter().find(|s| s.router == "switchyard")?;
     let others: Vec<&RouterSummary> = summaries
         .iter()
-        .filter(|s| s.router != "switchyard" && s.router != "oracle")
+        .filter(|s| !s.router.starts_with("switchyard") && s.router != "oracle")
         .collect();
     let best = |metric: fn(&RouterSummary) -> f64| {
         others
@@ -986,6 +1067,14 @@ pub fn headline(summaries: &[RouterSummary]) -> Option<String> {
             "; / oracle: p50 {:.2}x, p90 {:.2}x",
             ours.ttft_p50.median / oracle.ttft_p50.median,
             ours.ttft_p90.median / oracle.ttft_p90.median
+        ));
+    }
+    // Two replicas, each seeing only its own requests, against one proxy.
+    if let Some(replicas) = summaries.iter().find(|s| s.router == "switchyard-2") {
+        line.push_str(&format!(
+            "; 2 replicas / 1: p50 {:.2}x, p90 {:.2}x",
+            replicas.ttft_p50.median / ours.ttft_p50.median,
+            replicas.ttft_p90.median / ours.ttft_p90.median
         ));
     }
     Some(line)
@@ -1067,6 +1156,38 @@ mod tests {
     }
 
     #[test]
+    fn bursts_start_together_at_the_same_mean_rate() {
+        let poisson = Arrival::Poisson { rate: 2.0 }.start_times(4000, 1);
+        let bursts = Arrival::Poisson { rate: 2.0 }
+            .in_bursts(8)
+            .start_times(4000, 1);
+        assert!(poisson.windows(2).all(|w| w[0] < w[1]));
+        for burst in bursts.chunks(8) {
+            assert!(burst.iter().all(|at| *at == burst[0]));
+        }
+        assert!(
+            bursts
+                .chunks(8)
+                .collect::<Vec<_>>()
+                .windows(2)
+                .all(|w| w[0][0] < w[1][0])
+        );
+        // 4,000 conversations at 2 per second last about 2,000 seconds either way.
+        for times in [&poisson, &bursts] {
+            let last = times.last().copied().unwrap();
+            assert!((1800.0..2200.0).contains(&last), "{last}");
+        }
+        assert!(matches!(
+            Arrival::Poisson { rate: 2.0 }.in_bursts(1),
+            Arrival::Poisson { .. }
+        ));
+        assert!(matches!(
+            Arrival::Poisson { rate: 2.0 }.in_bursts(8).at_rate(3.0),
+            Arrival::Bursts { rate: 3.0, size: 8 }
+        ));
+    }
+
+    #[test]
     fn engine_ttft_pools_workers_and_interpolates_in_buckets() {
         let mut scraped = Scraped::default();
         // Worker 0: 4 requests at or under 0.1 s, 6 more by 0.5 s. Worker 1: 10 by 0.5 s.
@@ -1144,6 +1265,16 @@ mod tests {
             "switchyard / best other router: TTFT p50 2.00x (round-robin), p90 1.25x (vllm-router); / oracle: p50 4.00x, p90 2.00x"
         );
         assert_eq!(headline(&all[1..2]), None);
+        // A second replica of switchyard is not another router: it is compared with one proxy.
+        let with_replicas = [
+            summary("round-robin", 0.5, 2.0),
+            summary("switchyard", 1.0, 1.0),
+            summary("switchyard-2", 0.4, 1.2),
+        ];
+        assert_eq!(
+            headline(&with_replicas).unwrap(),
+            "switchyard / best other router: TTFT p50 2.00x (round-robin), p90 0.50x (round-robin); 2 replicas / 1: p50 0.40x, p90 1.20x"
+        );
     }
 
     #[test]

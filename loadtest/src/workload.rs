@@ -6,7 +6,15 @@
 //! - multi-turn: conversations that all open with one product-style system prompt and whose
 //!   history grows turn by turn (a turn is sent only after the previous answer arrived and the
 //!   user's think time passed);
-//! - no-shared: unique prompts.
+//! - no-shared: unique prompts;
+//! - zipf-prefix: many long system prompts (more than one worker's cache holds) whose popularity
+//!   is Zipf-skewed: a few are hot, most are rarely reused;
+//! - hot-prefix: one system prompt shared by every request, each with a long unique part, so
+//!   that one worker cannot prefill them all alone: the prefix must live on more than one;
+//! - bursty: shared-prefix requests arriving in bursts (same mean rate);
+//! - varied-output: shared-prefix requests with heavy-tailed output lengths, so decode load
+//!   differs widely between requests;
+//! - heterogeneous: shared-prefix requests on a fleet where every third worker is 1.5x slower.
 //!
 //! Every size is counted in content tokens (the message text alone, before the chat template adds
 //! its role markers) with the tokenizer the simulator and the proxy use, so "2000 tokens" means
@@ -28,6 +36,11 @@ pub enum WorkloadKind {
     SharedPrefix,
     MultiTurn,
     NoShared,
+    ZipfPrefix,
+    HotPrefix,
+    Bursty,
+    VariedOutput,
+    Heterogeneous,
 }
 
 impl WorkloadKind {
@@ -36,6 +49,45 @@ impl WorkloadKind {
             WorkloadKind::SharedPrefix => "shared-prefix",
             WorkloadKind::MultiTurn => "multi-turn",
             WorkloadKind::NoShared => "no-shared",
+            WorkloadKind::ZipfPrefix => "zipf-prefix",
+            WorkloadKind::HotPrefix => "hot-prefix",
+            WorkloadKind::Bursty => "bursty",
+            WorkloadKind::VariedOutput => "varied-output",
+            WorkloadKind::Heterogeneous => "heterogeneous",
+        }
+    }
+
+    /// Every workload, in the order the benchmark runs them.
+    pub const ALL: [WorkloadKind; 8] = [
+        WorkloadKind::SharedPrefix,
+        WorkloadKind::MultiTurn,
+        WorkloadKind::NoShared,
+        WorkloadKind::ZipfPrefix,
+        WorkloadKind::HotPrefix,
+        WorkloadKind::Bursty,
+        WorkloadKind::VariedOutput,
+        WorkloadKind::Heterogeneous,
+    ];
+
+    /// Conversations that start together (bursty: `size.burst`; else 1, one at a time).
+    pub fn burst(self, size: &WorkloadSize) -> usize {
+        match self {
+            WorkloadKind::Bursty => size.burst.max(1),
+            _ => 1,
+        }
+    }
+
+    /// The step-time multiplier of each of `workers` simulated workers this workload needs
+    /// (`None`: the fleet the benchmark was given). heterogeneous: every third worker is 1.5x
+    /// slower (another card, a throttled one, a shared node).
+    pub fn worker_speeds(self, workers: usize) -> Option<Vec<f64>> {
+        match self {
+            WorkloadKind::Heterogeneous => Some(
+                (0..workers)
+                    .map(|i| if i % 3 == 2 { 1.5 } else { 1.0 })
+                    .collect(),
+            ),
+            _ => None,
         }
     }
 }
@@ -62,6 +114,36 @@ pub struct WorkloadSize {
     pub output_sigma: f64,
     /// multi-turn: mean think time before each later turn, in model seconds (exponential).
     pub think_time_s: f64,
+    /// zipf-prefix: distinct system prompts (each `prompt_tokens` long).
+    pub zipf_prefixes: usize,
+    /// zipf-prefix: the exponent s of the popularity law (rank k is drawn ∝ 1 / k^s).
+    pub zipf_exponent: f64,
+    /// hot-prefix: tokens of each request's unique part after the one shared system prompt.
+    pub hot_suffix_tokens: usize,
+    /// bursty: conversations per burst.
+    pub burst: usize,
+    /// varied-output: sigma of the normal under the lognormal output length.
+    pub varied_output_sigma: f64,
+}
+
+/// A Zipf draw over ranks `0..n` with exponent `s`, by inverting the cumulative weights.
+fn zipf(rng: &mut StdRng, cumulative: &[f64]) -> usize {
+    let total = cumulative.last().copied().unwrap_or(0.0);
+    let target = rng.random::<f64>() * total;
+    cumulative
+        .partition_point(|c| *c <= target)
+        .min(cumulative.len().saturating_sub(1))
+}
+
+/// Cumulative Zipf weights of ranks `0..n` (rank k weighs 1 / (k + 1)^s).
+fn zipf_cumulative(n: usize, s: f64) -> Vec<f64> {
+    let mut total = 0.0;
+    (0..n.max(1))
+        .map(|k| {
+            total += 1.0 / ((k + 1) as f64).powf(s);
+            total
+        })
+        .collect()
 }
 
 const WORDS: &[&str] = &[
@@ -262,7 +344,14 @@ pub fn generate(
         think_s: 0.0,
     };
     Ok(match kind {
-        WorkloadKind::SharedPrefix => {
+        WorkloadKind::SharedPrefix
+        | WorkloadKind::Bursty
+        | WorkloadKind::VariedOutput
+        | WorkloadKind::Heterogeneous => {
+            let sigma = match kind {
+                WorkloadKind::VariedOutput => size.varied_output_sigma,
+                _ => size.output_sigma,
+            };
             let systems = (0..size.groups.max(1))
                 .map(|_| text.text(&mut rng, size.prompt_tokens))
                 .collect::<anyhow::Result<Vec<String>>>()?;
@@ -271,10 +360,46 @@ pub fn generate(
                 let question = text.text(&mut rng, size.question_tokens)?;
                 conversations.push(Conversation {
                     system: systems.get(i % systems.len()).cloned(),
-                    turns: vec![single(&mut rng, question)],
+                    turns: vec![Turn {
+                        user: question,
+                        output_tokens: output_length(&mut rng, size.output_tokens, sigma),
+                        think_s: 0.0,
+                    }],
                 });
             }
             conversations.shuffle(&mut rng);
+            conversations
+        }
+        WorkloadKind::ZipfPrefix => {
+            let systems = (0..size.zipf_prefixes.max(1))
+                .map(|_| text.text(&mut rng, size.prompt_tokens))
+                .collect::<anyhow::Result<Vec<String>>>()?;
+            let cumulative = zipf_cumulative(systems.len(), size.zipf_exponent);
+            // Ranks are drawn, then mapped through a shuffle so popularity is not creation order.
+            let mut order: Vec<usize> = (0..systems.len()).collect();
+            order.shuffle(&mut rng);
+            let mut conversations = Vec::with_capacity(size.requests);
+            for _ in 0..size.requests {
+                let rank = zipf(&mut rng, &cumulative);
+                let system = order.get(rank).and_then(|i| systems.get(*i)).cloned();
+                let question = text.text(&mut rng, size.question_tokens)?;
+                conversations.push(Conversation {
+                    system,
+                    turns: vec![single(&mut rng, question)],
+                });
+            }
+            conversations
+        }
+        WorkloadKind::HotPrefix => {
+            let system = text.text(&mut rng, size.prompt_tokens)?;
+            let mut conversations = Vec::with_capacity(size.requests);
+            for _ in 0..size.requests {
+                let suffix = text.text(&mut rng, size.hot_suffix_tokens)?;
+                conversations.push(Conversation {
+                    system: Some(system.clone()),
+                    turns: vec![single(&mut rng, suffix)],
+                });
+            }
             conversations
         }
         WorkloadKind::MultiTurn => {
@@ -342,6 +467,11 @@ mod tests {
             output_tokens: 8,
             output_sigma: 0.5,
             think_time_s: 2.0,
+            zipf_prefixes: 20,
+            zipf_exponent: 1.1,
+            hot_suffix_tokens: 25,
+            burst: 4,
+            varied_output_sigma: 1.5,
         }
     }
 
@@ -466,5 +596,56 @@ mod tests {
                 .flat_map(|c| &c.turns)
                 .all(|t| t.think_s == 0.0)
         );
+    }
+
+    #[test]
+    fn zipf_prefixes_are_skewed_and_the_hot_prefix_is_one() {
+        let mut size = size();
+        size.requests = 400;
+        let zipf = generate(WorkloadKind::ZipfPrefix, size, 3, tokenizer()).unwrap();
+        let mut counts: HashMap<String, usize> = HashMap::new();
+        for conversation in &zipf {
+            let system = conversation.system.clone().unwrap();
+            assert_eq!(tokens(&system), 50);
+            *counts.entry(system).or_default() += 1;
+        }
+        let mut counts: Vec<usize> = counts.into_values().collect();
+        counts.sort_unstable_by(|a, b| b.cmp(a));
+        // Rank 1 of 20 at s = 1.1 draws ~28% of requests; the rarest few are seen once or not.
+        assert!(counts[0] > 80 && counts[0] < 150, "{counts:?}");
+        assert!(counts.len() > 12, "{counts:?}");
+        assert!(counts[0] > 5 * counts[counts.len() / 2], "{counts:?}");
+
+        let hot = generate(WorkloadKind::HotPrefix, size, 3, tokenizer()).unwrap();
+        let systems: std::collections::HashSet<_> = hot.iter().map(|c| c.system.clone()).collect();
+        assert_eq!(systems.len(), 1);
+        assert!(hot.iter().all(|c| tokens(&c.turns[0].user) == 25));
+    }
+
+    #[test]
+    fn variants_of_shared_prefix_change_only_what_they_name() {
+        let mut size = size();
+        size.requests = 300;
+        let varied = generate(WorkloadKind::VariedOutput, size, 4, tokenizer()).unwrap();
+        let plain = generate(WorkloadKind::SharedPrefix, size, 4, tokenizer()).unwrap();
+        let spread = |c: &[Conversation]| {
+            let lengths: Vec<f64> = c.iter().map(|c| c.turns[0].output_tokens as f64).collect();
+            let mean = lengths.iter().sum::<f64>() / lengths.len() as f64;
+            (lengths.iter().map(|l| (l - mean).powi(2)).sum::<f64>() / lengths.len() as f64).sqrt()
+                / mean
+        };
+        assert!(
+            spread(&varied) > 1.5 * spread(&plain),
+            "{} {}",
+            spread(&varied),
+            spread(&plain)
+        );
+        assert_eq!(WorkloadKind::Bursty.burst(&size), 4);
+        assert_eq!(WorkloadKind::SharedPrefix.burst(&size), 1);
+        assert_eq!(
+            WorkloadKind::Heterogeneous.worker_speeds(4),
+            Some(vec![1.0, 1.0, 1.5, 1.0])
+        );
+        assert_eq!(WorkloadKind::NoShared.worker_speeds(4), None);
     }
 }

@@ -27,7 +27,8 @@ use crate::plan::{self, ClientRequest, Plan, Target, Translation};
 use crate::prompt::{self, Unfinished};
 use crate::responses::{Holder, ResponseDirectory};
 use crate::routing::{
-    Destination, InFlight, PendingPrefill, PoolRuntime, ProviderRuntime, RoutingTable, WorkerState,
+    Destination, InFlight, KvReservation, PendingPrefill, PoolRuntime, ProviderRuntime,
+    RoutingTable, WorkerState,
 };
 use crate::scorer::{self, Decision, Outcome};
 use crate::telemetry::RequestSpan;
@@ -54,6 +55,8 @@ pub struct Attempt {
     pub decision: Option<Decision>,
     /// Prefill work counted against the chosen worker until its first token.
     pub pending: Option<PendingPrefill>,
+    /// KV blocks counted against the chosen worker until the request ends.
+    pub kv: Option<KvReservation>,
     /// The chosen worker will hold this prompt's blocks; counted until the request ends.
     pub prediction: Option<Prediction>,
     /// The worker of this streamed attempt, the formula's TTFT for it and when the request went
@@ -66,6 +69,7 @@ impl Attempt {
     fn release(&mut self) {
         self.current = None;
         self.pending = None;
+        self.kv = None;
         self.prediction = None;
     }
 }
@@ -222,7 +226,8 @@ impl Exchange {
             return pool.pick(&self.attempt.tried);
         }
         let prompt = self.plan.target.prompt.as_deref();
-        let decision = scorer::decide_for_prompt(&pool, prompt, &self.attempt.tried)?;
+        let output = self.client.parsed.max_tokens.unwrap_or(0) as usize;
+        let decision = scorer::decide_for_prompt(&pool, prompt, output, &self.attempt.tried)?;
         if first_attempt {
             let kv = &pool.kv;
             let prefill = decision
@@ -307,6 +312,7 @@ impl Exchange {
             .filter(|_| stream)
             .map(|score| (worker.clone(), score.formula_ttft_s, Instant::now()));
         attempt.pending = Some(PendingPrefill::start(&worker, uncached));
+        attempt.kv = score.map(|score| KvReservation::start(&worker, score.kv_blocks_needed));
         attempt.prediction = match (prompt, pool.slots.get(index)) {
             (Some(prompt), Some(slot)) => {
                 let unfinished = prompt

@@ -287,6 +287,14 @@ pub struct WorkerLoad {
     /// (counted by the `InFlight` and `PendingPrefill` guards of `routing`).
     pub(crate) own_in_flight: AtomicU64,
     pub(crate) own_pending: AtomicU64,
+    /// KV blocks this proxy's requests at the worker are expected to hold until they end
+    /// (counted by the `KvReservation` guard of `routing`).
+    pub(crate) own_kv_blocks: AtomicU64,
+    /// Usable KV blocks of the worker (`vllm:cache_config_info`'s `num_gpu_blocks` less vLLM's
+    /// null block; 0: not reported), and the last scrape's blocks in use beyond this proxy's
+    /// own reservations.
+    capacity_blocks: AtomicU64,
+    others_kv_blocks: AtomicU64,
     /// The last scrape's requests beyond this proxy's own: queued, and being served.
     others_waiting: AtomicU64,
     others_running: AtomicU64,
@@ -322,6 +330,22 @@ impl WorkerLoad {
     pub fn kv_usage(&self) -> f64 {
         f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed))
     }
+    /// KV blocks this proxy's requests at the worker hold (or will, once scheduled).
+    pub fn own_kv_blocks(&self) -> u64 {
+        self.own_kv_blocks.load(Ordering::Relaxed)
+    }
+    /// KV blocks free for a new request: the worker's usable blocks less others' use at the last
+    /// scrape and this proxy's reservations now. `None` when the worker does not report its
+    /// cache size. Cached blocks nobody uses count as free, as vLLM counts them (it evicts them
+    /// on demand).
+    pub fn free_kv_blocks(&self) -> Option<u64> {
+        let capacity = self.capacity_blocks.load(Ordering::Relaxed);
+        (capacity > 0).then(|| {
+            capacity
+                .saturating_sub(self.others_kv_blocks.load(Ordering::Relaxed))
+                .saturating_sub(self.own_kv_blocks())
+        })
+    }
     /// Healthy unless the last three scrapes in a row failed.
     pub fn healthy(&self) -> bool {
         self.failures.load(Ordering::Relaxed) < 3
@@ -333,7 +357,15 @@ impl WorkerLoad {
     /// Read vLLM's queue gauges from a Prometheus text exposition (summed over label sets).
     pub fn update_from_metrics(&self, text: &str, now_ms: u64) {
         let (mut waiting, mut running, mut usage) = (0.0, 0.0, 0.0f64);
+        let mut capacity = 0u64;
         for line in text.lines().filter(|l| !l.starts_with('#')) {
+            if line.starts_with("vllm:cache_config_info{") {
+                // An info gauge: the size is a label. vLLM counts its null block in it.
+                capacity += label_value(line, "num_gpu_blocks")
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .map_or(0, |blocks| blocks.saturating_sub(1));
+                continue;
+            }
             let Some((name_and_labels, value)) = line.rsplit_once(' ') else {
                 continue;
             };
@@ -363,6 +395,12 @@ impl WorkerLoad {
         self.others_running
             .store(others.saturating_sub(others_waiting), Ordering::Relaxed);
         self.kv_usage_bits.store(usage.to_bits(), Ordering::Relaxed);
+        self.capacity_blocks.store(capacity, Ordering::Relaxed);
+        // Usage is the share of usable blocks referenced by requests (vLLM's
+        // `kv_cache_usage_perc`); what this proxy's reservations do not explain is others'.
+        let used = (usage.clamp(0.0, 1.0) * capacity as f64).round() as u64;
+        self.others_kv_blocks
+            .store(used.saturating_sub(self.own_kv_blocks()), Ordering::Relaxed);
         self.last_ok_ms.store(now_ms.max(1), Ordering::Relaxed);
         self.failures.store(0, Ordering::Relaxed);
     }
@@ -370,6 +408,17 @@ impl WorkerLoad {
     pub(crate) fn scrape_failed(&self) {
         self.failures.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// The value of label `name` in one exposition line (`name="value"`).
+fn label_value<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    let labels = line.split_once('{')?.1.rsplit_once('}')?.0;
+    let start = labels
+        .match_indices(name)
+        .find(|(at, _)| *at == 0 || labels.get(..*at).is_some_and(|p| p.ends_with(',')))
+        .map(|(at, _)| at + name.len())?;
+    let rest = labels.get(start..)?.strip_prefix("=\"")?;
+    rest.split_once('"').map(|(value, _)| value)
 }
 
 #[cfg(test)]
@@ -390,6 +439,14 @@ mod tests {
             (load.waiting(), load.running(), load.kv_usage()),
             (5, 7, 0.25)
         );
+        assert_eq!(load.free_kv_blocks(), None);
+        // vLLM's cache size (null block included); a quarter in use, 100 of it ours.
+        load.own_kv_blocks.fetch_add(100, Ordering::Relaxed);
+        let sized = format!(
+            "{text}vllm:cache_config_info{{block_size=\"64\",engine=\"0\",num_gpu_blocks=\"905\",num_gpu_blocks_override=\"None\"}} 1.0\n"
+        );
+        load.update_from_metrics(&sized, 20);
+        assert_eq!(load.free_kv_blocks(), Some(904 - 126 - 100));
         assert!(load.healthy() && load.scraped());
         for _ in 0..3 {
             load.scrape_failed();

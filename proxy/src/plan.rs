@@ -502,10 +502,11 @@ impl Context for PolicyContext<'_> {
                 .iter()
                 .find(|(id, _)| id == pool_id)
                 .and_then(|(_, p)| p.as_deref());
-            state.predicted_ttft_ms = scorer::decide_for_prompt(pool, prompt, &[]).and_then(|d| {
-                d.chosen_score()
-                    .map(|s| (s.predicted_ttft_s * 1000.0).round() as u64)
-            });
+            state.predicted_ttft_ms =
+                scorer::decide_for_prompt(pool, prompt, 0, &[]).and_then(|d| {
+                    d.chosen_score()
+                        .map(|s| (s.predicted_ttft_s * 1000.0).round() as u64)
+                });
         }
         Some(state)
     }

@@ -19,7 +19,7 @@ use switchyard_snapshot::{ModelTarget, Pool, PoolId, Snapshot};
 
 use crate::kv::{KvRegistry, PoolKv};
 pub use crate::provider::ProviderRuntime;
-pub use crate::worker::{EndpointRegistry, InFlight, PendingPrefill, WorkerState};
+pub use crate::worker::{EndpointRegistry, InFlight, KvReservation, PendingPrefill, WorkerState};
 
 /// A pool ready for routing.
 #[derive(Debug)]

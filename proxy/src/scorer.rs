@@ -17,6 +17,12 @@
 //!   from observed first tokens, relative to the pool's median worker ([`crate::calibration`]):
 //!   a worker slower than the rest is predicted slower; an error all workers share cancels out.
 //!
+//! A worker whose KV cache cannot hold the request now (its uncached prompt and the output it
+//! may generate, in blocks, against the worker's free blocks: its size from
+//! `vllm:cache_config_info`, others' use from `kv_cache_usage_perc` at the last scrape, this
+//! proxy's reservations live) would leave it waiting, or preempt a running request to make room:
+//! it is chosen only when no healthy worker has room.
+//!
 //! Staying on the cached worker is therefore only worth it until its own backlog outweighs the
 //! prefill another worker would redo: cache affinity alone would hot-spot one worker. Workers
 //! within `tie_tolerance` of the best are tied and the one holding most of the prompt, then the
@@ -44,6 +50,10 @@ pub struct WorkerScore {
     pub running: u64,
     pub in_flight: usize,
     pub healthy: bool,
+    /// KV blocks the request needs there (uncached prompt and output), and the worker's free
+    /// blocks (`None`: it does not report its cache size).
+    pub kv_blocks_needed: u64,
+    pub kv_blocks_free: Option<u64>,
     /// The formula's prediction (pool coefficients), before the worker's learned speed.
     pub formula_ttft_s: f64,
     /// The worker's learned speed (observed over predicted TTFT).
@@ -101,7 +111,7 @@ impl Decision {
         for score in &self.scores {
             let _ = write!(
                 out,
-                "; {} matched_blocks={} cached_tokens={} queued_tokens={} running={} in_flight={} healthy={} predicted_ttft_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
+                "; {} matched_blocks={} cached_tokens={} queued_tokens={} running={} in_flight={} healthy={} kv_blocks_needed={} kv_blocks_free={} predicted_ttft_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
                 address(score.position),
                 score.matched_blocks,
                 score.cached_tokens,
@@ -109,6 +119,10 @@ impl Decision {
                 score.running,
                 score.in_flight,
                 score.healthy,
+                score.kv_blocks_needed,
+                score
+                    .kv_blocks_free
+                    .map_or_else(|| "unknown".to_owned(), |free| free.to_string()),
                 score.predicted_ttft_s * 1000.0,
                 score.formula_ttft_s * 1000.0,
                 score.relative_speed
@@ -119,24 +133,26 @@ impl Decision {
 }
 
 /// Score the pool's workers for `prompt` (tokenized for this pool; `None`: routed by queue
-/// alone) against what the prefix index holds and what the pool's workers are predicted to
-/// hold, and choose one.
+/// alone) and up to `output_tokens` generated, against what the prefix index holds and what the
+/// pool's workers are predicted to hold, and choose one.
 pub fn decide_for_prompt(
     pool: &PoolRuntime,
     prompt: Option<&PromptInfo>,
+    output_tokens: usize,
     exclude: &[usize],
 ) -> Option<Decision> {
     let (tokens, overlap) = match prompt {
         Some(prompt) => (prompt.tokens, pool.kv.overlap(&prompt.hashes)),
         None => (0, Overlap::default()),
     };
-    decide(pool, tokens, &overlap, exclude)
+    decide(pool, tokens, output_tokens, &overlap, exclude)
 }
 
 /// Score every eligible worker (not in `exclude`, address resolved) and choose one.
 pub fn decide(
     pool: &PoolRuntime,
     prompt_tokens: usize,
+    output_tokens: usize,
     overlap: &Overlap,
     exclude: &[usize],
 ) -> Option<Decision> {
@@ -187,6 +203,7 @@ pub fn decide(
         let formula_ttft_s =
             prefill_cost * (queued_tokens + uncached_tokens) as f64 + running_cost * running as f64;
         let predicted_ttft_s = relative_speed * formula_ttft_s;
+        let kv_blocks_needed = (uncached_tokens + output_tokens).div_ceil(block_size.max(1)) as u64;
         scores.push(WorkerScore {
             position,
             matched_blocks,
@@ -196,14 +213,28 @@ pub fn decide(
             running,
             in_flight,
             healthy: load.healthy(),
+            kv_blocks_needed,
+            kv_blocks_free: load.free_kv_blocks(),
             formula_ttft_s,
             speed,
             relative_speed,
             predicted_ttft_s,
         });
     }
+    // Healthy workers with room for the request; else healthy ones; else any.
+    let fits = |s: &WorkerScore| {
+        s.kv_blocks_free
+            .is_none_or(|free| s.kv_blocks_needed <= free)
+    };
     let any_healthy = scores.iter().any(|s| s.healthy);
-    let eligible = |s: &&WorkerScore| s.healthy || !any_healthy;
+    let any_room = scores.iter().any(|s| s.healthy && fits(s));
+    let eligible = |s: &&WorkerScore| {
+        if any_room {
+            s.healthy && fits(s)
+        } else {
+            s.healthy || !any_healthy
+        }
+    };
     let best = scores
         .iter()
         .filter(eligible)
@@ -315,7 +346,7 @@ mod tests {
         let lookup = overlap(pool, &prompt);
         assert_eq!(lookup.depth(WorkerId(pool.slots[1].0)), 99);
 
-        let first = decide(pool, 400, &lookup, &[]).unwrap();
+        let first = decide(pool, 400, 0, &lookup, &[]).unwrap();
         assert_eq!(first.chosen, 1);
         assert_eq!(first.outcome, Outcome::CacheHit);
         assert_eq!(first.scores[1].uncached_tokens, 4);
@@ -323,10 +354,10 @@ mod tests {
         // Pile prefill work onto the cached worker: it stays best while its backlog is smaller
         // than the 396 tokens the others would have to prefill...
         let _some = PendingPrefill::start(&pool.workers[1], 300);
-        assert_eq!(decide(pool, 400, &lookup, &[]).unwrap().chosen, 1);
+        assert_eq!(decide(pool, 400, 0, &lookup, &[]).unwrap().chosen, 1);
         // ...and loses once the backlog is larger (no hot spot).
         let _more = PendingPrefill::start(&pool.workers[1], 200);
-        let spread = decide(pool, 400, &lookup, &[]).unwrap();
+        let spread = decide(pool, 400, 0, &lookup, &[]).unwrap();
         assert_ne!(spread.chosen, 1);
         assert_eq!(spread.outcome, Outcome::Spread);
         assert!(spread.explain(pool).contains("matched_blocks=99"));
@@ -343,7 +374,7 @@ mod tests {
         let _b = InFlight::start(&pool.workers[0]);
         let _c = InFlight::start(&pool.workers[1]);
         let _c_prefill = PendingPrefill::start(&pool.workers[1], 500);
-        let decision = decide(pool, 4, &lookup, &[]).unwrap();
+        let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
         assert_eq!(
             (decision.scores[0].running, decision.scores[0].queued_tokens),
             (2, 0)
@@ -358,14 +389,17 @@ mod tests {
             "vllm:num_requests_waiting 4\nvllm:num_requests_running 6\n",
             10,
         );
-        let decision = decide(pool, 4, &lookup, &[]).unwrap();
+        let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
         assert_eq!(decision.scores[2].running, 6);
         assert!(decision.scores[2].queued_tokens > 0);
         // Worker 0 reports only ours: nothing is counted twice.
         pool.workers[0]
             .load
             .update_from_metrics("vllm:num_requests_running 2\n", 10);
-        assert_eq!(decide(pool, 4, &lookup, &[]).unwrap().scores[0].running, 2);
+        assert_eq!(
+            decide(pool, 4, 0, &lookup, &[]).unwrap().scores[0].running,
+            2
+        );
     }
 
     #[test]
@@ -385,7 +419,7 @@ mod tests {
         let _a = PendingPrefill::start(&pool.workers[0], 1_200);
         let _b = PendingPrefill::start(&pool.workers[1], 1_500);
         let _c = PendingPrefill::start(&pool.workers[2], 1_500);
-        let decision = decide(pool, 4, &lookup, &[]).unwrap();
+        let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
         assert_ne!(decision.chosen, 0, "{:?}", decision.scores);
         let slow = &decision.scores[0];
         assert!((slow.relative_speed - 1.5).abs() < 0.05, "{slow:?}");
@@ -399,9 +433,43 @@ mod tests {
             pool.workers[0].ttft.observe(0.5, 0.75);
             pool.workers[1].ttft.observe(0.5, 0.5);
         }
-        let decision = decide(pool, 4, &lookup, &[]).unwrap();
+        let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
         assert_eq!(decision.scores[0].relative_speed, 1.0);
         assert!(decision.scores[0].speed.known());
+    }
+
+    #[test]
+    fn a_worker_without_room_in_its_kv_cache_is_passed_over() {
+        use crate::routing::KvReservation;
+        let table = table();
+        let pool = table.pools().next().unwrap();
+        let prompt: Vec<u32> = (0..400).collect();
+        store(pool, 1, &prompt);
+        let lookup = overlap(pool, &prompt);
+        // Each worker has 1,000 usable blocks of 4 tokens (1,001 with vLLM's null block),
+        // worker 1 95% used by others; the request needs its output there, 200 tokens = 50
+        // blocks, and 150 blocks elsewhere.
+        for (position, usage) in [(0, "0.1"), (1, "0.95"), (2, "0.1")] {
+            pool.workers[position].load.update_from_metrics(
+                &format!("vllm:kv_cache_usage_perc {usage}\nvllm:cache_config_info{{num_gpu_blocks=\"1001\"}} 1\n"),
+                10,
+            );
+        }
+        let fits = decide(pool, 400, 200, &lookup, &[]).unwrap();
+        assert_eq!(fits.chosen, 1, "{:?}", fits.scores);
+        assert_eq!(fits.scores[1].kv_blocks_needed, 50);
+        assert_eq!(fits.scores[1].kv_blocks_free, Some(50));
+        // This proxy's own request there takes the room: the cached worker no longer fits.
+        let _held = KvReservation::start(&pool.workers[1], 10);
+        let passed = decide(pool, 400, 200, &lookup, &[]).unwrap();
+        assert_ne!(passed.chosen, 1, "{:?}", passed.scores);
+        assert!(passed.explain(pool).contains("kv_blocks_free=40"));
+        // When no worker has room, the scorer still chooses (the best by time).
+        let _others = [
+            KvReservation::start(&pool.workers[0], 800),
+            KvReservation::start(&pool.workers[2], 800),
+        ];
+        assert_eq!(decide(pool, 400, 200, &lookup, &[]).unwrap().chosen, 1);
     }
 
     #[test]
@@ -411,14 +479,14 @@ mod tests {
         let lookup = overlap(pool, &[1, 2, 3, 4]);
         let mut seen = [0; 3];
         for _ in 0..300 {
-            let decision = decide(pool, 4, &lookup, &[]).unwrap();
+            let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
             assert_eq!(decision.outcome, Outcome::NoCache);
             seen[decision.chosen] += 1;
         }
         assert!(seen.iter().all(|n| *n > 30), "{seen:?}");
         for _ in 0..20 {
-            assert_eq!(decide(pool, 4, &lookup, &[0, 2]).unwrap().chosen, 1);
+            assert_eq!(decide(pool, 4, 0, &lookup, &[0, 2]).unwrap().chosen, 1);
         }
-        assert!(decide(pool, 4, &lookup, &[0, 1, 2]).is_none());
+        assert!(decide(pool, 4, 0, &lookup, &[0, 1, 2]).is_none());
     }
 }

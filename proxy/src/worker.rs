@@ -97,6 +97,36 @@ impl Drop for PendingPrefill {
     }
 }
 
+/// Counts the KV blocks a request will hold at a worker (its uncached prompt and the output it
+/// may generate) until the request ends.
+#[derive(Debug)]
+pub struct KvReservation {
+    worker: Arc<WorkerState>,
+    blocks: u64,
+}
+
+impl KvReservation {
+    pub fn start(worker: &Arc<WorkerState>, blocks: u64) -> KvReservation {
+        worker
+            .load
+            .own_kv_blocks
+            .fetch_add(blocks, Ordering::Relaxed);
+        KvReservation {
+            worker: worker.clone(),
+            blocks,
+        }
+    }
+}
+
+impl Drop for KvReservation {
+    fn drop(&mut self) {
+        self.worker
+            .load
+            .own_kv_blocks
+            .fetch_sub(self.blocks, Ordering::Relaxed);
+    }
+}
+
 /// Counts a request against a worker for as long as it lives.
 #[derive(Debug)]
 pub struct InFlight(Arc<WorkerState>);

@@ -57,8 +57,13 @@ enum Bench {
 
 #[derive(clap::Args, Debug)]
 struct CompareArgs {
+    /// Workloads to run (default: the three published ones; see --all-workloads).
     #[arg(long, value_enum, num_args = 1.., default_values_t = [WorkloadKind::SharedPrefix, WorkloadKind::MultiTurn, WorkloadKind::NoShared])]
     workloads: Vec<WorkloadKind>,
+    /// Every workload: the published three, then zipf-prefix, hot-prefix, bursty, varied-output
+    /// and heterogeneous (about 2.5x as long).
+    #[arg(long, conflicts_with = "workloads")]
+    all_workloads: bool,
     #[arg(long, value_enum, num_args = 1.., default_values_t = [RouterKind::Random, RouterKind::RoundRobin, RouterKind::LeastOutstanding, RouterKind::Switchyard, RouterKind::VllmRouter, RouterKind::VllmRouterPow2, RouterKind::VllmRouterKv, RouterKind::Llmd, RouterKind::Dynamo, RouterKind::Oracle])]
     routers: Vec<RouterKind>,
     /// Requests per workload (per seed).
@@ -94,16 +99,38 @@ struct CompareArgs {
     /// Sigma of the normal under the lognormal output length (0: every request gets the mean).
     #[arg(long, default_value_t = 0.5)]
     output_sigma: f64,
+    /// zipf-prefix: distinct system prompts of --prompt-tokens each (48 x 2,000 tokens is more
+    /// than one L40S worker's cache holds, less than three hold).
+    #[arg(long, default_value_t = 48)]
+    zipf_prefixes: usize,
+    /// zipf-prefix: popularity exponent s (the k-th most popular prompt is drawn ∝ 1/k^s).
+    #[arg(long, default_value_t = 1.1)]
+    zipf_exponent: f64,
+    /// hot-prefix: tokens of each request's unique part after the one shared system prompt
+    /// (1,000: at 2 requests per second one L40S worker would spend most of its time on them).
+    #[arg(long, default_value_t = 1000)]
+    hot_suffix_tokens: usize,
+    /// bursty: conversations per burst (bursts arrive at --rate / burst).
+    #[arg(long, default_value_t = 8)]
+    burst: usize,
+    /// varied-output: sigma of the lognormal output lengths (heavy-tailed; clamped to 8x mean).
+    #[arg(long, default_value_t = 1.5)]
+    varied_output_sigma: f64,
     /// Poisson arrivals at this many requests per model second (default: closed loop).
     #[arg(long)]
     rate: Option<f64>,
     /// Closed-loop clients when no --rate is given.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
-    /// Capacity sweep: Poisson rates to try (comma separated, per model second).
-    #[arg(long, value_delimiter = ',')]
-    sweep_rates: Vec<f64>,
-    /// The TTFT target of the capacity sweep: p90 at or below this many model seconds.
+    /// Capacity search: the lowest and highest Poisson rate to consider (per model second,
+    /// `LO,HI`). Each router's capacity, the highest rate whose median TTFT p90 over the seeds
+    /// meets --slo-p90-s without errors, is found by bisection between them.
+    #[arg(long, value_delimiter = ',', num_args = 2)]
+    capacity: Vec<f64>,
+    /// Bisection steps after probing both ends (the result is within (HI - LO) / 2^steps).
+    #[arg(long, default_value_t = 4)]
+    capacity_steps: usize,
+    /// The TTFT target of the capacity search: p90 at or below this many model seconds.
     #[arg(long, default_value_t = 2.0)]
     slo_p90_s: f64,
     /// Wall seconds per model second. Wall-clock overheads (client, proxy, tokenizers) are divided
@@ -314,6 +341,88 @@ async fn overhead_bench(
     Ok(())
 }
 
+/// One router's capacity search on one workload.
+struct Search<'a> {
+    runs: &'a [(RunConfig, Vec<Conversation>)],
+    router: RouterKind,
+    kind: WorkloadKind,
+    slo_p90_s: f64,
+}
+
+impl Search<'_> {
+    /// Run every seed at `rate`: whether the median p90 meets the target without errors, and
+    /// the point for the report.
+    async fn probe(&self, rate: f64) -> anyhow::Result<(bool, serde_json::Value)> {
+        let mut per_seed = Vec::new();
+        for (config, conversations) in self.runs {
+            let probed = RunConfig {
+                arrival: config.arrival.at_rate(rate),
+                ..config.clone()
+            };
+            let label = format!(
+                "{} capacity {} @ {rate:.3}/s seed {}",
+                self.kind.name(),
+                self.router.name(),
+                config.seed
+            );
+            per_seed.push(compare::run(&probed, self.router, conversations, label).await?);
+        }
+        let p90 = Spread::of(per_seed.iter().map(|r| r.ttft_p90));
+        let p50 = Spread::of(per_seed.iter().map(|r| r.ttft_p50));
+        let errors: usize = per_seed.iter().map(|r| r.errors).sum();
+        let seeds: Vec<serde_json::Value> = per_seed
+            .iter()
+            .map(|r| json!({"seed": r.seed, "ttft_p50": r.ttft_p50, "ttft_p90": r.ttft_p90, "errors": r.errors}))
+            .collect();
+        let meets = p90.median <= self.slo_p90_s && errors == 0;
+        Ok((
+            meets,
+            json!({"rate": rate, "ttft_p90": p90.median, "ttft_p50": p50.median, "ttft_p90_spread": p90, "errors": errors, "meets": meets, "seeds": seeds}),
+        ))
+    }
+
+    /// The highest rate in `[low, high]` that meets the target, to within
+    /// `(high - low) / 2^steps`: `high` when even it meets, 0 when `low` does not. Returns the
+    /// points probed, sorted by rate.
+    async fn bisect(
+        &self,
+        low: f64,
+        high: f64,
+        steps: usize,
+    ) -> anyhow::Result<(f64, Vec<serde_json::Value>)> {
+        let mut points = Vec::new();
+        let (meets_high, point) = self.probe(high).await?;
+        points.push(point);
+        let best = if meets_high {
+            high
+        } else {
+            let (meets_low, point) = self.probe(low).await?;
+            points.push(point);
+            if !meets_low {
+                0.0
+            } else {
+                let (mut good, mut bad) = (low, high);
+                for _ in 0..steps {
+                    let middle = (good + bad) / 2.0;
+                    let (meets, point) = self.probe(middle).await?;
+                    points.push(point);
+                    if meets {
+                        good = middle;
+                    } else {
+                        bad = middle;
+                    }
+                }
+                good
+            }
+        };
+        points.sort_by(|a, b| {
+            let rate = |p: &serde_json::Value| p["rate"].as_f64().unwrap_or(0.0);
+            rate(a).total_cmp(&rate(b))
+        });
+        Ok((best, points))
+    }
+}
+
 /// PNG plots next to the JSON, drawn by loadtest/plot.py with matplotlib (the project's .venv
 /// has it; otherwise `python3`). Missing Python or matplotlib only skips the plots.
 fn plot(root: &std::path::Path, json: &std::path::Path) {
@@ -356,6 +465,9 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
     if args.seeds.is_empty() {
         args.seeds = vec![1];
     }
+    if args.all_workloads {
+        args.workloads = WorkloadKind::ALL.to_vec();
+    }
     if args.quick {
         args.workloads = vec![WorkloadKind::SharedPrefix];
         args.routers = vec![RouterKind::Random, RouterKind::Switchyard];
@@ -373,7 +485,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
             args.time_scale,
         ) = (8, 6, Some(QUICK_NUM_BLOCKS), 0.1);
         args.block_size = 64;
-        args.sweep_rates.clear();
+        args.capacity.clear();
     }
     let bin_dir = std::env::current_exe()?
         .parent()
@@ -403,6 +515,11 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
         output_tokens: args.output_tokens,
         output_sigma: args.output_sigma,
         think_time_s: args.think_time_s,
+        zipf_prefixes: args.zipf_prefixes,
+        zipf_exponent: args.zipf_exponent,
+        hot_suffix_tokens: args.hot_suffix_tokens,
+        burst: args.burst,
+        varied_output_sigma: args.varied_output_sigma,
     };
     let arrival = match args.rate {
         Some(rate) => Arrival::Poisson { rate },
@@ -433,7 +550,9 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 gpu: args.gpu,
                 num_blocks: args.num_blocks,
                 block_size: args.block_size,
-                worker_speed: args.worker_speed.clone(),
+                worker_speed: kind
+                    .worker_speeds(args.workers)
+                    .unwrap_or_else(|| args.worker_speed.clone()),
                 learn_worker_speed: args.learn_worker_speed,
                 vllm_router: vllm_router.clone(),
             };
@@ -454,10 +573,8 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
             }
         }
         let summaries = compare::summarize(&results);
-        let arrival_text = match arrival {
-            Arrival::Poisson { rate } => format!("Poisson {rate} req/s"),
-            Arrival::Concurrency { clients } => format!("{clients} concurrent clients"),
-        };
+        let arrival = arrival.in_bursts(kind.burst(&size));
+        let arrival_text = arrival.describe();
         // Every router sees the same prompts; pooled over all runs, weighted by requests.
         let weighted = |f: fn(&RouterResult) -> f64| {
             let requests: usize = results.iter().map(|r| r.requests).sum();
@@ -472,12 +589,13 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 kind.name(),
                 args.requests,
                 args.workers,
-                if args.worker_speed.is_empty() {
-                    String::new()
-                } else {
-                    let speeds: Vec<String> =
-                        args.worker_speed.iter().map(f64::to_string).collect();
-                    format!(" (step time x{})", speeds.join(","))
+                match runs.first() {
+                    Some((config, _)) if !config.worker_speed.is_empty() => {
+                        let speeds: Vec<String> =
+                            config.worker_speed.iter().map(f64::to_string).collect();
+                        format!(" (step time x{})", speeds.join(","))
+                    }
+                    _ => String::new(),
                 },
             ),
             &summaries,
@@ -486,53 +604,28 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
             println!("{}: {line}", kind.name());
         }
         let mut capacity = serde_json::Map::new();
-        if !args.sweep_rates.is_empty() {
+        if let [low, high] = args.capacity[..] {
             println!(
-                "capacity ({}): highest rate with median TTFT p90 over seeds <= {} s",
+                "capacity ({}): highest rate with median TTFT p90 over seeds <= {} s, by bisection in [{low}, {high}]",
                 kind.name(),
                 args.slo_p90_s
             );
-            let mut random_capacity = None;
             for router in &args.routers {
-                let mut best = 0.0f64;
-                let mut points = Vec::new();
-                for rate in &args.sweep_rates {
-                    let mut per_seed = Vec::new();
-                    for (config, conversations) in &runs {
-                        let swept = RunConfig {
-                            arrival: Arrival::Poisson { rate: *rate },
-                            ..config.clone()
-                        };
-                        let label = format!(
-                            "{} sweep {} @ {rate}/s seed {}",
-                            kind.name(),
-                            router.name(),
-                            config.seed
-                        );
-                        per_seed.push(compare::run(&swept, *router, conversations, label).await?);
-                    }
-                    let p90 = Spread::of(per_seed.iter().map(|r| r.ttft_p90));
-                    let p50 = Spread::of(per_seed.iter().map(|r| r.ttft_p50));
-                    let errors: usize = per_seed.iter().map(|r| r.errors).sum();
-                    if p90.median <= args.slo_p90_s && errors == 0 {
-                        best = best.max(*rate);
-                    }
-                    let seeds: Vec<serde_json::Value> = per_seed
-                        .iter()
-                        .map(|r| json!({"seed": r.seed, "ttft_p50": r.ttft_p50, "ttft_p90": r.ttft_p90, "errors": r.errors}))
-                        .collect();
-                    points.push(json!({"rate": rate, "ttft_p90": p90.median, "ttft_p50": p50.median, "ttft_p90_spread": p90, "errors": errors, "seeds": seeds}));
-                }
-                if *router == RouterKind::Random {
-                    random_capacity = Some(best);
-                }
-                let ratio = random_capacity
-                    .filter(|r| *r > 0.0)
-                    .map_or(f64::NAN, |r| best / r);
-                println!(
-                    "  {:<18} {best:>6.2} req/s  ({ratio:.2}x random)",
-                    router.name()
-                );
+                let search = Search {
+                    runs: &runs,
+                    router: *router,
+                    kind: *kind,
+                    slo_p90_s: args.slo_p90_s,
+                };
+                let (best, points) = search.bisect(low, high, args.capacity_steps).await?;
+                let bound = if best >= high {
+                    " (at least: the highest rate tried)"
+                } else if best <= 0.0 {
+                    " (below the lowest rate tried)"
+                } else {
+                    ""
+                };
+                println!("  {:<18} {best:>6.2} req/s{bound}", router.name());
                 capacity.insert(
                     router.name().to_owned(),
                     json!({"capacity": best, "points": points}),

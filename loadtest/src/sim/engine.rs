@@ -356,6 +356,7 @@ pub fn spawn(
 ) -> EngineHandle {
     let (commands, rx) = mpsc::unbounded_channel();
     let stats = Arc::new(EngineStats::default());
+    stats.set_cache_config(config.block_size, config.num_blocks);
     let cache = KvCache::new(config.num_blocks, config.block_size, config.hash_seed);
     let handle = EngineHandle {
         commands,

@@ -73,9 +73,21 @@ pub struct EngineStats {
     success: AtomicU64,
     preemptions: AtomicU64,
     histograms: Mutex<Histograms>,
+    /// `block_size` and `num_gpu_blocks` of the cache config, for `vllm:cache_config_info`.
+    cache_config: Mutex<Option<(usize, usize)>>,
 }
 
 impl EngineStats {
+    /// What `vllm:cache_config_info` reports: tokens per block and the KV blocks vLLM allocated
+    /// (`CacheConfig.num_gpu_blocks`, the null block included).
+    pub fn set_cache_config(&self, block_size: usize, num_gpu_blocks: usize) {
+        let mut config = match self.cache_config.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        *config = Some((block_size, num_gpu_blocks));
+    }
+
     pub fn set_gauges(&self, running: usize, waiting: usize, kv_usage: f64) {
         self.running.store(running as u64, Ordering::Relaxed);
         self.waiting.store(waiting as u64, Ordering::Relaxed);
@@ -161,6 +173,20 @@ impl EngineStats {
             "KV-cache usage. 1 means 100 percent usage.",
             self.kv_usage(),
         );
+        let cache_config = match self.cache_config.lock() {
+            Ok(guard) => *guard,
+            Err(poisoned) => *poisoned.into_inner(),
+        };
+        if let Some((block_size, num_gpu_blocks)) = cache_config {
+            // vLLM's info gauge: every CacheConfig field as a label (the ones a router reads
+            // here), value 1 (`PrometheusStatLogger.log_metrics_info`).
+            let _ = writeln!(
+                out,
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{{block_size=\"{block_size}\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"{num_gpu_blocks}\"}} 1.0"
+            );
+        }
         let mut counter = |name: &str, help: &str, value: u64| {
             let _ = writeln!(
                 out,

@@ -175,6 +175,26 @@ impl Collector for StateCollector {
             "Requests this proxy has in flight to the worker.",
             workers().map(|(labels, w)| (labels, ConstGauge::new(w.in_flight() as u64))),
         )?;
+        // The routing ledger: what this proxy counts against each worker right now.
+        family(
+            encoder,
+            "switchyard_worker_prefills_pending",
+            "Requests this proxy sent to the worker that have not produced a first token yet.",
+            workers().map(|(labels, w)| (labels, ConstGauge::new(w.load.own_pending()))),
+        )?;
+        family(
+            encoder,
+            "switchyard_worker_prefill_tokens_pending",
+            "Uncached prompt tokens of those requests.",
+            workers()
+                .map(|(labels, w)| (labels, ConstGauge::new(w.pending_prefill_tokens() as u64))),
+        )?;
+        family(
+            encoder,
+            "switchyard_worker_kv_blocks_reserved",
+            "KV blocks this proxy's requests in flight to the worker are expected to hold.",
+            workers().map(|(labels, w)| (labels, ConstGauge::new(w.load.own_kv_blocks()))),
+        )?;
         let version = ConstGauge::new(table.snapshot.version);
         version.encode(encoder.encode_descriptor(
             "switchyard_config_version",

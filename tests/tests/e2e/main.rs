@@ -20,6 +20,7 @@ mod errors;
 mod fallback;
 mod helm;
 mod kubernetes;
+mod ledger;
 mod logs;
 mod policies;
 mod pooling;

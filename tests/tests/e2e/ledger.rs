@@ -1,0 +1,239 @@
+//! The routing ledger: what the proxy counts against each worker of a cache-aware pool while a
+//! request is in flight (`switchyard_worker_prefills_pending`, `..._prefill_tokens_pending`,
+//! `..._requests_in_flight`, `..._kv_blocks_reserved` on `/metrics`). Prefill is counted until
+//! the first token and no longer; the request and its KV blocks until the end; and nothing is
+//! left behind on any path: success, a worker error, an unreachable worker, a fallback to a
+//! provider, a client that goes away.
+
+use futures_util::StreamExt;
+use serde_json::json;
+use switchyard_e2e::{Proxy, Upstream, UpstreamOptions, free_port};
+
+/// The ledger of one worker as `/metrics` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Ledger {
+    prefills: u64,
+    prefill_tokens: u64,
+    in_flight: u64,
+    kv_blocks: u64,
+}
+
+async fn ledger(proxy: &Proxy, worker: &str) -> Ledger {
+    let metrics = proxy.metrics().await;
+    let read = |name: &str| {
+        metrics
+            .lines()
+            .find(|line| line.starts_with(name) && line.contains(&format!("worker=\"{worker}\"")))
+            .and_then(|line| line.rsplit(' ').next())
+            .and_then(|value| value.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("{name} for {worker} missing:\n{metrics}"))
+    };
+    Ledger {
+        prefills: read("switchyard_worker_prefills_pending{"),
+        prefill_tokens: read("switchyard_worker_prefill_tokens_pending{"),
+        in_flight: read("switchyard_worker_requests_in_flight{"),
+        kv_blocks: read("switchyard_worker_kv_blocks_reserved{"),
+    }
+}
+
+/// Wait until the worker's ledger is empty (the request's guards are dropped when its last byte
+/// is logged, just after the client saw it).
+async fn wait_empty(proxy: &Proxy, worker: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let now = ledger(proxy, worker).await;
+        if now == Ledger::default() {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{worker} keeps {now:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+async fn wait_received(upstream: &Upstream, count: usize) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while upstream.received().len() < count {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} got nothing",
+            upstream.name()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+fn config(
+    gated: &Upstream,
+    stalled: &Upstream,
+    failing: &Upstream,
+    dead: &str,
+    healthy: &Upstream,
+    cloud: &Upstream,
+) -> String {
+    format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: gated}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: stalled}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: broken}}\nspec: {{model: m, maxAttempts: 2, connectTimeoutMs: 500, endpoints: [\"{}\", \"{dead}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: mixed}}\nspec: {{model: m, maxAttempts: 2, connectTimeoutMs: 500, endpoints: [\"{dead}\", \"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: ExternalProvider\nmetadata: {{name: cloud}}\nspec: {{baseUrl: \"http://{}/v1\", format: openai}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: gated}}\nspec: {{modelName: gated, targets: [{{pool: gated}}]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: stalled}}\nspec: {{modelName: stalled, targets: [{{pool: stalled}}]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: falls-back}}\nspec: {{modelName: falls-back, strategy: ordered, targets: [{{pool: broken}}, {{provider: cloud, model: cloud-m}}]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: retried}}\nspec: {{modelName: retried, targets: [{{pool: mixed}}]}}\n",
+        gated.endpoint(),
+        stalled.endpoint(),
+        failing.endpoint(),
+        healthy.endpoint(),
+        cloud.endpoint()
+    )
+}
+
+fn body(model: &str, stream: bool) -> serde_json::Value {
+    // Long enough that its uncached prompt is several KV blocks.
+    let content = "the ledger counts this prompt until its first token ".repeat(40);
+    json!({"model": model, "stream": stream, "max_tokens": 64,
+           "messages": [{"role": "user", "content": content}]})
+}
+
+#[tokio::test]
+async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_every_path() {
+    let gated = Upstream::start_with(
+        "gated",
+        UpstreamOptions {
+            gated: true,
+            stream_chunks: Some(3),
+            ..Default::default()
+        },
+    )
+    .await;
+    // Never lets a chunk out: its client gives up before the first token.
+    let stalled = Upstream::start_with(
+        "stalled",
+        UpstreamOptions {
+            gated: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let failing = Upstream::start_with(
+        "failing",
+        UpstreamOptions {
+            fail_with: Some(503),
+            ..Default::default()
+        },
+    )
+    .await;
+    let dead = format!("127.0.0.1:{}", free_port());
+    let healthy = Upstream::start("healthy").await;
+    let cloud = Upstream::start("cloud").await;
+    let proxy = Proxy::start(
+        &config(&gated, &stalled, &failing, &dead, &healthy, &cloud),
+        &[],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", proxy.url());
+    let worker = gated.endpoint();
+
+    // A client that goes away before the first token: nothing stays counted.
+    let abandoned = tokio::spawn({
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let response = client
+                .post(&url)
+                .json(&body("stalled", true))
+                .send()
+                .await
+                .unwrap();
+            let mut chunks = response.bytes_stream();
+            chunks.next().await
+        }
+    });
+    wait_received(&stalled, 1).await;
+    assert_eq!(ledger(&proxy, &stalled.endpoint()).await.prefills, 1);
+    abandoned.abort();
+    let _ = abandoned.await;
+    wait_empty(&proxy, &stalled.endpoint()).await;
+
+    // A streamed request: before its first token the prompt is pending prefill...
+    let response = client
+        .post(&url)
+        .json(&body("gated", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    wait_received(&gated, 1).await;
+    let before = ledger(&proxy, &worker).await;
+    assert_eq!((before.prefills, before.in_flight), (1, 1), "{before:?}");
+    assert!(before.prefill_tokens > 100, "{before:?}");
+    // Uncached prompt and 64 output tokens in blocks of 64.
+    assert!(before.kv_blocks >= 2, "{before:?}");
+    // ...and at its first token it is not, while the request still decodes and holds its blocks.
+    let mut chunks = response.bytes_stream();
+    gated.release(1);
+    let first = chunks.next().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("gated-0"));
+    let decoding = ledger(&proxy, &worker).await;
+    assert_eq!(
+        decoding,
+        Ledger {
+            prefills: 0,
+            prefill_tokens: 0,
+            in_flight: 1,
+            kv_blocks: before.kv_blocks
+        }
+    );
+    // The rest (no later request streams from this worker, so spare permits do no harm).
+    gated.release(16);
+    while let Some(chunk) = chunks.next().await {
+        chunk.unwrap();
+    }
+    wait_empty(&proxy, &worker).await;
+
+    // A non-streamed answer arrives whole: counted until then, nothing after.
+    let response = client
+        .post(&url)
+        .json(&body("gated", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.bytes().await.unwrap();
+    wait_empty(&proxy, &worker).await;
+
+    // A worker answering 503 and one refusing connections, then the provider: streamed and
+    // not, every worker tried ends with an empty ledger.
+    for stream in [true, false] {
+        let response = client
+            .post(&url)
+            .json(&body("falls-back", stream))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let text = response.text().await.unwrap();
+        assert!(text.contains("cloud"), "{text}");
+        wait_empty(&proxy, &failing.endpoint()).await;
+        wait_empty(&proxy, &dead).await;
+    }
+    assert_eq!(cloud.received().len(), 2);
+
+    // A retry inside the pool after an unreachable worker (or none needed): both end empty.
+    for stream in [true, false] {
+        let response = client
+            .post(&url)
+            .json(&body("retried", stream))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let text = response.text().await.unwrap();
+        assert!(text.contains("healthy"), "{text}");
+        wait_empty(&proxy, &dead).await;
+        wait_empty(&proxy, &healthy.endpoint()).await;
+    }
+}
