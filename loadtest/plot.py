@@ -1,5 +1,5 @@
 """Plot switchyard-bench compare results: TTFT CDF per router (every seed's requests pooled), and
-median TTFT p90 vs load from the capacity sweep. Usage: plot.py RESULTS.json OUT_DIR. Needs
+median TTFT p90 vs load from the capacity search (the rates its bisection probed). Usage: plot.py RESULTS.json OUT_DIR. Needs
 matplotlib (scripts/test.sh installs it into .venv)."""
 
 import json

@@ -399,11 +399,22 @@ async fn start_router(
             );
             let path = dir.join(format!("{}.yaml", router.name()));
             std::fs::write(&path, yaml)?;
-            // Replicas share nothing but the workers, as separate pods of the Helm chart do.
+            // Replicas share the workers and read each other's ledgers (`--peers`, every
+            // replica's operator listener, itself included as a headless Service would list it),
+            // as the Helm chart's pods do.
+            let replicas = replicas.max(1);
+            let admins: Vec<String> = (0..replicas)
+                .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
+                .collect::<anyhow::Result<_>>()?;
             let mut processes = Vec::new();
             let mut urls = Vec::new();
-            for replica in 0..replicas.max(1) {
+            for (replica, admin) in admins.iter().enumerate() {
                 let port = if replica == 0 { port } else { free_port()? };
+                let (admin, peers) = if replicas > 1 {
+                    (admin.clone(), vec!["--peers".to_owned(), admins.join(",")])
+                } else {
+                    ("off".to_owned(), Vec::new())
+                };
                 let child = Command::new(config.bin_dir.join("switchyard-proxy"))
                     .arg("--config")
                     .arg(&path)
@@ -411,10 +422,11 @@ async fn start_router(
                         "--listen",
                         &format!("127.0.0.1:{port}"),
                         "--admin-listen",
-                        "off",
+                        &admin,
                         "--grace-period-s",
                         "0",
                     ])
+                    .args(peers)
                     .env("RUST_LOG", "warn")
                     .stdout(Stdio::null())
                     .stderr(Stdio::null())

@@ -295,6 +295,11 @@ pub struct WorkerLoad {
     /// own reservations.
     capacity_blocks: AtomicU64,
     others_kv_blocks: AtomicU64,
+    /// Other gateway replicas' ledgers at this worker (`crate::peers`), a peer interval late.
+    peers_pending: AtomicU64,
+    peers_pending_tokens: AtomicU64,
+    peers_in_flight: AtomicU64,
+    peers_kv_blocks: AtomicU64,
     /// The last scrape's requests beyond this proxy's own: queued, and being served.
     others_waiting: AtomicU64,
     others_running: AtomicU64,
@@ -334,6 +339,32 @@ impl WorkerLoad {
     pub fn own_kv_blocks(&self) -> u64 {
         self.own_kv_blocks.load(Ordering::Relaxed)
     }
+    /// What the other replicas count against this worker, as last read.
+    pub fn peers(&self) -> crate::peers::PeerLedger {
+        crate::peers::PeerLedger {
+            prefills: self.peers_pending.load(Ordering::Relaxed),
+            prefill_tokens: self.peers_pending_tokens.load(Ordering::Relaxed),
+            in_flight: self.peers_in_flight.load(Ordering::Relaxed),
+            kv_blocks: self.peers_kv_blocks.load(Ordering::Relaxed),
+        }
+    }
+    pub(crate) fn set_peers(&self, ledger: crate::peers::PeerLedger) {
+        self.peers_pending.store(ledger.prefills, Ordering::Relaxed);
+        self.peers_pending_tokens
+            .store(ledger.prefill_tokens, Ordering::Relaxed);
+        self.peers_in_flight
+            .store(ledger.in_flight, Ordering::Relaxed);
+        self.peers_kv_blocks
+            .store(ledger.kv_blocks, Ordering::Relaxed);
+    }
+    /// Requests of this proxy and of the other replicas at the worker, and those of them before
+    /// their first token, and their KV blocks: what a scrape of the worker need not explain.
+    fn known(&self) -> (u64, u64, u64) {
+        let peers = self.peers();
+        let in_flight = self.own_in_flight() + peers.in_flight;
+        let pending = (self.own_pending() + peers.prefills).min(in_flight);
+        (in_flight, pending, self.own_kv_blocks() + peers.kv_blocks)
+    }
     /// KV blocks free for a new request: the worker's usable blocks less others' use at the last
     /// scrape and this proxy's reservations now. `None` when the worker does not report its
     /// cache size. Cached blocks nobody uses count as free, as vLLM counts them (it evicts them
@@ -343,7 +374,7 @@ impl WorkerLoad {
         (capacity > 0).then(|| {
             capacity
                 .saturating_sub(self.others_kv_blocks.load(Ordering::Relaxed))
-                .saturating_sub(self.own_kv_blocks())
+                .saturating_sub(self.known().2)
         })
     }
     /// Healthy unless the last three scrapes in a row failed.
@@ -385,11 +416,11 @@ impl WorkerLoad {
         let (waiting, running) = (waiting.max(0.0) as u64, running.max(0.0) as u64);
         self.waiting.store(waiting, Ordering::Relaxed);
         self.running.store(running, Ordering::Relaxed);
-        // Ours are waiting or being prefilled (pending) or decoding: what is left is others'.
-        let own_in_flight = self.own_in_flight();
-        let own_pending = self.own_pending().min(own_in_flight);
-        let others_waiting = waiting.saturating_sub(own_pending);
-        let others = (waiting + running).saturating_sub(own_in_flight);
+        // Ours (and the other replicas') are waiting or being prefilled (pending) or decoding:
+        // what is left is others'.
+        let (known_in_flight, known_pending, known_kv_blocks) = self.known();
+        let others_waiting = waiting.saturating_sub(known_pending);
+        let others = (waiting + running).saturating_sub(known_in_flight);
         self.others_waiting
             .store(others_waiting.min(others), Ordering::Relaxed);
         self.others_running
@@ -400,7 +431,7 @@ impl WorkerLoad {
         // `kv_cache_usage_perc`); what this proxy's reservations do not explain is others'.
         let used = (usage.clamp(0.0, 1.0) * capacity as f64).round() as u64;
         self.others_kv_blocks
-            .store(used.saturating_sub(self.own_kv_blocks()), Ordering::Relaxed);
+            .store(used.saturating_sub(known_kv_blocks), Ordering::Relaxed);
         self.last_ok_ms.store(now_ms.max(1), Ordering::Relaxed);
         self.failures.store(0, Ordering::Relaxed);
     }
@@ -471,6 +502,16 @@ mod tests {
         assert_eq!((load.others_waiting(), load.others_running()), (2, 1));
         // A scrape that lags behind ours (one not arrived yet) never goes negative.
         load.update_from_metrics(&gauges(0, 1), 30);
+        assert_eq!((load.others_waiting(), load.others_running()), (0, 0));
+        // Another replica's ledger: two of its requests waiting, one decoding. The same gauges
+        // as before now hold nobody else's.
+        load.set_peers(crate::peers::PeerLedger {
+            prefills: 2,
+            prefill_tokens: 4000,
+            in_flight: 3,
+            kv_blocks: 0,
+        });
+        load.update_from_metrics(&gauges(3, 3), 40);
         assert_eq!((load.others_waiting(), load.others_running()), (0, 0));
     }
 

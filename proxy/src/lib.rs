@@ -24,6 +24,7 @@ pub mod logging;
 pub mod metrics;
 pub mod multipart;
 pub mod observe;
+pub mod peers;
 pub mod plan;
 pub mod prompt;
 pub mod provider;

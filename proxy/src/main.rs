@@ -16,6 +16,7 @@ use switchyard_proxy::control::ControlClient;
 use switchyard_proxy::cors::Cors;
 use switchyard_proxy::feeds::KvService;
 use switchyard_proxy::gateway::{Gateway, Settings};
+use switchyard_proxy::peers::PeerService;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -71,6 +72,15 @@ struct Args {
     /// `*` for any); none by default. Preflights are answered by the gateway.
     #[arg(long, default_value = "")]
     cors_allow_origins: String,
+    /// Other replicas of this gateway in front of the same workers: `host:port` of their
+    /// operator listeners, comma-separated; a name resolves to all its addresses (a Kubernetes
+    /// headless Service), this replica among them is skipped. Their ledgers (prefill pending,
+    /// requests in flight, KV blocks) count in routing like this replica's own.
+    #[arg(long, value_delimiter = ',', env = "SWITCHYARD_PEERS")]
+    peers: Vec<String>,
+    /// How often the peers' ledgers are read, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    peer_interval_ms: u64,
     /// Responses API: how many response ids the gateway remembers the worker of (each
     /// `previous_response_id` and `/v1/responses/{id}` goes to the worker that made it).
     #[arg(long, default_value_t = 100_000)]
@@ -210,6 +220,23 @@ fn main() -> anyhow::Result<()> {
             store: store.clone(),
         },
     ));
+
+    let peers: Vec<String> = args
+        .peers
+        .iter()
+        .map(|peer| peer.trim().to_owned())
+        .filter(|peer| !peer.is_empty())
+        .collect();
+    if !peers.is_empty() {
+        server.add_service(background_service(
+            "peer ledgers",
+            PeerService {
+                store: store.clone(),
+                peers,
+                interval: Duration::from_millis(args.peer_interval_ms.max(10)),
+            },
+        ));
+    }
 
     if let Some(socket) = &args.control_socket {
         server.add_service(background_service(

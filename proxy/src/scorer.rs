@@ -10,6 +10,9 @@
 //!   what the worker has done of it since it started on the oldest (prefill is first come, first
 //!   served), plus the waiting requests of others (the worker's reported queue less this proxy's
 //!   own, at the last scrape) times the pool's average prefill.
+//! - Other gateway replicas' requests ([`crate::peers`], when configured) count like this
+//!   proxy's, from their ledgers a peer interval late: their pending prefill tokens are queued,
+//!   their decoding requests running, and a scrape adds only what no replica explains.
 //! - Running requests are this proxy's decoding ones plus others' as last scraped. This proxy's
 //!   own requests therefore count at once, not a scrape interval late, and several gateway
 //!   replicas still see each other's load.
@@ -196,10 +199,14 @@ pub fn decide(
         } else {
             0
         };
-        let queued_tokens = worker.pending_prefill_tokens().saturating_sub(done) + others_queue;
+        let peers = load.peers();
+        let queued_tokens = worker.pending_prefill_tokens().saturating_sub(done)
+            + peers.prefill_tokens as usize
+            + others_queue;
         let in_flight = worker.in_flight();
         let own_decoding = (in_flight as u64).saturating_sub(load.own_pending());
-        let running = own_decoding + load.others_running();
+        let peers_decoding = peers.in_flight.saturating_sub(peers.prefills);
+        let running = own_decoding + peers_decoding + load.others_running();
         let formula_ttft_s =
             prefill_cost * (queued_tokens + uncached_tokens) as f64 + running_cost * running as f64;
         let predicted_ttft_s = relative_speed * formula_ttft_s;
@@ -392,6 +399,22 @@ mod tests {
         let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
         assert_eq!(decision.scores[2].running, 6);
         assert!(decision.scores[2].queued_tokens > 0);
+        // Another replica prefills 3,000 tokens on worker 1 and decodes one request on worker 0:
+        // counted like ours.
+        pool.workers[1].load.set_peers(crate::peers::PeerLedger {
+            prefills: 1,
+            prefill_tokens: 3000,
+            in_flight: 1,
+            kv_blocks: 0,
+        });
+        pool.workers[0].load.set_peers(crate::peers::PeerLedger {
+            in_flight: 1,
+            ..Default::default()
+        });
+        let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
+        assert_eq!(decision.scores[1].queued_tokens, 3500);
+        assert_eq!(decision.scores[0].running, 3);
+        pool.workers[0].load.set_peers(Default::default());
         // Worker 0 reports only ours: nothing is counted twice.
         pool.workers[0]
             .load

@@ -195,6 +195,16 @@ impl Collector for StateCollector {
             "KV blocks this proxy's requests in flight to the worker are expected to hold.",
             workers().map(|(labels, w)| (labels, ConstGauge::new(w.load.own_kv_blocks()))),
         )?;
+        // Which replica this is: a peer reading this ledger recognises itself by it.
+        family(
+            encoder,
+            "switchyard_instance_info",
+            "This proxy process among gateway replicas (value 1).",
+            std::iter::once((
+                [("instance", crate::peers::instance_id())],
+                ConstGauge::new(1u64),
+            )),
+        )?;
         let version = ConstGauge::new(table.snapshot.version);
         version.encode(encoder.encode_descriptor(
             "switchyard_config_version",

@@ -98,7 +98,15 @@ fn chart_lints_renders_and_keeps_its_promises() {
         of_kind(&docs, "RoleBinding")[0]["roleRef"]["name"],
         "gw-control"
     );
-    assert_eq!(of_kind(&docs, "Service").len(), 1);
+    // The tenants' Service, and a headless one by which the two replicas find each other.
+    let services = of_kind(&docs, "Service");
+    assert_eq!(services.len(), 2);
+    let peers = services
+        .iter()
+        .find(|s| s["spec"]["clusterIP"] == "None")
+        .expect("headless peers Service");
+    assert_eq!(peers["spec"]["clusterIP"], "None");
+    assert_eq!(peers["spec"]["ports"][0]["targetPort"], "admin");
     let account = of_kind(&docs, "ServiceAccount")[0];
     assert_eq!(account["automountServiceAccountToken"], false);
 
@@ -264,6 +272,11 @@ fn chart_lints_renders_and_keeps_its_promises() {
     assert_eq!(deployment["spec"]["replicas"], 3);
     let proxy = &deployment["spec"]["template"]["spec"]["containers"][1];
     let proxy_command = proxy["command"].to_string();
+    let peers_name = peers["metadata"]["name"].as_str().unwrap();
+    assert!(
+        proxy_command.contains(&format!("\"--peers\",\"{peers_name}.default.svc:9090\"")),
+        "{proxy_command}"
+    );
     assert!(!proxy_command.contains("--log-json"), "{proxy_command}");
     let env = proxy["env"].to_string();
     assert!(
@@ -271,4 +284,19 @@ fn chart_lints_renders_and_keeps_its_promises() {
         "{env}"
     );
     assert!(of_kind(&docs, "ConfigMap").is_empty());
+
+    // One replica has no peers.
+    let single = documents(&run_helm(&[
+        "template",
+        "gw",
+        "helm/switchyard",
+        "--set",
+        "replicas=1",
+    ]));
+    assert_eq!(of_kind(&single, "Service").len(), 1);
+    assert!(
+        !of_kind(&single, "Deployment")[0]
+            .to_string()
+            .contains("--peers")
+    );
 }

@@ -237,3 +237,95 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
         wait_empty(&proxy, &healthy.endpoint()).await;
     }
 }
+
+/// The routing figures `proxy` would use for `worker` now (`/debug/route`, nothing sent).
+async fn scored(proxy: &Proxy, worker: &str) -> (u64, u64) {
+    let explained: serde_json::Value = reqwest::Client::new()
+        .post(format!(
+            "{}/debug/route/v1/chat/completions",
+            proxy.admin_url()
+        ))
+        .json(&body("gated", true))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let score = explained["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["worker"] == worker)
+        .cloned()
+        .unwrap_or_else(|| panic!("{worker} not scored: {explained}"));
+    (
+        score["queued_tokens"].as_u64().unwrap(),
+        score["running"].as_u64().unwrap(),
+    )
+}
+
+/// Wait until `proxy` sees `wanted` (queued tokens, running) at `worker`.
+async fn wait_scored(proxy: &Proxy, worker: &str, wanted: impl Fn((u64, u64)) -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let now = scored(proxy, worker).await;
+        if wanted(now) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{worker}: {now:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_replica_counts_another_replicas_requests_like_its_own() {
+    let gated = Upstream::start_with(
+        "gated",
+        UpstreamOptions {
+            gated: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let config = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: gated}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: gated}}\nspec: {{modelName: gated, targets: [{{pool: gated}}]}}\n",
+        gated.endpoint()
+    );
+    let first = Proxy::start(&config, &[]).await;
+    // The second replica reads the first's ledger, and its own (which it recognises and skips).
+    let peers = format!(
+        "{},{}",
+        first.admin_url().trim_start_matches("http://"),
+        "127.0.0.1:1"
+    );
+    let second = Proxy::start(&config, &["--peers", &peers, "--peer-interval-ms", "20"]).await;
+    let worker = gated.endpoint();
+    assert_eq!(scored(&second, &worker).await, (0, 0));
+
+    // A request through the first replica, before its first token: the second sees its prompt
+    // queued at the worker although it sent nothing there itself...
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", first.url()))
+        .json(&body("gated", true))
+        .send()
+        .await
+        .unwrap();
+    wait_received(&gated, 1).await;
+    let pending = ledger(&first, &worker).await.prefill_tokens;
+    assert!(pending > 100);
+    wait_scored(&second, &worker, |(queued, _)| queued == pending).await;
+    // ...then, past its first token, a request decoding there...
+    let mut chunks = response.bytes_stream();
+    gated.release(1);
+    chunks.next().await.unwrap().unwrap();
+    wait_scored(&second, &worker, |seen| seen == (0, 1)).await;
+    // ...and nothing once it ended.
+    gated.release(16);
+    while let Some(chunk) = chunks.next().await {
+        chunk.unwrap();
+    }
+    wait_scored(&second, &worker, |seen| seen == (0, 0)).await;
+    assert_eq!(ledger(&second, &worker).await, Ledger::default());
+}

@@ -1,0 +1,199 @@
+//! Other gateway replicas' ledgers ("shared hints").
+//!
+//! Several proxy replicas in front of the same workers each know their own requests exactly and
+//! at once, and everyone else's only through the workers' gauges, a scrape late and as bare
+//! counts: a request another replica is prefilling shows as one "running" request, not as the
+//! thousands of prompt tokens ahead of the next one. So each replica reads the others' ledgers
+//! (the `switchyard_worker_*` gauges of their `/metrics`: pending prefills and their tokens,
+//! requests in flight, KV blocks reserved) every `--peer-interval-ms` and counts them like its
+//! own, a peer interval late; the workers' gauges then only add what no replica explains.
+//!
+//! Peers are `host:port` of the other replicas' operator listeners, each name resolved every
+//! round to all its addresses (a Kubernetes headless Service names every replica), so a replica
+//! may list itself: it recognises its own `switchyard_instance_info` and skips it. A peer that
+//! does not answer counts for nothing until it does.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use pingora_core::server::ShutdownWatch;
+use pingora_core::services::background::BackgroundService;
+
+use crate::config::ConfigStore;
+
+/// This process's id among replicas (random, fixed for its life).
+pub fn instance_id() -> &'static str {
+    static ID: OnceLock<String> = OnceLock::new();
+    ID.get_or_init(|| format!("{:016x}", rand::random::<u64>()))
+}
+
+/// What replicas other than this one count against one worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PeerLedger {
+    pub prefills: u64,
+    pub prefill_tokens: u64,
+    pub in_flight: u64,
+    pub kv_blocks: u64,
+}
+
+impl PeerLedger {
+    fn add(&mut self, other: &PeerLedger) {
+        self.prefills += other.prefills;
+        self.prefill_tokens += other.prefill_tokens;
+        self.in_flight += other.in_flight;
+        self.kv_blocks += other.kv_blocks;
+    }
+}
+
+/// One replica's ledger from its `/metrics`, by worker address; `None` when it is this process.
+/// A worker in several pools appears once per pool with the same figures (the ledger is per
+/// worker): the largest is kept.
+pub fn parse_ledger(text: &str) -> Option<HashMap<String, PeerLedger>> {
+    let mut ledgers: HashMap<String, PeerLedger> = HashMap::new();
+    for line in text.lines() {
+        let Some((name, rest)) = line.split_once('{') else {
+            continue;
+        };
+        if name == "switchyard_instance_info" {
+            if label(rest, "instance") == Some(instance_id()) {
+                return None;
+            }
+            continue;
+        }
+        let field: fn(&mut PeerLedger) -> &mut u64 = match name {
+            "switchyard_worker_prefills_pending" => |l| &mut l.prefills,
+            "switchyard_worker_prefill_tokens_pending" => |l| &mut l.prefill_tokens,
+            "switchyard_worker_requests_in_flight" => |l| &mut l.in_flight,
+            "switchyard_worker_kv_blocks_reserved" => |l| &mut l.kv_blocks,
+            _ => continue,
+        };
+        let (Some(worker), Some(value)) = (
+            label(rest, "worker"),
+            rest.rsplit(' ')
+                .next()
+                .and_then(|v| v.trim().parse::<f64>().ok()),
+        ) else {
+            continue;
+        };
+        let slot = field(ledgers.entry(worker.to_owned()).or_default());
+        *slot = (*slot).max(value.max(0.0) as u64);
+    }
+    Some(ledgers)
+}
+
+/// The value of `name="…"` among a line's labels (after its `{`).
+fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    let labels = labels.rsplit_once('}')?.0;
+    labels.split(',').find_map(|pair| {
+        let (key, value) = pair.split_once('=')?;
+        (key.trim() == name).then(|| value.trim().trim_matches('"'))
+    })
+}
+
+/// Reads the peers' ledgers into the live table's workers.
+pub struct PeerService {
+    pub store: Arc<ConfigStore>,
+    /// `host:port` of the replicas' operator listeners (names resolve to every address).
+    pub peers: Vec<String>,
+    pub interval: Duration,
+}
+
+impl PeerService {
+    /// One round: every peer's ledger, summed per worker.
+    async fn read(&self, client: &reqwest::Client) -> HashMap<String, PeerLedger> {
+        let mut addresses = Vec::new();
+        for peer in &self.peers {
+            match tokio::net::lookup_host(peer.as_str()).await {
+                Ok(resolved) => addresses.extend(resolved),
+                Err(error) => {
+                    tracing::debug!(peer = peer.as_str(), %error, "peer does not resolve")
+                }
+            }
+        }
+        addresses.sort();
+        addresses.dedup();
+        let mut total: HashMap<String, PeerLedger> = HashMap::new();
+        for address in addresses {
+            let text = match client.get(format!("http://{address}/metrics")).send().await {
+                Ok(response) if response.status().is_success() => response.text().await.ok(),
+                _ => None,
+            };
+            for (worker, ledger) in text.as_deref().and_then(parse_ledger).unwrap_or_default() {
+                total.entry(worker).or_default().add(&ledger);
+            }
+        }
+        total
+    }
+
+    fn apply(&self, ledgers: &HashMap<String, PeerLedger>) {
+        let Some(table) = self.store.current() else {
+            return;
+        };
+        for pool in table.pools() {
+            for worker in &pool.workers {
+                let ledger = ledgers.get(&worker.address).copied().unwrap_or_default();
+                worker.load.set_peers(ledger);
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl BackgroundService for PeerService {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let client = reqwest::Client::builder()
+            .timeout(self.interval.max(Duration::from_millis(250)) * 2)
+            .build()
+            .unwrap_or_default();
+        let mut ticker = tokio::time::interval(self.interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = shutdown.changed() => break,
+            }
+            let ledgers = self.read(&client).await;
+            self.apply(&ledgers);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replicas_ledger_is_read_per_worker_and_this_one_is_skipped() {
+        let text = format!(
+            "# HELP switchyard_instance_info x\nswitchyard_instance_info{{instance=\"other\"}} 1\n\
+             switchyard_worker_prefills_pending{{pool=\"default/a\",worker=\"10.0.0.1:8000\"}} 2\n\
+             switchyard_worker_prefill_tokens_pending{{pool=\"default/a\",worker=\"10.0.0.1:8000\"}} 3000\n\
+             switchyard_worker_requests_in_flight{{pool=\"default/a\",worker=\"10.0.0.1:8000\"}} 5\n\
+             switchyard_worker_requests_in_flight{{pool=\"default/b\",worker=\"10.0.0.1:8000\"}} 5\n\
+             switchyard_worker_kv_blocks_reserved{{pool=\"default/a\",worker=\"10.0.0.1:8000\"}} 90\n\
+             switchyard_worker_requests_in_flight{{pool=\"default/a\",worker=\"10.0.0.2:8000\"}} 1\n\
+             switchyard_worker_requests_waiting{{pool=\"default/a\",worker=\"10.0.0.2:8000\"}} 7\n"
+        );
+        let ledgers = parse_ledger(&text).unwrap();
+        assert_eq!(
+            ledgers["10.0.0.1:8000"],
+            PeerLedger {
+                prefills: 2,
+                prefill_tokens: 3000,
+                in_flight: 5,
+                kv_blocks: 90
+            }
+        );
+        assert_eq!(
+            ledgers["10.0.0.2:8000"],
+            PeerLedger {
+                in_flight: 1,
+                ..Default::default()
+            }
+        );
+        let own = text.replace("\"other\"", &format!("\"{}\"", instance_id()));
+        assert_eq!(parse_ledger(&own), None);
+    }
+}
