@@ -166,17 +166,15 @@ mod tests {
 
     #[test]
     fn a_replicas_ledger_is_read_per_worker_and_this_one_is_skipped() {
-        let text = format!(
-            "# HELP switchyard_instance_info x\nswitchyard_instance_info{{instance=\"other\"}} 1\n\
-             switchyard_worker_prefills_pending{{pool=\"default/a\",worker=\"10.0.0.1:8000\"}} 2\n\
-             switchyard_worker_prefill_tokens_pending{{pool=\"default/a\",worker=\"10.0.0.1:8000\"}} 3000\n\
-             switchyard_worker_requests_in_flight{{pool=\"default/a\",worker=\"10.0.0.1:8000\"}} 5\n\
-             switchyard_worker_requests_in_flight{{pool=\"default/b\",worker=\"10.0.0.1:8000\"}} 5\n\
-             switchyard_worker_kv_blocks_reserved{{pool=\"default/a\",worker=\"10.0.0.1:8000\"}} 90\n\
-             switchyard_worker_requests_in_flight{{pool=\"default/a\",worker=\"10.0.0.2:8000\"}} 1\n\
-             switchyard_worker_requests_waiting{{pool=\"default/a\",worker=\"10.0.0.2:8000\"}} 7\n"
-        );
-        let ledgers = parse_ledger(&text).unwrap();
+        let text = "# HELP switchyard_instance_info x\nswitchyard_instance_info{instance=\"other\"} 1\n\
+             switchyard_worker_prefills_pending{pool=\"default/a\",worker=\"10.0.0.1:8000\"} 2\n\
+             switchyard_worker_prefill_tokens_pending{pool=\"default/a\",worker=\"10.0.0.1:8000\"} 3000\n\
+             switchyard_worker_requests_in_flight{pool=\"default/a\",worker=\"10.0.0.1:8000\"} 5\n\
+             switchyard_worker_requests_in_flight{pool=\"default/b\",worker=\"10.0.0.1:8000\"} 5\n\
+             switchyard_worker_kv_blocks_reserved{pool=\"default/a\",worker=\"10.0.0.1:8000\"} 90\n\
+             switchyard_worker_requests_in_flight{pool=\"default/a\",worker=\"10.0.0.2:8000\"} 1\n\
+             switchyard_worker_requests_waiting{pool=\"default/a\",worker=\"10.0.0.2:8000\"} 7\n";
+        let ledgers = parse_ledger(text).unwrap();
         assert_eq!(
             ledgers["10.0.0.1:8000"],
             PeerLedger {
