@@ -196,6 +196,9 @@ pub struct RunConfig {
     pub worker_speed: Vec<f64>,
     /// Switchyard's pool learns each worker's relative speed (`scoring.learnWorkerSpeed`).
     pub learn_worker_speed: bool,
+    /// `switchyard-2`: how often each replica reads the other's ledger (`--peer-interval-ms`;
+    /// 0: the replicas do not read each other).
+    pub peer_interval_ms: u64,
     /// A `vllm-router` executable, when one was found.
     pub vllm_router: Option<PathBuf>,
 }
@@ -410,8 +413,16 @@ async fn start_router(
             let mut urls = Vec::new();
             for (replica, admin) in admins.iter().enumerate() {
                 let port = if replica == 0 { port } else { free_port()? };
-                let (admin, peers) = if replicas > 1 {
-                    (admin.clone(), vec!["--peers".to_owned(), admins.join(",")])
+                let (admin, peers) = if replicas > 1 && config.peer_interval_ms > 0 {
+                    (
+                        admin.clone(),
+                        vec![
+                            "--peers".to_owned(),
+                            admins.join(","),
+                            "--peer-interval-ms".to_owned(),
+                            config.peer_interval_ms.to_string(),
+                        ],
+                    )
                 } else {
                     ("off".to_owned(), Vec::new())
                 };

@@ -300,6 +300,8 @@ pub struct WorkerLoad {
     peers_pending_tokens: AtomicU64,
     peers_in_flight: AtomicU64,
     peers_kv_blocks: AtomicU64,
+    /// When the peers' ledgers were last read (microseconds on the worker clock).
+    peers_read_us: AtomicU64,
     /// The last scrape's requests beyond this proxy's own: queued, and being served.
     others_waiting: AtomicU64,
     others_running: AtomicU64,
@@ -356,6 +358,17 @@ impl WorkerLoad {
             .store(ledger.in_flight, Ordering::Relaxed);
         self.peers_kv_blocks
             .store(ledger.kv_blocks, Ordering::Relaxed);
+        self.peers_read_us
+            .store(crate::worker::clock_micros(), Ordering::Relaxed);
+    }
+    /// Time since the peers' ledgers were last read: the worker has been working off their
+    /// prefill since (zero when no peer has any pending).
+    pub fn peers_read_elapsed(&self) -> std::time::Duration {
+        if self.peers_pending.load(Ordering::Relaxed) == 0 {
+            return std::time::Duration::ZERO;
+        }
+        let read = self.peers_read_us.load(Ordering::Relaxed);
+        std::time::Duration::from_micros(crate::worker::clock_micros().saturating_sub(read))
     }
     /// Requests of this proxy and of the other replicas at the worker, and those of them before
     /// their first token, and their KV blocks: what a scrape of the worker need not explain.

@@ -30,7 +30,7 @@ pub struct WorkerState {
 }
 
 /// Microseconds since the first call: a cheap monotonic clock shared by all workers.
-fn clock_micros() -> u64 {
+pub(crate) fn clock_micros() -> u64 {
     static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
     EPOCH
         .get_or_init(std::time::Instant::now)

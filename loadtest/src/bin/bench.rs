@@ -125,7 +125,7 @@ struct CompareArgs {
     /// Capacity search: the lowest and highest Poisson rate to consider (per model second,
     /// `LO,HI`). Each router's capacity, the highest rate whose median TTFT p90 over the seeds
     /// meets --slo-p90-s without errors, is found by bisection between them.
-    #[arg(long, value_delimiter = ',', num_args = 2)]
+    #[arg(long, value_delimiter = ',')]
     capacity: Vec<f64>,
     /// Bisection steps after probing both ends (the result is within (HI - LO) / 2^steps).
     #[arg(long, default_value_t = 4)]
@@ -164,6 +164,13 @@ struct CompareArgs {
     /// (`scoring.learnWorkerSpeed`, off by default).
     #[arg(long)]
     learn_worker_speed: bool,
+    /// switchyard-2: how often each replica reads the other's routing ledger, in wall
+    /// milliseconds (the proxy's `--peer-interval-ms`). Default: the proxy's 100 ms of model
+    /// time, i.e. 100 x --time-scale (20 ms at 0.2): at 100 ms of wall time a read would be
+    /// half a model second old, longer than the prefills it is about. 0: the replicas do not
+    /// read each other's ledgers at all.
+    #[arg(long)]
+    peer_interval_ms: Option<u64>,
     /// Results as JSON.
     #[arg(long, default_value = "bench-results/compare.json")]
     json: PathBuf,
@@ -465,6 +472,11 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
     if args.seeds.is_empty() {
         args.seeds = vec![1];
     }
+    if !args.capacity.is_empty()
+        && !matches!(args.capacity[..], [low, high] if 0.0 < low && low < high)
+    {
+        bail!("--capacity takes two rates LO,HI with 0 < LO < HI");
+    }
     if args.all_workloads {
         args.workloads = WorkloadKind::ALL.to_vec();
     }
@@ -554,6 +566,9 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                     .worker_speeds(args.workers)
                     .unwrap_or_else(|| args.worker_speed.clone()),
                 learn_worker_speed: args.learn_worker_speed,
+                peer_interval_ms: args
+                    .peer_interval_ms
+                    .unwrap_or(((100.0 * args.time_scale).round() as u64).max(1)),
                 vllm_router: vllm_router.clone(),
             };
             runs.push((config, conversations));

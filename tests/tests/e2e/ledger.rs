@@ -315,7 +315,11 @@ async fn a_replica_counts_another_replicas_requests_like_its_own() {
     wait_received(&gated, 1).await;
     let pending = ledger(&first, &worker).await.prefill_tokens;
     assert!(pending > 100);
-    wait_scored(&second, &worker, |(queued, _)| queued == pending).await;
+    // (less the little the worker is taken to have done since the last read, 20 ms ago at most)
+    wait_scored(&second, &worker, |(queued, _)| {
+        queued > pending / 2 && queued <= pending
+    })
+    .await;
     // ...then, past its first token, a request decoding there...
     let mut chunks = response.bytes_stream();
     gated.release(1);
