@@ -273,6 +273,33 @@ impl KvRegistry {
     }
 }
 
+/// Microseconds since the first call: a cheap monotonic clock shared by all workers.
+pub(crate) fn clock_micros() -> u64 {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    EPOCH
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_micros() as u64
+}
+
+/// What replicas other than this one count against one worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PeerLedger {
+    pub prefills: u64,
+    pub prefill_tokens: u64,
+    pub in_flight: u64,
+    pub kv_blocks: u64,
+}
+
+impl PeerLedger {
+    pub(crate) fn add(&mut self, other: &PeerLedger) {
+        self.prefills += other.prefills;
+        self.prefill_tokens += other.prefill_tokens;
+        self.in_flight += other.in_flight;
+        self.kv_blocks += other.kv_blocks;
+    }
+}
+
 /// The queue of one worker as its metrics report it, split into this proxy's own requests and
 /// everyone else's (other gateway replicas, clients calling the worker directly).
 ///
@@ -342,15 +369,15 @@ impl WorkerLoad {
         self.own_kv_blocks.load(Ordering::Relaxed)
     }
     /// What the other replicas count against this worker, as last read.
-    pub fn peers(&self) -> crate::peers::PeerLedger {
-        crate::peers::PeerLedger {
+    pub fn peers(&self) -> PeerLedger {
+        PeerLedger {
             prefills: self.peers_pending.load(Ordering::Relaxed),
             prefill_tokens: self.peers_pending_tokens.load(Ordering::Relaxed),
             in_flight: self.peers_in_flight.load(Ordering::Relaxed),
             kv_blocks: self.peers_kv_blocks.load(Ordering::Relaxed),
         }
     }
-    pub(crate) fn set_peers(&self, ledger: crate::peers::PeerLedger) {
+    pub(crate) fn set_peers(&self, ledger: PeerLedger) {
         self.peers_pending.store(ledger.prefills, Ordering::Relaxed);
         self.peers_pending_tokens
             .store(ledger.prefill_tokens, Ordering::Relaxed);
@@ -358,8 +385,7 @@ impl WorkerLoad {
             .store(ledger.in_flight, Ordering::Relaxed);
         self.peers_kv_blocks
             .store(ledger.kv_blocks, Ordering::Relaxed);
-        self.peers_read_us
-            .store(crate::worker::clock_micros(), Ordering::Relaxed);
+        self.peers_read_us.store(clock_micros(), Ordering::Relaxed);
     }
     /// Time since the peers' ledgers were last read: the worker has been working off their
     /// prefill since (zero when no peer has any pending).
@@ -368,7 +394,7 @@ impl WorkerLoad {
             return std::time::Duration::ZERO;
         }
         let read = self.peers_read_us.load(Ordering::Relaxed);
-        std::time::Duration::from_micros(crate::worker::clock_micros().saturating_sub(read))
+        std::time::Duration::from_micros(clock_micros().saturating_sub(read))
     }
     /// Requests of this proxy and of the other replicas at the worker, and those of them before
     /// their first token, and their KV blocks: what a scrape of the worker need not explain.
@@ -518,7 +544,7 @@ mod tests {
         assert_eq!((load.others_waiting(), load.others_running()), (0, 0));
         // Another replica's ledger: two of its requests waiting, one decoding. The same gauges
         // as before now hold nobody else's.
-        load.set_peers(crate::peers::PeerLedger {
+        load.set_peers(PeerLedger {
             prefills: 2,
             prefill_tokens: 4000,
             in_flight: 3,

@@ -22,29 +22,12 @@ use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 
 use crate::config::ConfigStore;
+pub use crate::kv::PeerLedger;
 
 /// This process's id among replicas (random, fixed for its life).
 pub fn instance_id() -> &'static str {
     static ID: OnceLock<String> = OnceLock::new();
     ID.get_or_init(|| format!("{:016x}", rand::random::<u64>()))
-}
-
-/// What replicas other than this one count against one worker.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PeerLedger {
-    pub prefills: u64,
-    pub prefill_tokens: u64,
-    pub in_flight: u64,
-    pub kv_blocks: u64,
-}
-
-impl PeerLedger {
-    fn add(&mut self, other: &PeerLedger) {
-        self.prefills += other.prefills;
-        self.prefill_tokens += other.prefill_tokens;
-        self.in_flight += other.in_flight;
-        self.kv_blocks += other.kv_blocks;
-    }
 }
 
 /// One replica's ledger from its `/metrics`, by worker address; `None` when it is this process.

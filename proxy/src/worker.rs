@@ -20,22 +20,13 @@ pub struct WorkerState {
     pub socket: Option<SocketAddr>,
     /// Uncached prompt tokens this proxy sent that have not produced a first token yet.
     pending_prefill_tokens: AtomicUsize,
-    /// When the worker started on the oldest of those (microseconds on [`clock_micros`]): the
+    /// When the worker started on the oldest of those (microseconds on [`crate::kv::clock_micros`]): the
     /// queue is worked off first come, first served, so part of it is done already.
     prefill_started_us: AtomicU64,
     /// Queue as the worker's metrics report it, and this proxy's own requests there.
     pub load: Arc<WorkerLoad>,
     /// Observed against predicted time to first token, learned from this proxy's requests.
     pub ttft: TtftCalibration,
-}
-
-/// Microseconds since the first call: a cheap monotonic clock shared by all workers.
-pub(crate) fn clock_micros() -> u64 {
-    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    EPOCH
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_micros() as u64
 }
 
 impl WorkerState {
@@ -55,7 +46,7 @@ impl WorkerState {
             return std::time::Duration::ZERO;
         }
         let started = self.prefill_started_us.load(Ordering::Relaxed);
-        std::time::Duration::from_micros(clock_micros().saturating_sub(started))
+        std::time::Duration::from_micros(crate::kv::clock_micros().saturating_sub(started))
     }
 }
 
@@ -71,7 +62,7 @@ impl PendingPrefill {
         if worker.load.own_pending() == 0 {
             worker
                 .prefill_started_us
-                .store(clock_micros(), Ordering::Relaxed);
+                .store(crate::kv::clock_micros(), Ordering::Relaxed);
         }
         worker
             .pending_prefill_tokens
@@ -93,7 +84,7 @@ impl Drop for PendingPrefill {
         // The next pending prefill (if any) starts now.
         self.worker
             .prefill_started_us
-            .store(clock_micros(), Ordering::Relaxed);
+            .store(crate::kv::clock_micros(), Ordering::Relaxed);
     }
 }
 
