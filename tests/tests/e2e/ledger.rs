@@ -205,37 +205,30 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
     response.bytes().await.unwrap();
     wait_empty(&proxy, &worker).await;
 
-    // A worker answering 503 and one refusing connections, then the provider: streamed and
-    // not, every worker tried ends with an empty ledger.
-    for stream in [true, false] {
-        let response = client
-            .post(&url)
-            .json(&body("falls-back", stream))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 200);
-        let text = response.text().await.unwrap();
-        assert!(text.contains("cloud"), "{text}");
-        wait_empty(&proxy, &failing.endpoint()).await;
-        wait_empty(&proxy, &dead).await;
+    // A worker answering 503 and one refusing connections, then the provider; and a retry
+    // inside a pool after an unreachable worker (or none needed): streamed and not, every
+    // worker tried ends with an empty ledger.
+    let paths = [
+        ("falls-back", "cloud", [failing.endpoint(), dead.clone()]),
+        ("retried", "healthy", [dead.clone(), healthy.endpoint()]),
+    ];
+    for (model, answered_by, tried) in &paths {
+        for stream in [true, false] {
+            let response = client
+                .post(&url)
+                .json(&body(model, stream))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 200);
+            let text = response.text().await.unwrap();
+            assert!(text.contains(answered_by), "{text}");
+            for worker in tried {
+                wait_empty(&proxy, worker).await;
+            }
+        }
     }
     assert_eq!(cloud.received().len(), 2);
-
-    // A retry inside the pool after an unreachable worker (or none needed): both end empty.
-    for stream in [true, false] {
-        let response = client
-            .post(&url)
-            .json(&body("retried", stream))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 200);
-        let text = response.text().await.unwrap();
-        assert!(text.contains("healthy"), "{text}");
-        wait_empty(&proxy, &dead).await;
-        wait_empty(&proxy, &healthy.endpoint()).await;
-    }
 }
 
 /// The routing figures `proxy` would use for `worker` now (`/debug/route`, nothing sent).
