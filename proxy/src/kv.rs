@@ -480,15 +480,16 @@ impl WorkerLoad {
     }
 }
 
-/// The value of label `name` in one exposition line (`name="value"`).
-fn label_value<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+/// The value of label `name` in one exposition line (`name="value"`; a label whose name only
+/// starts with `name` is another label).
+pub(crate) fn label_value<'a>(line: &'a str, name: &str) -> Option<&'a str> {
     let labels = line.split_once('{')?.1.rsplit_once('}')?.0;
+    let key = format!("{name}=\"");
     let start = labels
-        .match_indices(name)
+        .match_indices(&key)
         .find(|(at, _)| *at == 0 || labels.get(..*at).is_some_and(|p| p.ends_with(',')))
-        .map(|(at, _)| at + name.len())?;
-    let rest = labels.get(start..)?.strip_prefix("=\"")?;
-    rest.split_once('"').map(|(value, _)| value)
+        .map(|(at, _)| at + key.len())?;
+    labels.get(start..)?.split_once('"').map(|(value, _)| value)
 }
 
 #[cfg(test)]
@@ -513,7 +514,7 @@ mod tests {
         // vLLM's cache size (null block included); a quarter in use, 100 of it ours.
         load.own_kv_blocks.fetch_add(100, Ordering::Relaxed);
         let sized = format!(
-            "{text}vllm:cache_config_info{{block_size=\"64\",engine=\"0\",num_gpu_blocks=\"905\",num_gpu_blocks_override=\"None\"}} 1.0\n"
+            "{text}vllm:cache_config_info{{block_size=\"64\",engine=\"0\",num_gpu_blocks_override=\"None\",num_gpu_blocks=\"905\"}} 1.0\n"
         );
         load.update_from_metrics(&sized, 20);
         assert_eq!(load.free_kv_blocks(), Some(904 - 126 - 100));

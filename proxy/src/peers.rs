@@ -23,6 +23,7 @@ use pingora_core::services::background::BackgroundService;
 
 use crate::config::ConfigStore;
 pub use crate::kv::PeerLedger;
+use crate::kv::label_value;
 
 /// This process's id among replicas (random, fixed for its life).
 pub fn instance_id() -> &'static str {
@@ -40,7 +41,7 @@ pub fn parse_ledger(text: &str) -> Option<HashMap<String, PeerLedger>> {
             continue;
         };
         if name == "switchyard_instance_info" {
-            if label(rest, "instance") == Some(instance_id()) {
+            if label_value(line, "instance") == Some(instance_id()) {
                 return None;
             }
             continue;
@@ -53,7 +54,7 @@ pub fn parse_ledger(text: &str) -> Option<HashMap<String, PeerLedger>> {
             _ => continue,
         };
         let (Some(worker), Some(value)) = (
-            label(rest, "worker"),
+            label_value(line, "worker"),
             rest.rsplit(' ')
                 .next()
                 .and_then(|v| v.trim().parse::<f64>().ok()),
@@ -64,15 +65,6 @@ pub fn parse_ledger(text: &str) -> Option<HashMap<String, PeerLedger>> {
         *slot = (*slot).max(value.max(0.0) as u64);
     }
     Some(ledgers)
-}
-
-/// The value of `name="…"` among a line's labels (after its `{`).
-fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
-    let labels = labels.rsplit_once('}')?.0;
-    labels.split(',').find_map(|pair| {
-        let (key, value) = pair.split_once('=')?;
-        (key.trim() == name).then(|| value.trim().trim_matches('"'))
-    })
 }
 
 /// Reads the peers' ledgers into the live table's workers.
