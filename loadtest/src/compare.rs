@@ -1069,7 +1069,7 @@ pub fn headline(summaries: &[RouterSummary]) -> Option<String> {
     let ours = summaries.iter().find(|s| s.router == "switchyard")?;
     let others: Vec<&RouterSummary> = summaries
         .iter()
-        .filter(|s| !s.router.starts_with("switchyard") && s.router != "oracle")
+        .filter(|s| is_other_router(&s.router))
         .collect();
     let best = |metric: fn(&RouterSummary) -> f64| {
         others
@@ -1101,6 +1101,12 @@ pub fn headline(summaries: &[RouterSummary]) -> Option<String> {
         ));
     }
     Some(line)
+}
+
+/// Whether the router named `name` is one switchyard is measured against: not switchyard itself
+/// (one proxy or several replicas) and not the oracle.
+pub fn is_other_router(name: &str) -> bool {
+    !name.starts_with(RouterKind::Switchyard.name()) && name != RouterKind::Oracle.name()
 }
 
 /// Start vllm-router on 127.0.0.1:`port` in front of `worker_urls` with `policy` and any

@@ -338,11 +338,13 @@ pub fn generate(
 ) -> anyhow::Result<Vec<Conversation>> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut text = TextGenerator::new(tokenizer);
-    let single = |rng: &mut StdRng, user: String| Turn {
+    // One request on its own, its output length drawn with lognormal sigma `sigma`.
+    let single_with = |rng: &mut StdRng, user: String, sigma: f64| Turn {
         user,
-        output_tokens: output_length(rng, size.output_tokens, size.output_sigma),
+        output_tokens: output_length(rng, size.output_tokens, sigma),
         think_s: 0.0,
     };
+    let single = |rng: &mut StdRng, user: String| single_with(rng, user, size.output_sigma);
     Ok(match kind {
         WorkloadKind::SharedPrefix
         | WorkloadKind::Bursty
@@ -360,11 +362,7 @@ pub fn generate(
                 let question = text.text(&mut rng, size.question_tokens)?;
                 conversations.push(Conversation {
                     system: systems.get(i % systems.len()).cloned(),
-                    turns: vec![Turn {
-                        user: question,
-                        output_tokens: output_length(&mut rng, size.output_tokens, sigma),
-                        think_s: 0.0,
-                    }],
+                    turns: vec![single_with(&mut rng, question, sigma)],
                 });
             }
             conversations.shuffle(&mut rng);

@@ -428,7 +428,7 @@ impl WorkerLoad {
     pub fn update_from_metrics(&self, text: &str, now_ms: u64) {
         let (mut waiting, mut running, mut usage) = (0.0, 0.0, 0.0f64);
         let mut capacity = 0u64;
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
+        for line in text.lines() {
             if line.starts_with("vllm:cache_config_info{") {
                 // An info gauge: the size is a label. vLLM counts its null block in it.
                 capacity += label_value(line, "num_gpu_blocks")
@@ -436,11 +436,7 @@ impl WorkerLoad {
                     .map_or(0, |blocks| blocks.saturating_sub(1));
                 continue;
             }
-            let Some((name_and_labels, value)) = line.rsplit_once(' ') else {
-                continue;
-            };
-            let name = name_and_labels.split('{').next().unwrap_or_default();
-            let Ok(value) = value.trim().parse::<f64>() else {
+            let Some((name, value)) = sample(line) else {
                 continue;
             };
             match name {
@@ -478,6 +474,17 @@ impl WorkerLoad {
     pub(crate) fn scrape_failed(&self) {
         self.failures.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// One line of a Prometheus text exposition as a sample: its metric name and value (`None` for
+/// comments and lines whose value is not a number).
+pub(crate) fn sample(line: &str) -> Option<(&str, f64)> {
+    if line.starts_with('#') {
+        return None;
+    }
+    let (name_and_labels, value) = line.rsplit_once(' ')?;
+    let name = name_and_labels.split('{').next().unwrap_or_default();
+    Some((name, value.trim().parse().ok()?))
 }
 
 /// The value of label `name` in one exposition line (`name="value"`; a label whose name only

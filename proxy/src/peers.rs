@@ -23,7 +23,7 @@ use pingora_core::services::background::BackgroundService;
 
 use crate::config::ConfigStore;
 pub use crate::kv::PeerLedger;
-use crate::kv::label_value;
+use crate::kv::{label_value, sample};
 
 /// This process's id among replicas (random, fixed for its life).
 pub fn instance_id() -> &'static str {
@@ -37,7 +37,7 @@ pub fn instance_id() -> &'static str {
 pub fn parse_ledger(text: &str) -> Option<HashMap<String, PeerLedger>> {
     let mut ledgers: HashMap<String, PeerLedger> = HashMap::new();
     for line in text.lines() {
-        let Some((name, rest)) = line.split_once('{') else {
+        let Some((name, value)) = sample(line) else {
             continue;
         };
         if name == "switchyard_instance_info" {
@@ -53,12 +53,7 @@ pub fn parse_ledger(text: &str) -> Option<HashMap<String, PeerLedger>> {
             "switchyard_worker_kv_blocks_reserved" => |l| &mut l.kv_blocks,
             _ => continue,
         };
-        let (Some(worker), Some(value)) = (
-            label_value(line, "worker"),
-            rest.rsplit(' ')
-                .next()
-                .and_then(|v| v.trim().parse::<f64>().ok()),
-        ) else {
+        let Some(worker) = label_value(line, "worker") else {
             continue;
         };
         let slot = field(ledgers.entry(worker.to_owned()).or_default());

@@ -650,7 +650,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
             let of = |name: &str| capacity.get(name).and_then(|c| c["capacity"].as_f64());
             let best_other = capacity
                 .iter()
-                .filter(|(name, _)| *name != "switchyard" && *name != "oracle")
+                .filter(|(name, _)| compare::is_other_router(name))
                 .filter_map(|(name, c)| Some((c["capacity"].as_f64()?, name.clone())))
                 .max_by(|a, b| a.0.total_cmp(&b.0));
             if let (Some(ours), Some((theirs, name))) = (of("switchyard"), best_other)

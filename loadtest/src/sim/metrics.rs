@@ -2,8 +2,8 @@
 //! (`vllm/v1/metrics/loggers.py`, labels `model_name` and `engine`).
 
 use std::fmt::Write;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 /// vLLM's TTFT buckets (`TIME_TO_FIRST_TOKEN_BUCKETS`).
 pub const TTFT_BUCKETS: &[f64] = &[
@@ -74,18 +74,14 @@ pub struct EngineStats {
     preemptions: AtomicU64,
     histograms: Mutex<Histograms>,
     /// `block_size` and `num_gpu_blocks` of the cache config, for `vllm:cache_config_info`.
-    cache_config: Mutex<Option<(usize, usize)>>,
+    cache_config: OnceLock<(usize, usize)>,
 }
 
 impl EngineStats {
     /// What `vllm:cache_config_info` reports: tokens per block and the KV blocks vLLM allocated
-    /// (`CacheConfig.num_gpu_blocks`, the null block included).
+    /// (`CacheConfig.num_gpu_blocks`, the null block included); set once, when the engine starts.
     pub fn set_cache_config(&self, block_size: usize, num_gpu_blocks: usize) {
-        let mut config = match self.cache_config.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        *config = Some((block_size, num_gpu_blocks));
+        let _ = self.cache_config.set((block_size, num_gpu_blocks));
     }
 
     pub fn set_gauges(&self, running: usize, waiting: usize, kv_usage: f64) {
@@ -173,11 +169,7 @@ impl EngineStats {
             "KV-cache usage. 1 means 100 percent usage.",
             self.kv_usage(),
         );
-        let cache_config = match self.cache_config.lock() {
-            Ok(guard) => *guard,
-            Err(poisoned) => *poisoned.into_inner(),
-        };
-        if let Some((block_size, num_gpu_blocks)) = cache_config {
+        if let Some((block_size, num_gpu_blocks)) = self.cache_config.get() {
             // vLLM's info gauge: every CacheConfig field as a label (the ones a router reads
             // here), value 1 (`PrometheusStatLogger.log_metrics_info`).
             let _ = writeln!(
