@@ -17,6 +17,7 @@ pub mod responses;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::serve::ListenerExt;
 use switchyard_kv::tokenize::PromptTokenizer;
 use tokio::sync::mpsc;
 
@@ -97,6 +98,14 @@ pub async fn start_worker(
         addr: config.listen,
         source,
     })?;
+    // vLLM's server (uvicorn on asyncio) sets TCP_NODELAY on every connection; without it a
+    // stream's first token waits behind the response head for the gateway's delayed ACK (40 ms
+    // on a reused connection), which vLLM never does.
+    let listener = listener.tap_io(|stream| {
+        if let Err(error) = stream.set_nodelay(true) {
+            tracing::debug!(%error, "TCP_NODELAY not set on an accepted connection");
+        }
+    });
     tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, http::router(worker)).await {
             tracing::error!(%error, "simulated worker HTTP server stopped");
