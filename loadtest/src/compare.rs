@@ -196,6 +196,10 @@ pub struct RunConfig {
     pub worker_speed: Vec<f64>,
     /// Switchyard's pool learns each worker's relative speed (`scoring.learnWorkerSpeed`).
     pub learn_worker_speed: bool,
+    /// Switchyard's pool learns its TTFT coefficients (`scoring.learnCoefficients`).
+    pub learn_coefficients: bool,
+    /// Switchyard's pool is configured with the default coefficients times this (a wrong model).
+    pub scoring_error: f64,
     /// `switchyard-2`: how often each replica reads the other's ledger (`--peer-interval-ms`;
     /// 0: the replicas do not read each other).
     pub peer_interval_ms: u64,
@@ -393,11 +397,14 @@ async fn start_router(
                 })
                 .collect();
             let yaml = format!(
-                "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  loadBalancing: {policy}\n  blockSize: {block_size}\n  scrapeIntervalMs: 100\n  scoring: {{learnWorkerSpeed: {learn}}}\n  endpoints: [{endpoints}]\n---\n\
+                "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  loadBalancing: {policy}\n  blockSize: {block_size}\n  scrapeIntervalMs: 100\n  scoring: {{learnWorkerSpeed: {learn}, learnCoefficients: {learn_coefficients}, prefillMicrosPerToken: {prefill}, runningRequestMicros: {running}}}\n  endpoints: [{endpoints}]\n---\n\
                  apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: bench}}\nspec:\n  modelName: \"{model}\"\n  targets: [{{pool: sim}}]\n",
                 model = sim.model,
                 block_size = config.block_size,
                 learn = config.learn_worker_speed,
+                learn_coefficients = config.learn_coefficients,
+                prefill = (300.0 * config.scoring_error).round() as u32,
+                running = (500.0 * config.scoring_error).round() as u32,
                 endpoints = endpoints.join(", ")
             );
             let path = dir.join(format!("{}.yaml", router.name()));

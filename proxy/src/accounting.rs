@@ -15,6 +15,8 @@ pub struct Usage {
     pub completion_tokens: u64,
     /// Whether any usage was seen at all.
     pub reported: bool,
+    /// Whether `cached_tokens` was reported (vLLM gives it with `--enable-prompt-tokens-details`).
+    pub cached_reported: bool,
 }
 
 impl Usage {
@@ -32,6 +34,7 @@ impl Usage {
         }
         if let Some(cached) = usage.cached_tokens() {
             self.cached_tokens = cached;
+            self.cached_reported = true;
         }
         if let Some(input) = usage.input_tokens {
             // Anthropic counts cached input apart from `input_tokens`.
@@ -39,6 +42,7 @@ impl Usage {
             let created = usage.cache_creation_input_tokens.unwrap_or(0);
             self.prompt_tokens = input + cached + created;
             self.cached_tokens = cached;
+            self.cached_reported |= usage.cache_read_input_tokens.is_some();
             self.reported = true;
         }
         if let Some(output) = usage.output_tokens {
@@ -52,6 +56,7 @@ impl Usage {
             .and_then(|d| d.cached_tokens)
         {
             self.cached_tokens = cached;
+            self.cached_reported = true;
         }
     }
 }
@@ -213,7 +218,8 @@ mod tests {
                 prompt_tokens: 11,
                 cached_tokens: 8,
                 completion_tokens: 2,
-                reported: true
+                reported: true,
+                cached_reported: true,
             }
         );
     }
@@ -262,7 +268,8 @@ mod tests {
                 prompt_tokens: 30,
                 cached_tokens: 16,
                 completion_tokens: 5,
-                reported: true
+                reported: true,
+                cached_reported: true,
             }
         );
         let mut whole = UsageTap::new(false, false);
@@ -295,7 +302,8 @@ mod tests {
                 prompt_tokens: 25,
                 cached_tokens: 20,
                 completion_tokens: 9,
-                reported: true
+                reported: true,
+                cached_reported: true,
             }
         );
         let mut whole = UsageTap::new(false, false);

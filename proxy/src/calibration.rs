@@ -1,22 +1,42 @@
-//! How fast each worker really is, relative to the rest of its pool: learned online.
+//! The TTFT model, learned online: the pool's coefficients and each worker's speed.
 //!
-//! The scorer's formula ([`crate::scorer`]) has one set of coefficients per pool, from
-//! configuration; a real fleet is heterogeneous (another GPU, a thermally throttled card, a worker
-//! sharing its node). Each worker therefore keeps the ratio of its observed time to first token
-//! (from sending a streamed request to its first body chunk) over the formula's prediction at
-//! that moment, as an exponential average in log space over its recent requests.
+//! **The pool's coefficients** ([`PoolCalibration`]). The scorer predicts a worker's time to
+//! first token as `fixed + prefill × tokens + running × requests` ([`Coefficients`]); the
+//! configured values (`scoring.prefillMicrosPerToken`, `runningRequestMicros`) are where the
+//! model starts, not what it keeps. Every streamed answer is one observation: the tokens the
+//! request waited for (the prefill queued ahead of it at the decision, plus its own uncached
+//! prompt as the worker reported it, `prompt_tokens` less `prompt_tokens_details.cached_tokens`,
+//! or as the prefix index predicted it when the worker does not report details), the requests
+//! running there, and the time the first token took. A Kalman filter over the three
+//! coefficients (a Bayesian linear regression whose prior is the configuration, with a little
+//! process noise so it follows a fleet that changes) learns them: with coefficients 2x off, a
+//! few dozen answers are enough. Each observation's error is relative (a 50 ms miss matters
+//! on a 100 ms prediction, not on a 5 s one), outliers (a preemption, a stalled connection)
+//! count for at most three standard deviations, and the coefficients stay within a factor of
+//! [`COEFFICIENT_RANGE`] of the configuration. The typical relative error of the predictions,
+//! measured before each update, is kept too: `/debug/route` and `/metrics` show it beside the
+//! coefficients.
+//!
+//! **Each worker's speed** ([`TtftCalibration`]). A real fleet is heterogeneous (another GPU,
+//! a thermally throttled card, a worker sharing its node). Each worker therefore keeps the
+//! ratio of its observed time to first token (from sending a streamed request to its first
+//! body chunk) over the model's prediction at that moment, as an exponential average in log
+//! space over its recent requests.
 //!
 //! What the scorer uses is that ratio *relative to the pool's median worker*: only relative speed
-//! changes which worker is best. An error every worker shares (coefficients 2x off, a busy
-//! period the formula underestimates everywhere) cancels out instead of pushing every prediction
-//! around, and a worker that is avoided for a while keeps its last relative speed rather than
-//! drifting. Observations whose prediction is short (under 300 ms: a mostly cached prompt on an
-//! idle worker) say more about fixed per-step costs than about speed and are skipped.
+//! changes which worker is best. An error every worker shares (what the pool's coefficients
+//! have not learned yet, a busy period the model underestimates everywhere) cancels out instead
+//! of pushing every prediction around, and a worker that is avoided for a while keeps its last
+//! relative speed rather than drifting. Observations whose prediction is short (under 300 ms: a
+//! mostly cached prompt on an idle worker) say more about fixed per-step costs than about speed
+//! and are skipped.
 //!
 //! Used only by pools with `scoring.learnWorkerSpeed` (off by default): on equal workers the
 //! learned ratios still differ with each worker's traffic mix, which cost the shared-prefix tail.
 
 use std::sync::Mutex;
+
+use switchyard_snapshot::snapshot::Scoring;
 
 /// Weight of a new observation in the average.
 const LEARNING_RATE: f64 = 0.1;
@@ -37,6 +57,9 @@ pub struct Speed {
     pub ratio: f64,
     /// Streamed requests learned from.
     pub observations: u64,
+    /// The last streamed request's predicted and observed time to first token, in seconds
+    /// (also when it was too short to learn from).
+    pub last: Option<(f64, f64)>,
 }
 
 impl Default for Speed {
@@ -45,6 +68,7 @@ impl Default for Speed {
         Speed {
             ratio: 1.0,
             observations: 0,
+            last: None,
         }
     }
 }
@@ -96,20 +120,234 @@ impl TtftCalibration {
     /// Learn from one streamed request: the formula said `predicted_s`, the first token came
     /// after `observed_s`.
     pub fn observe(&self, predicted_s: f64, observed_s: f64) {
-        if !(predicted_s.is_finite() && observed_s.is_finite())
-            || predicted_s < MIN_PREDICTION_S
-            || observed_s <= 0.0
-        {
+        if !(predicted_s.is_finite() && observed_s.is_finite()) || observed_s <= 0.0 {
+            return;
+        }
+        let mut speed = crate::lock(&self.speed);
+        speed.last = Some((predicted_s, observed_s));
+        if predicted_s < MIN_PREDICTION_S {
             return;
         }
         let ratio = (observed_s / predicted_s).clamp(0.05, 20.0);
-        let mut speed = crate::lock(&self.speed);
         speed.ratio = if speed.observations == 0 {
             ratio
         } else {
             (speed.ratio.ln() * (1.0 - LEARNING_RATE) + ratio.ln() * LEARNING_RATE).exp()
         };
         speed.observations += 1;
+    }
+}
+
+/// The pool's TTFT model, in seconds: `fixed + prefill × tokens + running × requests`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Coefficients {
+    /// Time every first token takes (a scheduler step, sampling, the network).
+    pub fixed_s: f64,
+    /// Per prompt token prefilled ahead of and for the request.
+    pub prefill_s_per_token: f64,
+    /// Per request already running on the worker (decode steps share the batch).
+    pub running_s_per_request: f64,
+}
+
+impl Coefficients {
+    /// The pool's configured coefficients (no fixed part).
+    pub fn configured(scoring: &Scoring) -> Coefficients {
+        Coefficients {
+            fixed_s: 0.0,
+            prefill_s_per_token: f64::from(scoring.prefill_micros_per_token) / 1e6,
+            running_s_per_request: f64::from(scoring.running_request_micros) / 1e6,
+        }
+    }
+
+    /// The predicted time to first token behind `tokens` of prefill with `running` requests
+    /// running.
+    pub fn predict(&self, tokens: f64, running: f64) -> f64 {
+        self.fixed_s + self.prefill_s_per_token * tokens + self.running_s_per_request * running
+    }
+
+    /// As the filter's state: features are scaled (thousands of tokens, tens of requests) so
+    /// the three coefficients are of similar size.
+    fn to_state(self) -> [f64; 3] {
+        [
+            self.fixed_s,
+            self.prefill_s_per_token * TOKEN_UNIT,
+            self.running_s_per_request * RUNNING_UNIT,
+        ]
+    }
+
+    fn from_state(state: [f64; 3]) -> Coefficients {
+        let [fixed, prefill, running] = state;
+        Coefficients {
+            fixed_s: fixed,
+            prefill_s_per_token: prefill / TOKEN_UNIT,
+            running_s_per_request: running / RUNNING_UNIT,
+        }
+    }
+}
+
+/// Units of the filter's features.
+const TOKEN_UNIT: f64 = 1000.0;
+const RUNNING_UNIT: f64 = 10.0;
+/// Prior standard deviation of the fixed part (seconds); the two others' is their configured
+/// value (a 2x error is one standard deviation away).
+const FIXED_PRIOR_S: f64 = 0.02;
+/// Learned coefficients stay within this factor of the configured ones.
+pub const COEFFICIENT_RANGE: f64 = 8.0;
+/// Relative standard deviation of one observation around the model, and its floor in seconds.
+const OBSERVATION_ERROR: f64 = 0.2;
+const OBSERVATION_FLOOR_S: f64 = 0.01;
+/// Process noise per observation, as a fraction of the prior standard deviation: the model
+/// keeps following a fleet that changes (after 1,000 answers the coefficients may have walked
+/// about a third of their prior spread).
+const DRIFT: f64 = 0.01;
+/// An observation counts for at most this many standard deviations of its innovation.
+const OUTLIER_SIGMAS: f64 = 3.0;
+/// Weight of a new observation in the typical error.
+const ERROR_RATE: f64 = 0.05;
+
+/// What the pool has learned.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fit {
+    pub configured: Coefficients,
+    pub learned: Coefficients,
+    /// Answers learned from.
+    pub observations: u64,
+    /// Typical relative error of the predictions (mean |ln(observed / predicted)|, each taken
+    /// before the observation taught the model); `None` before the first.
+    pub error: Option<f64>,
+}
+
+/// One streamed answer, as the pool's model sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Observation {
+    /// Prompt tokens the worker prefilled before this request's first token: the queue ahead
+    /// of it and its own uncached prompt.
+    pub tokens: f64,
+    /// Requests running on the worker when it was chosen.
+    pub running: f64,
+    /// Seconds to the first token, divided by the worker's relative speed (the pool's model
+    /// describes its median worker).
+    pub ttft_s: f64,
+}
+
+#[derive(Debug, Clone)]
+struct FilterState {
+    configured: Coefficients,
+    mean: [f64; 3],
+    covariance: [[f64; 3]; 3],
+    prior_sd: [f64; 3],
+    observations: u64,
+    error: Option<f64>,
+}
+
+impl FilterState {
+    fn new(configured: Coefficients) -> FilterState {
+        let mean = configured.to_state();
+        let prior_sd = [FIXED_PRIOR_S, mean[1].max(1e-3), mean[2].max(1e-3)];
+        let mut covariance = [[0.0; 3]; 3];
+        for (i, row) in covariance.iter_mut().enumerate() {
+            if let (Some(cell), Some(sd)) = (row.get_mut(i), prior_sd.get(i)) {
+                *cell = sd * sd;
+            }
+        }
+        FilterState {
+            configured,
+            mean,
+            covariance,
+            prior_sd,
+            observations: 0,
+            error: None,
+        }
+    }
+
+    fn fit(&self) -> Fit {
+        Fit {
+            configured: self.configured,
+            learned: Coefficients::from_state(self.mean),
+            observations: self.observations,
+            error: self.error,
+        }
+    }
+
+    fn update(&mut self, observation: &Observation) {
+        let x = [
+            1.0,
+            observation.tokens / TOKEN_UNIT,
+            observation.running / RUNNING_UNIT,
+        ];
+        let y = observation.ttft_s;
+        let dot = |a: &[f64; 3], b: &[f64; 3]| a.iter().zip(b).map(|(a, b)| a * b).sum::<f64>();
+        for (i, row) in self.covariance.iter_mut().enumerate() {
+            if let (Some(cell), Some(sd)) = (row.get_mut(i), self.prior_sd.get(i)) {
+                *cell += (DRIFT * sd).powi(2);
+            }
+        }
+        let predicted = dot(&self.mean, &x);
+        if predicted > OBSERVATION_FLOOR_S / 10.0 {
+            let miss = (y / predicted).ln().abs();
+            self.error = Some(match self.error {
+                None => miss,
+                Some(error) => error + ERROR_RATE * (miss - error),
+            });
+        }
+        let px = self.covariance.map(|row| dot(&row, &x));
+        let noise = (OBSERVATION_ERROR * predicted.max(OBSERVATION_FLOOR_S)).powi(2);
+        let innovation_variance = dot(&x, &px) + noise;
+        let bound = OUTLIER_SIGMAS * innovation_variance.sqrt();
+        let innovation = (y - predicted).clamp(-bound, bound);
+        let gain = px.map(|p| p / innovation_variance);
+        for (m, k) in self.mean.iter_mut().zip(gain) {
+            *m += k * innovation;
+        }
+        for (row, k) in self.covariance.iter_mut().zip(gain) {
+            for (cell, p) in row.iter_mut().zip(px) {
+                *cell -= k * p;
+            }
+        }
+        // Within the plausible range of the configuration.
+        let [_, configured_prefill, configured_running] = self.configured.to_state();
+        let [fixed, prefill, running] = &mut self.mean;
+        *fixed = fixed.clamp(0.0, 1.0);
+        *prefill = prefill.clamp(
+            configured_prefill / COEFFICIENT_RANGE,
+            (configured_prefill * COEFFICIENT_RANGE).max(1e-3),
+        );
+        *running = running.clamp(0.0, (configured_running * COEFFICIENT_RANGE).max(1e-2));
+        self.observations += 1;
+    }
+}
+
+/// The pool's coefficients, learned from its answers. Starts (and starts over when the
+/// configuration changes) from the configured ones.
+#[derive(Debug, Default)]
+pub struct PoolCalibration {
+    state: Mutex<Option<FilterState>>,
+}
+
+impl PoolCalibration {
+    /// What the pool has learned, for a pool configured with `configured`.
+    pub fn fit(&self, configured: Coefficients) -> Fit {
+        match &*crate::lock(&self.state) {
+            Some(state) if state.configured == configured => state.fit(),
+            _ => FilterState::new(configured).fit(),
+        }
+    }
+
+    /// Learn from one answer.
+    pub fn observe(&self, configured: Coefficients, observation: &Observation) {
+        let usable = [observation.tokens, observation.running, observation.ttft_s]
+            .iter()
+            .all(|v| v.is_finite() && *v >= 0.0)
+            && observation.ttft_s > 0.0;
+        if !usable {
+            return;
+        }
+        let mut state = crate::lock(&self.state);
+        let state = match &mut *state {
+            Some(state) if state.configured == configured => state,
+            other => other.insert(FilterState::new(configured)),
+        };
+        state.update(observation);
     }
 }
 
@@ -150,5 +388,121 @@ mod tests {
             .collect();
         assert_eq!((relative[0], relative[1]), (1.0, 1.0));
         assert!((relative[2] - 1.5).abs() < 0.15, "{relative:?}");
+    }
+
+    /// Answers of a worker whose true model is `truth`, in a mix of queues, prompts and
+    /// running batches, with ±10% noise.
+    fn answers(truth: Coefficients, count: usize, seed: &mut u64) -> Vec<Observation> {
+        let mut next = || {
+            *seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (*seed >> 11) as f64 / (1u64 << 53) as f64
+        };
+        (0..count)
+            .map(|_| {
+                let tokens = 4000.0 * next() * next();
+                let running = (20.0 * next()).floor();
+                let noise = 0.9 + 0.2 * next();
+                Observation {
+                    tokens,
+                    running,
+                    ttft_s: truth.predict(tokens, running) * noise,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn coefficients_2x_off_are_learned_from_a_minute_of_answers() {
+        let scoring = Scoring {
+            prefill_micros_per_token: 600,
+            running_request_micros: 1000,
+            ..Scoring::default()
+        };
+        let configured = Coefficients::configured(&scoring);
+        let truth = Coefficients {
+            fixed_s: 0.02,
+            prefill_s_per_token: 300e-6,
+            running_s_per_request: 500e-6,
+        };
+        let pool = PoolCalibration::default();
+        assert_eq!(pool.fit(configured).learned, configured);
+        assert_eq!(pool.fit(configured).error, None);
+        // A minute at two answers a second.
+        let mut seed = 7;
+        let before: f64 = answers(truth, 20, &mut seed)
+            .iter()
+            .map(|o| {
+                (configured.predict(o.tokens, o.running) / o.ttft_s)
+                    .ln()
+                    .abs()
+            })
+            .sum::<f64>()
+            / 20.0;
+        for observation in answers(truth, 120, &mut seed) {
+            pool.observe(configured, &observation);
+        }
+        let fit = pool.fit(configured);
+        assert_eq!(fit.observations, 120);
+        let learned = fit.learned;
+        let close = |a: f64, b: f64, within: f64| (a / b - 1.0).abs() < within;
+        assert!(
+            close(learned.prefill_s_per_token, truth.prefill_s_per_token, 0.1),
+            "{learned:?}"
+        );
+        assert!(
+            close(
+                learned.running_s_per_request,
+                truth.running_s_per_request,
+                0.5
+            ),
+            "{learned:?}"
+        );
+        // The predictions' error came down from the configuration's (~2x, ln 2 = 0.69) to about
+        // the noise.
+        let error = fit.error.unwrap();
+        assert!(
+            before > 0.5 && error < 0.2,
+            "before {before}, after {error}"
+        );
+        // A new configuration starts over from itself.
+        let other = Coefficients::configured(&Scoring::default());
+        assert_eq!(pool.fit(other).observations, 0);
+    }
+
+    #[test]
+    fn outliers_and_nonsense_do_not_throw_the_model() {
+        let configured = Coefficients::configured(&Scoring::default());
+        let pool = PoolCalibration::default();
+        let mut seed = 3;
+        for (i, mut observation) in answers(configured, 200, &mut seed).into_iter().enumerate() {
+            // Every tenth answer stalled for 30 s (a preemption, a slow client connection).
+            if i % 10 == 0 {
+                observation.ttft_s += 30.0;
+            }
+            pool.observe(configured, &observation);
+        }
+        pool.observe(
+            configured,
+            &Observation {
+                tokens: f64::NAN,
+                running: 1.0,
+                ttft_s: 1.0,
+            },
+        );
+        pool.observe(
+            configured,
+            &Observation {
+                tokens: 10.0,
+                running: 1.0,
+                ttft_s: -1.0,
+            },
+        );
+        let fit = pool.fit(configured);
+        assert_eq!(fit.observations, 200);
+        let ratio = fit.learned.prefill_s_per_token / configured.prefill_s_per_token;
+        assert!((0.8..1.6).contains(&ratio), "{fit:?}");
+        assert!(fit.learned.fixed_s < 0.5, "{fit:?}");
     }
 }

@@ -16,9 +16,10 @@ use pingora_core::upstreams::peer::HttpPeer;
 use pingora_http::{RequestHeader, ResponseHeader};
 use switchyard_snapshot::snapshot::{Backend, LoadBalancing, ProviderFormat};
 
-use crate::accounting::UsageTap;
+use crate::accounting::{Usage, UsageTap};
 use crate::answer::{self, Answer};
 use crate::api::{ApiError, Endpoint, ErrorKind};
+use crate::calibration::{Coefficients, Observation};
 use crate::headers;
 use crate::kv::Prediction;
 use crate::limits::Admission;
@@ -30,7 +31,7 @@ use crate::routing::{
     Destination, InFlight, KvReservation, PendingPrefill, PoolRuntime, ProviderRuntime,
     RoutingTable, WorkerState,
 };
-use crate::scorer::{self, Decision, Outcome};
+use crate::scorer::{self, Decision, Outcome, WorkerScore};
 use crate::telemetry::RequestSpan;
 
 /// Response header carrying the routing explanation.
@@ -59,9 +60,63 @@ pub struct Attempt {
     pub kv: Option<KvReservation>,
     /// The chosen worker will hold this prompt's blocks; counted until the request ends.
     pub prediction: Option<Prediction>,
-    /// The worker of this streamed attempt, the formula's TTFT for it and when the request went
-    /// out: its first token teaches the worker's calibration.
-    pub expected_ttft: Option<(Arc<WorkerState>, f64, Instant)>,
+    /// What the scorer predicted for this streamed attempt: its first token and its usage
+    /// teach the worker's speed and the pool's coefficients.
+    pub ttft: Option<TtftProbe>,
+}
+
+/// A streamed attempt's prediction, waiting for what happens.
+#[derive(Debug)]
+pub struct TtftProbe {
+    worker: Arc<WorkerState>,
+    pool: Arc<PoolRuntime>,
+    /// The scorer's numbers for the chosen worker.
+    score: WorkerScore,
+    sent: Instant,
+    /// Seconds from sending the request to its first token, once seen.
+    observed_s: Option<f64>,
+}
+
+impl TtftProbe {
+    /// The first token came: the worker learns its speed now, the pool waits for the usage.
+    fn first_token(&mut self) {
+        let observed = self.sent.elapsed().as_secs_f64();
+        self.observed_s = Some(observed);
+        self.worker
+            .ttft
+            .observe(self.score.formula_ttft_s, observed);
+    }
+
+    /// The request is over: the pool's coefficients learn from what the worker prefilled (its
+    /// own count of the uncached prompt when it reports cached tokens, else the prefix
+    /// index's) and how long it took.
+    fn finish(self, usage: &Usage) {
+        let Some(observed) = self.observed_s else {
+            return;
+        };
+        let uncached = if usage.reported && usage.cached_reported && usage.prompt_tokens > 0 {
+            usage.prompt_tokens.saturating_sub(usage.cached_tokens) as f64
+        } else {
+            self.score.uncached_tokens as f64
+        };
+        let configured = Coefficients::configured(&self.pool.config.scoring);
+        let observation = Observation {
+            tokens: self.score.queued_tokens as f64 + uncached,
+            running: self.score.running as f64,
+            ttft_s: observed / self.score.relative_speed.max(f64::EPSILON),
+        };
+        tracing::debug!(
+            worker = %self.worker.address,
+            queued_tokens = self.score.queued_tokens,
+            uncached_predicted = self.score.uncached_tokens,
+            uncached,
+            running = self.score.running,
+            predicted_s = self.score.predicted_ttft_s,
+            observed_s = observed,
+            "time to first token observed"
+        );
+        self.pool.kv.calibration.observe(configured, &observation);
+    }
 }
 
 impl Attempt {
@@ -308,9 +363,13 @@ impl Exchange {
             (None, Some(prompt)) if attempt.decision.is_none() => prompt.tokens,
             _ => 0,
         };
-        attempt.expected_ttft = score
-            .filter(|_| stream)
-            .map(|score| (worker.clone(), score.formula_ttft_s, Instant::now()));
+        attempt.ttft = score.filter(|_| stream).map(|score| TtftProbe {
+            worker: worker.clone(),
+            pool: pool.clone(),
+            score: score.clone(),
+            sent: Instant::now(),
+            observed_s: None,
+        });
         attempt.pending = Some(PendingPrefill::start(&worker, uncached));
         attempt.kv = score.map(|score| KvReservation::start(&worker, score.kv_blocks_needed));
         attempt.prediction = match (prompt, pool.slots.get(index)) {
@@ -528,10 +587,9 @@ impl Exchange {
         // vLLM streams nothing before the first token: the prefill is done, and the worker's
         // queue no longer holds it (decoding is counted by `current`).
         self.attempt.pending = None;
-        if let Some((worker, formula, sent)) = self.attempt.expected_ttft.take()
-            && status < 400
-        {
-            worker.ttft.observe(formula, sent.elapsed().as_secs_f64());
+        match self.attempt.ttft.as_mut() {
+            Some(probe) if status < 400 => probe.first_token(),
+            _ => self.attempt.ttft = None,
         }
     }
 
@@ -584,6 +642,9 @@ impl Exchange {
             admission.settle(usage.prompt_tokens, usage.completion_tokens);
         }
         self.admission = None;
+        if let Some(probe) = self.attempt.ttft.take() {
+            probe.finish(&usage);
+        }
         self.attempt.release();
     }
 }

@@ -135,6 +135,8 @@ pub struct PoolKv {
     /// Running average of the prefill work (uncached prompt tokens) of routed requests, as f64
     /// bits: estimates the work behind each request a worker reports as waiting.
     prefill_tokens_average: AtomicU64,
+    /// The pool's TTFT coefficients, learned from its answers.
+    pub calibration: crate::calibration::PoolCalibration,
 }
 
 impl PoolKv {
@@ -148,6 +150,7 @@ impl PoolKv {
             prompts: crate::prompt::PromptCache::default(),
             predictions: Arc::default(),
             prefill_tokens_average: AtomicU64::new(0f64.to_bits()),
+            calibration: crate::calibration::PoolCalibration::default(),
         }
     }
 

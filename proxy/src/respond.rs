@@ -9,14 +9,16 @@ use pingora_error::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
 use serde_json::json;
+use switchyard_snapshot::snapshot::LoadBalancing;
 
 use crate::admit::{self, Explain};
 use crate::api::{ApiError, Endpoint, ErrorKind, client_format_for_path, model_id_of};
+use crate::calibration::Coefficients;
 use crate::cors;
 use crate::exchange::Exchange;
 use crate::gateway::{Gateway, RequestCtx};
 use crate::metrics;
-use crate::routing::RoutingTable;
+use crate::routing::{PoolRuntime, RoutingTable};
 
 /// Admin path prefix: `POST /debug/route/v1/chat/completions` explains without forwarding.
 pub const DEBUG_ROUTE_PREFIX: &str = "/debug/route";
@@ -314,6 +316,10 @@ fn explanation(exchange: &Exchange, chosen: Option<usize>) -> serde_json::Value 
                     "observations": score.speed.observations,
                     "relative_to_pool": score.relative_speed,
                 },
+                "last_answer": score.speed.last.map(|(predicted, observed)| json!({
+                    "predicted_ttft_ms": predicted * 1000.0,
+                    "observed_ttft_ms": observed * 1000.0,
+                })),
             })
         })
         .collect();
@@ -332,6 +338,30 @@ fn explanation(exchange: &Exchange, chosen: Option<usize>) -> serde_json::Value 
         "chosen": chosen.and_then(address),
         "outcome": decision.map(|d| format!("{:?}", d.outcome)),
         "scores": scores,
+        "ttft_model": pool
+            .filter(|p| p.config.load_balancing == LoadBalancing::CacheAware)
+            .map(ttft_model),
+    })
+}
+
+/// The pool's TTFT model for `/debug/route`: configured and learned coefficients, and how far
+/// off its predictions have been.
+fn ttft_model(pool: &Arc<PoolRuntime>) -> serde_json::Value {
+    let configured = Coefficients::configured(&pool.config.scoring);
+    let fit = pool.kv.calibration.fit(configured);
+    let coefficients = |c: Coefficients| {
+        json!({
+            "fixed_ms": c.fixed_s * 1000.0,
+            "prefill_us_per_token": c.prefill_s_per_token * 1e6,
+            "running_us_per_request": c.running_s_per_request * 1e6,
+        })
+    };
+    json!({
+        "learning": pool.config.scoring.learn_coefficients,
+        "configured": coefficients(fit.configured),
+        "learned": coefficients(fit.learned),
+        "observations": fit.observations,
+        "typical_error": fit.error,
     })
 }
 

@@ -1,9 +1,12 @@
 //! Choosing a worker by predicted time to first token.
 //!
-//! formula(worker)        = prefill_cost × (queued_prefill_tokens + uncached_prompt_tokens)
+//! formula(worker)        = fixed + prefill_cost × (queued_prefill_tokens + uncached_prompt_tokens)
 //!                          + running_cost × running_requests
 //! predicted_ttft(worker) = relative_speed(worker) × formula(worker)
 //!
+//! - The coefficients are the pool's TTFT model ([`crate::calibration::PoolCalibration`]):
+//!   learned online from its streamed answers, starting from the configured `scoring` (which
+//!   has no fixed part), unless the pool sets `scoring.learnCoefficients: false`.
 //! - Uncached tokens come from the prefix index: what the worker's KV cache already holds of
 //!   this prompt.
 //! - Queued prefill is what this proxy has sent that has not produced a first token yet, less
@@ -37,7 +40,7 @@ use std::fmt::Write;
 use rand::Rng;
 use switchyard_kv::index::Overlap;
 
-use crate::calibration::{Speed, median_ratio};
+use crate::calibration::{Coefficients, Speed, median_ratio};
 use crate::prompt::PromptInfo;
 use crate::routing::PoolRuntime;
 
@@ -151,6 +154,17 @@ pub fn decide_for_prompt(
     decide(pool, tokens, output_tokens, &overlap, exclude)
 }
 
+/// The pool's TTFT model: learned from its answers (`scoring.learnCoefficients`, the default),
+/// else as configured.
+pub fn coefficients(pool: &PoolRuntime) -> Coefficients {
+    let configured = Coefficients::configured(&pool.config.scoring);
+    if pool.config.scoring.learn_coefficients {
+        pool.kv.calibration.fit(configured).learned
+    } else {
+        configured
+    }
+}
+
 /// Score every eligible worker (not in `exclude`, address resolved) and choose one.
 pub fn decide(
     pool: &PoolRuntime,
@@ -160,8 +174,8 @@ pub fn decide(
     exclude: &[usize],
 ) -> Option<Decision> {
     let scoring = pool.config.scoring;
-    let prefill_cost = f64::from(scoring.prefill_micros_per_token) / 1e6;
-    let running_cost = f64::from(scoring.running_request_micros) / 1e6;
+    let model = coefficients(pool);
+    let prefill_cost = model.prefill_s_per_token;
     let tolerance = f64::from(scoring.tie_tolerance_micros) / 1e6;
     let block_size = pool.kv.index.block_size();
     // Others' queued requests are as long as the pool's average prompt (this one's before any).
@@ -211,7 +225,7 @@ pub fn decide(
         let peers_decoding = peers.in_flight.saturating_sub(peers.prefills);
         let running = own_decoding + peers_decoding + load.others_running();
         let formula_ttft_s =
-            prefill_cost * (queued_tokens + uncached_tokens) as f64 + running_cost * running as f64;
+            model.predict((queued_tokens + uncached_tokens) as f64, running as f64);
         let predicted_ttft_s = relative_speed * formula_ttft_s;
         let kv_blocks_needed = (uncached_tokens + output_tokens).div_ceil(block_size.max(1)) as u64;
         scores.push(WorkerScore {
@@ -464,6 +478,41 @@ mod tests {
         let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
         assert_eq!(decision.scores[0].relative_speed, 1.0);
         assert!(decision.scores[0].speed.known());
+    }
+
+    #[test]
+    fn predictions_use_the_learned_coefficients_unless_the_pool_keeps_its_own() {
+        use crate::calibration::{Coefficients, Observation};
+        let teach = |pool: &PoolRuntime| {
+            let configured = Coefficients::configured(&pool.config.scoring);
+            // The workers prefill twice as fast as configured (150 µs a token, not 300).
+            for i in 0..200 {
+                let tokens = f64::from(i % 40) * 100.0;
+                pool.kv.calibration.observe(
+                    configured,
+                    &Observation {
+                        tokens,
+                        running: 0.0,
+                        ttft_s: 150e-6 * tokens,
+                    },
+                );
+            }
+        };
+        let prompt: Vec<u32> = (0..2000).collect();
+        for (extra, expected_us) in [
+            ("", 150.0),
+            (", scoring: {learnCoefficients: false}", 300.0),
+        ] {
+            let table = table_with(extra);
+            let pool = table.pools().next().unwrap();
+            teach(pool);
+            let decision = decide(pool, 2000, 0, &overlap(pool, &prompt), &[]).unwrap();
+            let per_token = decision.scores[0].formula_ttft_s / 2000.0 * 1e6;
+            assert!(
+                (per_token / expected_us - 1.0).abs() < 0.1,
+                "{extra}: {per_token} µs per token"
+            );
+        }
     }
 
     #[test]

@@ -134,6 +134,15 @@ pub struct ScoringSpec {
     /// measured worse (the learned differences follow the traffic mix, not the hardware).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub learn_worker_speed: bool,
+    /// Learn the pool's coefficients online from its streamed answers (their time to first
+    /// token and the cached tokens the worker reports), starting from the configured ones. On
+    /// by default; `false` keeps the configured coefficients as they are.
+    #[serde(default = "default_true")]
+    pub learn_coefficients: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 fn default_prefill_micros() -> u32 {
@@ -153,6 +162,7 @@ impl Default for ScoringSpec {
             running_request_micros: default_running_micros(),
             tie_tolerance_micros: default_tie_micros(),
             learn_worker_speed: false,
+            learn_coefficients: true,
         }
     }
 }

@@ -164,6 +164,14 @@ struct CompareArgs {
     /// (`scoring.learnWorkerSpeed`, off by default).
     #[arg(long)]
     learn_worker_speed: bool,
+    /// Switchyard's pool keeps its configured coefficients instead of learning them from its
+    /// answers (`scoring.learnCoefficients: false`).
+    #[arg(long)]
+    no_learn_coefficients: bool,
+    /// Configure switchyard's pool with the default TTFT coefficients times this factor (2: a
+    /// model 2x off), to measure what learning them is worth.
+    #[arg(long, default_value_t = 1.0)]
+    scoring_error: f64,
     /// switchyard-2: how often each replica reads the other's routing ledger, in wall
     /// milliseconds (the proxy's `--peer-interval-ms`). Default: the proxy's 100 ms of model
     /// time, i.e. 100 x --time-scale (20 ms at 0.2): at 100 ms of wall time a read would be
@@ -477,6 +485,9 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
     {
         bail!("--capacity takes two rates LO,HI with 0 < LO < HI");
     }
+    if !(args.scoring_error.is_finite() && args.scoring_error > 0.0) {
+        bail!("--scoring-error takes a positive factor");
+    }
     if args.all_workloads {
         args.workloads = WorkloadKind::ALL.to_vec();
     }
@@ -566,6 +577,8 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                     .worker_speeds(args.workers)
                     .unwrap_or_else(|| args.worker_speed.clone()),
                 learn_worker_speed: args.learn_worker_speed,
+                learn_coefficients: !args.no_learn_coefficients,
+                scoring_error: args.scoring_error,
                 peer_interval_ms: args
                     .peer_interval_ms
                     .unwrap_or(((100.0 * args.time_scale).round() as u64).max(1)),

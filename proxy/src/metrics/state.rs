@@ -2,6 +2,8 @@
 //! streams, routing decisions, worker queues, the configuration version.
 
 use super::*;
+use crate::calibration::Coefficients;
+use switchyard_snapshot::snapshot::LoadBalancing;
 
 /// Exports, when scraped, the state kept elsewhere: per pool its prefix index and routing
 /// decisions, per worker its KV event stream and queues, and the configuration version.
@@ -204,6 +206,56 @@ impl Collector for StateCollector {
                 [("instance", crate::peers::instance_id())],
                 ConstGauge::new(1u64),
             )),
+        )?;
+        // The pools' TTFT model: the coefficients in use and how far off its predictions are.
+        let fits: Vec<(String, crate::calibration::Fit)> = table
+            .pools()
+            .filter(|pool| pool.config.load_balancing == LoadBalancing::CacheAware)
+            .map(|pool| {
+                let configured = Coefficients::configured(&pool.config.scoring);
+                (
+                    pool.config.id.0.clone(),
+                    pool.kv.calibration.fit(configured),
+                )
+            })
+            .collect();
+        family(
+            encoder,
+            "switchyard_pool_ttft_model_seconds",
+            "The pool's TTFT model as learned from its answers: fixed seconds, seconds per prefill token, seconds per running request.",
+            fits.iter().flat_map(|(pool, fit)| {
+                let learned = fit.learned;
+                [
+                    ("fixed", learned.fixed_s),
+                    ("per_prefill_token", learned.prefill_s_per_token),
+                    ("per_running_request", learned.running_s_per_request),
+                ]
+                .map(|(term, value)| {
+                    (
+                        [("pool", pool.as_str()), ("term", term)],
+                        ConstGauge::new(value),
+                    )
+                })
+            }),
+        )?;
+        family(
+            encoder,
+            "switchyard_pool_ttft_model_observations",
+            "Streamed answers the pool's TTFT model learned from.",
+            fits.iter().map(|(pool, fit)| {
+                (
+                    [("pool", pool.as_str())],
+                    ConstCounter::new(fit.observations),
+                )
+            }),
+        )?;
+        family(
+            encoder,
+            "switchyard_pool_ttft_model_error",
+            "Typical relative error of the pool's TTFT predictions: mean |ln(observed / predicted)|.",
+            fits.iter().filter_map(|(pool, fit)| {
+                Some(([("pool", pool.as_str())], ConstGauge::new(fit.error?)))
+            }),
         )?;
         let version = ConstGauge::new(table.snapshot.version);
         version.encode(encoder.encode_descriptor(

@@ -61,6 +61,7 @@ fn a_request_series_counts_by_outcome_and_observes_latency() {
             cached_tokens: 4,
             completion_tokens: 3,
             reported: true,
+            cached_reported: true,
         },
         ttft: Some(Duration::from_millis(300)),
         total: Duration::from_millis(1200),

@@ -9,6 +9,7 @@ mod anthropic;
 mod audio;
 mod bench_quick;
 mod cache_routing;
+mod calibration;
 mod chat;
 mod connections;
 mod control_cli;

@@ -1,0 +1,180 @@
+//! The pool's TTFT model learns from answers: a pool configured with coefficients 2x off, in
+//! front of a simulated vLLM worker, ends up predicting what the worker does, and `/debug/route`
+//! and `/metrics` show the configured and learned model, its error, and each worker's last
+//! predicted and observed time to first token.
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use switchyard_e2e::{Proxy, Sim};
+
+const TIME_SCALE: f64 = 0.1;
+
+/// A prompt of about `words` tokens no other request shares (`tag` makes it unique).
+fn prompt(tag: usize, words: usize) -> String {
+    (0..words)
+        .map(|i| format!("w{}x{}", tag * 7919 + i, i % 13))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Send one streamed chat request to `base` (the proxy or a worker); its time to first token as the client saw it and the
+/// prompt tokens the worker counted.
+async fn streamed(base: &str, model: &str, content: &str) -> (f64, u64) {
+    let sent = Instant::now();
+    let response = reqwest::Client::new()
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&json!({"model": model, "max_tokens": 2, "stream": true,
+            "stream_options": {"include_usage": true},
+            "messages": [{"role": "user", "content": content}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let mut first = None;
+    let mut text = String::new();
+    while let Some(chunk) = body.next().await {
+        first.get_or_insert_with(|| sent.elapsed().as_secs_f64());
+        text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+    }
+    let prompt_tokens = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+        .find_map(|event| event["usage"]["prompt_tokens"].as_u64())
+        .unwrap_or_else(|| panic!("no usage in the stream:\n{text}"));
+    (first.unwrap(), prompt_tokens)
+}
+
+/// The proxy's routing explanation for a small request (`/debug/route`).
+async fn route(proxy: &Proxy) -> Value {
+    reqwest::Client::new()
+        .post(format!(
+            "{}/debug/route/v1/chat/completions",
+            proxy.admin_url()
+        ))
+        .json(&json!({"model": "default", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Least-squares slope of `y` on `x`.
+fn slope(points: &[(f64, f64)]) -> f64 {
+    let n = points.len() as f64;
+    let (mx, my) = points
+        .iter()
+        .fold((0.0, 0.0), |(sx, sy), (x, y)| (sx + x / n, sy + y / n));
+    let covariance: f64 = points.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
+    let variance: f64 = points.iter().map(|(x, _)| (x - mx).powi(2)).sum();
+    covariance / variance
+}
+
+#[tokio::test]
+async fn a_pool_configured_2x_off_learns_its_workers_ttft_from_answers() {
+    let sim = Sim::start(&[
+        "--workers",
+        "1",
+        "--time-scale",
+        &TIME_SCALE.to_string(),
+        "--block-size",
+        "16",
+    ]);
+    let worker = &sim.workers[0];
+    // The worker's own cost per prompt token, measured straight from it (no gateway in the
+    // way) on cold prompts of a few hundred to a few thousand tokens; the pool is told twice
+    // that.
+    let worker_url = format!("http://{}", worker.http);
+    let words = |i: usize| 60 + (i * 37) % 600;
+    let mut direct = Vec::new();
+    for i in 0..12 {
+        let (ttft, tokens) = streamed(&worker_url, &sim.model, &prompt(1000 + i, words(i))).await;
+        direct.push((tokens as f64, ttft));
+    }
+    let configured_us = (2.0 * slope(&direct) * 1e6).round();
+    let yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  scoring: {{prefillMicrosPerToken: {configured_us}, runningRequestMicros: 100}}\n  endpoints: [{{address: \"{http}\", kvEvents: \"{events}\", kvReplay: \"{replay}\"}}]\n{doc}",
+        model = sim.model,
+        http = worker.http,
+        events = worker.kv_events.as_deref().unwrap(),
+        replay = worker.kv_replay.as_deref().unwrap(),
+        doc = switchyard_e2e::model_doc("default", "sim", None),
+    );
+    let proxy = Proxy::start(&yaml, &[]).await;
+    proxy.wait_subscribed(1).await;
+
+    // One request at a time through the proxy, same lengths; every fourth repeats an earlier
+    // prompt, which the worker then reports as cached (when it is still there: the model learns
+    // from what the worker says it prefilled). The worker's own cost keeps being measured
+    // beside it.
+    let mut sent: Vec<String> = Vec::new();
+    for i in 0..48 {
+        let content = if i % 4 == 3 {
+            sent[i / 2 % sent.len()].clone()
+        } else {
+            let (ttft, tokens) =
+                streamed(&worker_url, &sim.model, &prompt(2000 + i, words(i))).await;
+            direct.push((tokens as f64, ttft));
+            prompt(i, words(i))
+        };
+        streamed(&proxy.url(), "default", &content).await;
+        sent.push(content);
+    }
+    let measured_us = slope(&direct) * 1e6;
+    assert!(
+        configured_us / measured_us > 1.6,
+        "the premise: the pool is configured far off ({configured_us} µs vs {measured_us:.1} µs measured)"
+    );
+
+    // Every streamed answer was learned from (the usage of the last may still be on its way).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let explained = loop {
+        let explained = route(&proxy).await;
+        if explained["ttft_model"]["observations"].as_u64() >= Some(48) {
+            break explained;
+        }
+        assert!(Instant::now() < deadline, "{explained}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let model = &explained["ttft_model"];
+    assert_eq!(model["learning"], true, "{explained}");
+    assert_eq!(
+        model["configured"]["prefill_us_per_token"].as_f64(),
+        Some(configured_us),
+        "{model}"
+    );
+    let learned_us = model["learned"]["prefill_us_per_token"].as_f64().unwrap();
+    assert!(
+        (learned_us / measured_us - 1.0).abs() < 0.25,
+        "learned {learned_us:.1} µs per token, measured {measured_us:.1} µs, configured {configured_us}: {model}"
+    );
+    let error = model["typical_error"].as_f64().unwrap();
+    println!(
+        "per prompt token: configured {configured_us} µs, measured {measured_us:.1} µs, learned {learned_us:.1} µs; typical error {error:.3}"
+    );
+    assert!(error < 0.4, "{model}");
+    // The worker's last answer: predicted and observed side by side.
+    let last = &explained["scores"][0]["last_answer"];
+    assert!(
+        last["predicted_ttft_ms"].as_f64().unwrap() > 0.0
+            && last["observed_ttft_ms"].as_f64().unwrap() > 0.0,
+        "{explained}"
+    );
+    // And /metrics, for dashboards.
+    let metrics = proxy.metrics().await;
+    let gauge = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("switchyard_pool_ttft_model_seconds{")
+                && l.contains("term=\"per_prefill_token\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no TTFT model in:\n{metrics}"));
+    assert!((gauge * 1e6 / learned_us - 1.0).abs() < 0.3, "{gauge}");
+    assert!(metrics.contains("switchyard_pool_ttft_model_error{pool=\"default/sim\"}"));
+}
