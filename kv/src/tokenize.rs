@@ -261,10 +261,23 @@ fn cut_points(text: &str, min_bytes: usize) -> Vec<usize> {
 /// [`next_word_cut`]). The cuts depend only on the text before them, so two prompts that share a
 /// prefix are cut alike up to where they differ, and their shared pieces are tokenized once.
 fn segment_cuts(text: &str, min_bytes: usize, words: bool) -> Vec<usize> {
+    segment_cuts_until(text, min_bytes, words, usize::MAX)
+}
+
+/// The first of `text`'s segment cuts (with word cuts, see [`segment_cuts`]) at or after `from`.
+fn segment_cut_from(text: &str, min_bytes: usize, from: usize) -> Option<usize> {
+    segment_cuts_until(text, min_bytes, true, from)
+        .last()
+        .copied()
+        .filter(|cut| *cut >= from)
+}
+
+/// [`segment_cuts`], stopping after the first cut at or after `until`.
+fn segment_cuts_until(text: &str, min_bytes: usize, words: bool, until: usize) -> Vec<usize> {
     let bytes = text.as_bytes();
     let mut cuts = Vec::new();
     let mut at = min_bytes.max(1);
-    while at < bytes.len() {
+    while at < bytes.len() && cuts.last().is_none_or(|cut| *cut < until) {
         let next_char = || text.get(at..).and_then(|rest| rest.chars().next());
         let after_line = bytes.get(at - 1) == Some(&b'\n')
             && text.is_char_boundary(at)
@@ -412,7 +425,15 @@ impl PromptTokenizer {
         // Generous bytes per token; doubled while the head falls short.
         let mut bytes = min_tokens.saturating_mul(6).max(64);
         loop {
-            let Some(cut) = next_word_cut(text, bytes) else {
+            // With the segment cache, the head ends where a piece of the whole ends: every piece
+            // of a prompt seen before (a shared system prompt) then comes from the cache, the
+            // head's last one included, and growing the head costs no tokenizing.
+            let cut = if self.segments.is_some() {
+                segment_cut_from(text, MIN_SEGMENT_BYTES, bytes)
+            } else {
+                next_word_cut(text, bytes)
+            };
+            let Some(cut) = cut else {
                 return Ok((self.encode(text)?, text.len()));
             };
             let head = text.get(..cut).unwrap_or(text);
@@ -540,8 +561,14 @@ impl PromptTokenizer {
             }
             start = cut;
         }
-        // The last piece is usually the new part (the question, the latest turn): not kept.
-        out.extend(self.encode_whole(text.get(start..).unwrap_or_default())?);
+        // The last piece is usually the new part (the question, the latest turn): not kept; but
+        // a head that ends where a piece of its whole ended may find it.
+        let last = text.get(start..).unwrap_or_default();
+        let key = xxhash_rust::xxh3::xxh3_64_with_seed(last.as_bytes(), last.len() as u64);
+        match cache.get(key) {
+            Some(tokens) => out.extend_from_slice(&tokens),
+            None => out.extend(self.encode_whole(last)?),
+        }
         Ok(out)
     }
 
@@ -613,6 +640,18 @@ mod tests {
             tokenizer.encode_head("hi there", 64).unwrap(),
             (tokenizer.encode("hi there").unwrap(), 8)
         );
+        // Heads end where the whole's pieces end, so a prompt seen before is read from the
+        // segment cache however far its head grows.
+        let whole_cuts = segment_cuts(&text, MIN_SEGMENT_BYTES, true);
+        for want in [1, 300, 1000] {
+            let (_, bytes) = tokenizer.encode_head(&text, want).unwrap();
+            assert!(whole_cuts.contains(&bytes), "{want}: {bytes}");
+            assert_eq!(
+                segment_cut_from(&text, MIN_SEGMENT_BYTES, bytes),
+                Some(bytes)
+            );
+        }
+        assert_eq!(segment_cut_from(&text, MIN_SEGMENT_BYTES, text.len()), None);
     }
 
     #[test]
