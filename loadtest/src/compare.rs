@@ -200,6 +200,8 @@ pub struct RunConfig {
     pub learn_coefficients: bool,
     /// Switchyard's pool is configured with the default coefficients times this (a wrong model).
     pub scoring_error: f64,
+    /// Switchyard's pool's `scoring.tieToleranceMicros` (`None`: the default).
+    pub tie_tolerance_us: Option<u32>,
     /// `switchyard-2`: how often each replica reads the other's ledger (`--peer-interval-ms`;
     /// 0: the replicas do not read each other).
     pub peer_interval_ms: u64,
@@ -397,7 +399,7 @@ async fn start_router(
                 })
                 .collect();
             let yaml = format!(
-                "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  loadBalancing: {policy}\n  blockSize: {block_size}\n  scrapeIntervalMs: 100\n  scoring: {{learnWorkerSpeed: {learn}, learnCoefficients: {learn_coefficients}, prefillMicrosPerToken: {prefill}, runningRequestMicros: {running}}}\n  endpoints: [{endpoints}]\n---\n\
+                "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  loadBalancing: {policy}\n  blockSize: {block_size}\n  scrapeIntervalMs: 100\n  scoring: {{learnWorkerSpeed: {learn}, learnCoefficients: {learn_coefficients}, prefillMicrosPerToken: {prefill}, runningRequestMicros: {running}{tie}}}\n  endpoints: [{endpoints}]\n---\n\
                  apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: bench}}\nspec:\n  modelName: \"{model}\"\n  targets: [{{pool: sim}}]\n",
                 model = sim.model,
                 block_size = config.block_size,
@@ -405,6 +407,10 @@ async fn start_router(
                 learn_coefficients = config.learn_coefficients,
                 prefill = (300.0 * config.scoring_error).round() as u32,
                 running = (500.0 * config.scoring_error).round() as u32,
+                tie = config
+                    .tie_tolerance_us
+                    .map(|us| format!(", tieToleranceMicros: {us}"))
+                    .unwrap_or_default(),
                 endpoints = endpoints.join(", ")
             );
             let path = dir.join(format!("{}.yaml", router.name()));

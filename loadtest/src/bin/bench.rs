@@ -172,6 +172,9 @@ struct CompareArgs {
     /// model 2x off), to measure what learning them is worth.
     #[arg(long, default_value_t = 1.0)]
     scoring_error: f64,
+    /// Switchyard's pool's `scoring.tieToleranceMicros` (default: the pool's default, 5,000).
+    #[arg(long)]
+    tie_tolerance_us: Option<u32>,
     /// switchyard-2: how often each replica reads the other's routing ledger, in wall
     /// milliseconds (the proxy's `--peer-interval-ms`). Default: the proxy's 100 ms of model
     /// time, i.e. 100 x --time-scale (20 ms at 0.2): at 100 ms of wall time a read would be
@@ -579,6 +582,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 learn_worker_speed: args.learn_worker_speed,
                 learn_coefficients: !args.no_learn_coefficients,
                 scoring_error: args.scoring_error,
+                tie_tolerance_us: args.tie_tolerance_us,
                 peer_interval_ms: args
                     .peer_interval_ms
                     .unwrap_or(((100.0 * args.time_scale).round() as u64).max(1)),

@@ -1,9 +1,10 @@
 //! What `/metrics` reads when scraped from state kept elsewhere: prefix indexes, KV event
 //! streams, routing decisions, worker queues, the configuration version.
 
+use switchyard_snapshot::snapshot::LoadBalancing;
+
 use super::*;
 use crate::calibration::Coefficients;
-use switchyard_snapshot::snapshot::LoadBalancing;
 
 /// Exports, when scraped, the state kept elsewhere: per pool its prefix index and routing
 /// decisions, per worker its KV event stream and queues, and the configuration version.
