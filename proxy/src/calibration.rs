@@ -245,11 +245,7 @@ impl FilterState {
         let mean = configured.to_state();
         let prior_sd = [FIXED_PRIOR_S, mean[1].max(1e-3), mean[2].max(1e-3)];
         let mut covariance = [[0.0; 3]; 3];
-        for (i, row) in covariance.iter_mut().enumerate() {
-            if let (Some(cell), Some(sd)) = (row.get_mut(i), prior_sd.get(i)) {
-                *cell = sd * sd;
-            }
-        }
+        add_to_diagonal(&mut covariance, prior_sd.map(|sd| sd * sd));
         FilterState {
             configured,
             mean,
@@ -277,11 +273,10 @@ impl FilterState {
         ];
         let y = observation.ttft_s;
         let dot = |a: &[f64; 3], b: &[f64; 3]| a.iter().zip(b).map(|(a, b)| a * b).sum::<f64>();
-        for (i, row) in self.covariance.iter_mut().enumerate() {
-            if let (Some(cell), Some(sd)) = (row.get_mut(i), self.prior_sd.get(i)) {
-                *cell += (DRIFT * sd).powi(2);
-            }
-        }
+        add_to_diagonal(
+            &mut self.covariance,
+            self.prior_sd.map(|sd| (DRIFT * sd).powi(2)),
+        );
         let predicted = dot(&self.mean, &x);
         if predicted > OBSERVATION_FLOOR_S / 10.0 {
             let miss = (y / predicted).ln().abs();
@@ -314,6 +309,15 @@ impl FilterState {
         );
         *running = running.clamp(0.0, (configured_running * COEFFICIENT_RANGE).max(1e-2));
         self.observations += 1;
+    }
+}
+
+/// Add `values` to the diagonal of `matrix`.
+fn add_to_diagonal(matrix: &mut [[f64; 3]; 3], values: [f64; 3]) {
+    for (i, (row, value)) in matrix.iter_mut().zip(values).enumerate() {
+        if let Some(cell) = row.get_mut(i) {
+            *cell += value;
+        }
     }
 }
 

@@ -161,6 +161,25 @@ impl Proxy {
             .expect("/metrics body")
     }
 
+    /// The routing the proxy would do for the chat request `body`, as the tenant of `key` when
+    /// given, without sending it (`POST /debug/route/v1/chat/completions`, which must answer 200).
+    pub async fn debug_route(
+        &self,
+        key: Option<&str>,
+        body: &serde_json::Value,
+    ) -> serde_json::Value {
+        let mut request = reqwest::Client::new().post(format!(
+            "{}/debug/route/v1/chat/completions",
+            self.admin_url()
+        ));
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
+        }
+        let response = request.json(body).send().await.expect("POST /debug/route");
+        assert_eq!(response.status(), 200);
+        response.json().await.expect("/debug/route body")
+    }
+
     /// The snapshot version `/ready` reports.
     pub async fn config_version(&self) -> u64 {
         let ready: serde_json::Value = reqwest::get(format!("{}/ready", self.url()))

@@ -19,7 +19,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::serve::ListenerExt;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde_json::Value;
@@ -134,12 +133,8 @@ pub async fn start(
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
         .await
         .with_context(|| format!("listening on 127.0.0.1:{port}"))?;
-    // As the gateways they stand for (and the simulated workers) do.
-    let listener = listener.tap_io(|stream| {
-        if let Err(error) = stream.set_nodelay(true) {
-            tracing::debug!(%error, "TCP_NODELAY not set on an accepted connection");
-        }
-    });
+    // TCP_NODELAY, as the gateways they stand for (and the simulated workers) set it.
+    let listener = crate::sim::nodelay(listener);
     let app = proxy::router(urls, policy);
     tasks.push(tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, app).await {

@@ -1086,7 +1086,8 @@ mod tests {
         assert!(
             !metrics.contains("vllm:num_preemptions_total{model_name=\"m\",engine=\"0\"} 0"),
             "{metrics}"
-        ); // The cache size a router reads, as vLLM's info gauge labels it (null block included).
+        );
+        // The cache size a router reads, as vLLM's info gauge labels it (null block included).
         assert!(
             metrics.contains("block_size=\"4\"") && metrics.contains("num_gpu_blocks=\"7\""),
             "{metrics}"

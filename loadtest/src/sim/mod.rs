@@ -98,16 +98,8 @@ pub async fn start_worker(
         addr: config.listen,
         source,
     })?;
-    // vLLM's server (uvicorn on asyncio) sets TCP_NODELAY on every connection; without it a
-    // stream's first token waits behind the response head for the gateway's delayed ACK (40 ms
-    // on a reused connection), which vLLM never does.
-    let listener = listener.tap_io(|stream| {
-        if let Err(error) = stream.set_nodelay(true) {
-            tracing::debug!(%error, "TCP_NODELAY not set on an accepted connection");
-        }
-    });
     tokio::spawn(async move {
-        if let Err(error) = axum::serve(listener, http::router(worker)).await {
+        if let Err(error) = axum::serve(nodelay(listener), http::router(worker)).await {
             tracing::error!(%error, "simulated worker HTTP server stopped");
         }
     });
@@ -119,4 +111,17 @@ pub async fn start_worker(
         },
         engine,
     ))
+}
+
+/// `listener` with TCP_NODELAY set on every connection it accepts, as vLLM's server (uvicorn on
+/// asyncio) sets it: without it a stream's first token waits behind the response head for the
+/// client's delayed ACK (~40 ms on a reused connection), which vLLM never does.
+pub(crate) fn nodelay(
+    listener: tokio::net::TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = SocketAddr> {
+    listener.tap_io(|stream| {
+        if let Err(error) = stream.set_nodelay(true) {
+            tracing::debug!(%error, "TCP_NODELAY not set on an accepted connection");
+        }
+    })
 }

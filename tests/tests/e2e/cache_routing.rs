@@ -30,21 +30,7 @@ fn chat(model: &str, system: &str, question: &str) -> Value {
 
 /// The routing the proxy would do for `body`, without sending it.
 async fn explain(proxy: &Proxy, body: &Value) -> Value {
-    explain_with_key(proxy, None, body).await
-}
-
-/// [`explain`] as the tenant of `key`, when given.
-async fn explain_with_key(proxy: &Proxy, key: Option<&str>, body: &Value) -> Value {
-    let mut request = reqwest::Client::new().post(format!(
-        "{}/debug/route/v1/chat/completions",
-        proxy.admin_url()
-    ));
-    if let Some(key) = key {
-        request = request.bearer_auth(key);
-    }
-    let response = request.json(body).send().await.unwrap();
-    assert_eq!(response.status(), 200);
-    response.json().await.unwrap()
+    proxy.debug_route(None, body).await
 }
 
 /// One figure of `worker`'s score in an explanation (0 when the worker is not scored).
@@ -534,7 +520,7 @@ async fn an_isolated_tenant_keeps_its_cache_to_itself_and_routing_stays_cache_aw
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut resend = Instant::now() + Duration::from_secs(2);
     while matched(
-        &explain_with_key(&proxy, Some("key-private"), &prompt).await,
+        &proxy.debug_route(Some("key-private"), &prompt).await,
         &worker.http,
     ) < 10
     {
@@ -557,7 +543,7 @@ async fn an_isolated_tenant_keeps_its_cache_to_itself_and_routing_stays_cache_aw
     // explanation nor hits it on the worker (no timing signal either).
     assert_eq!(
         matched(
-            &explain_with_key(&proxy, Some("key-other"), &prompt).await,
+            &proxy.debug_route(Some("key-other"), &prompt).await,
             &worker.http
         ),
         0

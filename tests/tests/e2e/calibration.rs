@@ -48,22 +48,6 @@ async fn streamed(base: &str, model: &str, content: &str) -> (f64, u64) {
     (first.unwrap(), prompt_tokens)
 }
 
-/// The proxy's routing explanation for a small request (`/debug/route`).
-async fn route(proxy: &Proxy) -> Value {
-    reqwest::Client::new()
-        .post(format!(
-            "{}/debug/route/v1/chat/completions",
-            proxy.admin_url()
-        ))
-        .json(&json!({"model": "default", "messages": [{"role": "user", "content": "hi"}]}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 /// Least-squares slope of `y` on `x`.
 fn slope(points: &[(f64, f64)]) -> f64 {
     let n = points.len() as f64;
@@ -134,7 +118,12 @@ async fn a_pool_configured_2x_off_learns_its_workers_ttft_from_answers() {
     // Every streamed answer was learned from (the usage of the last may still be on its way).
     let deadline = Instant::now() + Duration::from_secs(5);
     let explained = loop {
-        let explained = route(&proxy).await;
+        let explained = proxy
+            .debug_route(
+                None,
+                &json!({"model": "default", "messages": [{"role": "user", "content": "hi"}]}),
+            )
+            .await;
         if explained["ttft_model"]["observations"].as_u64() >= Some(48) {
             break explained;
         }

@@ -233,18 +233,7 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
 
 /// The routing figures `proxy` would use for `worker` now (`/debug/route`, nothing sent).
 async fn scored(proxy: &Proxy, worker: &str) -> (u64, u64) {
-    let explained: serde_json::Value = reqwest::Client::new()
-        .post(format!(
-            "{}/debug/route/v1/chat/completions",
-            proxy.admin_url()
-        ))
-        .json(&body("gated", true))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let explained = proxy.debug_route(None, &body("gated", true)).await;
     let score = explained["scores"]
         .as_array()
         .unwrap()
