@@ -422,12 +422,13 @@ impl PromptTokenizer {
         if !self.cuts_words() {
             return Ok((self.encode(text)?, text.len()));
         }
-        // Generous bytes per token; doubled while the head falls short.
+        // Generous bytes per token at first; then what the head so far measured, with a margin.
         let mut bytes = min_tokens.saturating_mul(6).max(64);
         loop {
-            // With the segment cache, the head ends where a piece of the whole ends: every piece
-            // of a prompt seen before (a shared system prompt) then comes from the cache, the
-            // head's last one included, and growing the head costs no tokenizing.
+            // With the segment cache, the head ends where a piece of the whole ends, and all of
+            // its pieces are kept: every piece of a prompt seen before (a shared system prompt)
+            // then comes from the cache, the head's last one included, and growing a head (or
+            // tokenizing the whole later) tokenizes only what the head did not cover.
             let cut = if self.segments.is_some() {
                 segment_cut_from(text, MIN_SEGMENT_BYTES, bytes)
             } else {
@@ -437,11 +438,13 @@ impl PromptTokenizer {
                 return Ok((self.encode(text)?, text.len()));
             };
             let head = text.get(..cut).unwrap_or(text);
-            let tokens = self.encode(head)?;
+            let tokens = self.encode_pieces(head, true)?;
             if tokens.len() >= min_tokens {
                 return Ok((tokens, cut));
             }
-            bytes = cut.saturating_mul(2);
+            let per_token = cut as f64 / tokens.len().max(1) as f64;
+            let wanted = (min_tokens as f64 * per_token * 1.1).ceil() as usize;
+            bytes = wanted.max(cut + 1);
         }
     }
 
@@ -539,6 +542,12 @@ impl PromptTokenizer {
     /// Token ids of `text` (no special tokens added: templates carry their own). Pieces seen
     /// before come from the segment cache; the result is the same either way.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_pieces(text, false)
+    }
+
+    /// [`Self::encode`]; `ends_on_cut`: `text` ends where its whole has a segment cut (a head,
+    /// see [`Self::encode_head`]), so its last piece is a piece of the whole and is kept too.
+    fn encode_pieces(&self, text: &str, ends_on_cut: bool) -> Result<Vec<u32>, TokenizeError> {
         let Some(cache) = &self.segments else {
             return self.encode_whole(text);
         };
@@ -567,7 +576,13 @@ impl PromptTokenizer {
         let key = xxhash_rust::xxh3::xxh3_64_with_seed(last.as_bytes(), last.len() as u64);
         match cache.get(key) {
             Some(tokens) => out.extend_from_slice(&tokens),
-            None => out.extend(self.encode_whole(last)?),
+            None => {
+                let tokens = self.encode_whole(last)?;
+                if ends_on_cut {
+                    cache.put(key, &tokens);
+                }
+                out.extend(tokens);
+            }
         }
         Ok(out)
     }
@@ -652,6 +667,38 @@ mod tests {
             );
         }
         assert_eq!(segment_cut_from(&text, MIN_SEGMENT_BYTES, text.len()), None);
+    }
+
+    #[test]
+    fn a_head_keeps_its_pieces_and_grows_by_what_it_measured() {
+        let tokenizer = shipped();
+        let cached = |t: &PromptTokenizer| {
+            t.segments
+                .as_ref()
+                .map(|s| s.entries.lock().unwrap().tokens)
+                .unwrap()
+        };
+        assert_eq!(cached(&tokenizer), 0);
+        // Long words: fewer tokens per byte than the first guess, so the head grows.
+        let letter = |n: usize| char::from(b'a' + (n % 26) as u8);
+        let text: String = (0..3000)
+            .map(|i| format!("internationalization{}{} ", letter(i / 26), letter(i)))
+            .collect();
+        let (head, bytes) = tokenizer.encode_head(&text, 1000).unwrap();
+        assert!(bytes < text.len());
+        // Grown by the bytes per token it measured, not doubled.
+        assert!(head.len() >= 1000 && head.len() < 1300, "{}", head.len());
+        // Every piece of the head is kept, its last one included: the whole tokenizes only
+        // what the head did not cover, and the same head again tokenizes nothing.
+        assert_eq!(cached(&tokenizer), head.len());
+        assert_eq!(
+            tokenizer.encode_head(&text, 1000).unwrap(),
+            (head.clone(), bytes)
+        );
+        assert_eq!(cached(&tokenizer), head.len());
+        let whole = tokenizer.encode(&text).unwrap();
+        assert_eq!(whole, tokenizer.encode_whole(&text).unwrap());
+        assert_eq!(whole[..head.len()], head[..]);
     }
 
     #[test]

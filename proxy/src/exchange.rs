@@ -8,7 +8,6 @@
 //! the upstream request's head must say.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -19,6 +18,7 @@ use switchyard_snapshot::snapshot::{Backend, LoadBalancing, ProviderFormat};
 use crate::accounting::{Usage, UsageTap};
 use crate::answer::{self, Answer};
 use crate::api::{ApiError, Endpoint, ErrorKind};
+use crate::background;
 use crate::calibration::{Coefficients, Observation};
 use crate::headers;
 use crate::kv::Prediction;
@@ -63,6 +63,9 @@ pub struct Attempt {
     /// What the scorer predicted for this streamed attempt: its first token and its usage
     /// teach the worker's speed and the pool's coefficients.
     pub ttft: Option<TtftProbe>,
+    /// The prompt was routed by its head: the whole is tokenized once the worker has
+    /// prefilled it (see [`finish_prompt`]).
+    pub unfinished: Option<Arc<Unfinished>>,
 }
 
 /// A streamed attempt's prediction, waiting for what happens.
@@ -126,6 +129,7 @@ impl Attempt {
         self.pending = None;
         self.kv = None;
         self.prediction = None;
+        self.unfinished = None;
     }
 }
 
@@ -379,9 +383,7 @@ impl Exchange {
                     .clone()
                     .filter(|_| attempt.tried.len() == 1);
                 let prediction = pool.kv.predictions.add(*slot, prompt);
-                if let Some(unfinished) = unfinished {
-                    finish_prompt(&pool, &prediction, unfinished);
-                }
+                attempt.unfinished = unfinished;
                 Some(prediction)
             }
             _ => None,
@@ -587,6 +589,13 @@ impl Exchange {
         // vLLM streams nothing before the first token: the prefill is done, and the worker's
         // queue no longer holds it (decoding is counted by `current`).
         self.attempt.pending = None;
+        if let (Some(unfinished), Some(prediction), Some(pool)) = (
+            self.attempt.unfinished.take(),
+            self.attempt.prediction.as_ref(),
+            self.plan.target.pool(),
+        ) {
+            finish_prompt(pool, prediction, unfinished);
+        }
         match self.attempt.ttft.as_mut() {
             Some(probe) if status < 400 => probe.first_token(),
             _ => self.attempt.ttft = None,
@@ -649,38 +658,30 @@ impl Exchange {
     }
 }
 
-/// Tokenize the whole of a prompt routed by its head, on the blocking pool, and predict all of
-/// its blocks on the chosen worker: a request that shares more of it, sent before the worker's
-/// KV events arrive, then finds it there.
-/// Bounded: past [`MAX_FINISHING`] at once, a prompt keeps its head's prediction (the work is
-/// an optimisation, not owed to the request, and must not crowd the blocking pool).
+/// Tokenize the whole of a prompt routed by its head, once its worker has prefilled it, on the
+/// low-priority background threads: its pieces are then in the segment cache for what follows
+/// it (the next turn of a conversation), and its prediction holds all of its blocks. A request
+/// that shares the prompt while it is still being prefilled does not wait for this: it has the
+/// prompt tokenized whole itself, when it needs it ([`crate::kv::PoolKv::holds_all`]). Neither
+/// the request's own path nor its prefill's window pays for work that, for a prompt nobody
+/// shares, is never used.
+/// Bounded: when the background queue is full, a prompt keeps its head's prediction.
 fn finish_prompt(pool: &Arc<PoolRuntime>, prediction: &Prediction, unfinished: Arc<Unfinished>) {
-    let (Some(tokenizer), Ok(runtime)) = (
-        pool.tokenizer.clone(),
-        tokio::runtime::Handle::try_current(),
-    ) else {
+    let (Some(tokenizer), Some(background)) = (pool.tokenizer.clone(), background::prompts())
+    else {
         return;
     };
-    if FINISHING.fetch_add(1, Ordering::AcqRel) >= MAX_FINISHING {
-        FINISHING.fetch_sub(1, Ordering::AcqRel);
-        return;
-    }
     let kv = pool.kv.clone();
     let (predictions, id) = prediction.handle();
-    runtime.spawn_blocking(move || {
+    background.try_run(move || {
         // The request may be over already: then nobody needs the whole.
         if predictions.contains(id)
             && let Some(whole) = prompt::finish(&tokenizer, &kv.prompts, &unfinished)
         {
             predictions.finish(id, whole);
         }
-        FINISHING.fetch_sub(1, Ordering::AcqRel);
     });
 }
-
-/// Prompts being tokenized whole at once, at most (see [`finish_prompt`]).
-const MAX_FINISHING: usize = 4;
-static FINISHING: AtomicUsize = AtomicUsize::new(0);
 
 #[cfg(test)]
 mod tests;

@@ -72,6 +72,39 @@ impl Predictions {
         }
     }
 
+    /// Finish, with `whole`, every prediction known only by its head when `request` runs past
+    /// that head and shares all of it: only then can the rest of that prompt matter to
+    /// routing, and it is tokenized for the first request that needs it, not for every prompt.
+    /// `whole` runs without the lock; a prediction whose request ended meanwhile is skipped.
+    pub fn finish_under(
+        &self,
+        request: &[switchyard_kv::hash::SequenceHash],
+        whole: impl Fn(&crate::prompt::Unfinished) -> Option<Arc<crate::prompt::PromptInfo>>,
+    ) {
+        let wanted: Vec<(u64, Arc<crate::prompt::Unfinished>)> = lock(&self.entries)
+            .iter()
+            .filter_map(|(id, _, prompt)| {
+                let unfinished = prompt.unfinished.as_ref()?;
+                let head = &prompt.hashes;
+                (head.len() < request.len() && request.starts_with(head))
+                    .then(|| (*id, unfinished.clone()))
+            })
+            .collect();
+        let mut done: Vec<(&crate::prompt::Unfinished, Arc<crate::prompt::PromptInfo>)> =
+            Vec::new();
+        for (id, unfinished) in &wanted {
+            // Two requests in flight with the same prompt need it tokenized once.
+            let known = done
+                .iter()
+                .find(|(u, _)| **u == **unfinished)
+                .map(|(_, info)| info.clone());
+            if let Some(info) = known.or_else(|| whole(unfinished)) {
+                self.finish(*id, info.clone());
+                done.push((unfinished, info));
+            }
+        }
+    }
+
     /// Raise each worker's depth in `overlap` to the longest prefix of `request` it was sent.
     pub fn raise(
         &self,
@@ -179,6 +212,23 @@ impl PoolKv {
             .overlap_into(hashes, self.slot_count(), &mut overlap);
         self.predictions.raise(hashes, &mut overlap);
         overlap
+    }
+
+    /// Whether some worker holds (or is being sent) every one of `hashes`. A request in flight
+    /// known only by its head, which `hashes` share and run past, is tokenized whole first
+    /// (see [`Predictions::finish_under`]): it may hold more of them.
+    pub fn holds_all(
+        &self,
+        hashes: &[switchyard_kv::hash::SequenceHash],
+        tokenizer: &switchyard_kv::tokenize::PromptTokenizer,
+    ) -> bool {
+        if hashes.is_empty() {
+            return false;
+        }
+        self.predictions.finish_under(hashes, |unfinished| {
+            crate::prompt::finish(tokenizer, &self.prompts, unfinished)
+        });
+        self.overlap(hashes).deepest() as usize >= hashes.len()
     }
 
     pub fn slot_count(&self) -> usize {

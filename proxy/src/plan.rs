@@ -425,10 +425,7 @@ pub fn analyse_prompt(
     let tokenizer = pool.tokenizer.as_ref()?;
     let kv = &pool.kv;
     let block_size = kv.index.block_size();
-    // Whether some worker holds (or is being sent) every one of these blocks.
-    let held = |hashes: &[switchyard_kv::hash::SequenceHash]| {
-        !hashes.is_empty() && kv.overlap(hashes).deepest() as usize >= hashes.len()
-    };
+    let held = |hashes: &[switchyard_kv::hash::SequenceHash]| kv.holds_all(hashes, tokenizer);
     match prompt::analyse(
         tokenizer,
         &kv.prompts,

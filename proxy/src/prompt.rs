@@ -381,6 +381,75 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_in_flight_is_tokenized_whole_when_a_later_one_shares_its_head() {
+        use crate::kv::KvRegistry;
+        use switchyard_kv::index::WorkerId;
+        let tokenizer = PromptTokenizer::shipped().unwrap();
+        let kv =
+            KvRegistry::default().pool(&switchyard_snapshot::snapshot::PoolId::new("ns", "p"), 16);
+        let system: String = (0..800)
+            .map(|i| format!("river{i} mountain garden "))
+            .collect();
+        let chat = |system: &str, question: &str| {
+            serde_json::json!({"model": "m", "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question}]})
+            .to_string()
+        };
+        let analysed = |body: &str| {
+            let parsed = crate::wire::parse(body.as_bytes()).unwrap();
+            let held = |hashes: &[SequenceHash]| kv.holds_all(hashes, &tokenizer);
+            analyse(
+                &tokenizer,
+                &kv.prompts,
+                Endpoint::ChatCompletions,
+                &parsed,
+                16,
+                None,
+                &held,
+            )
+            .unwrap()
+        };
+        // Two prompts nobody holds, sent to workers 0 and 1: known by their heads only.
+        let first = analysed(&chat(&system, "What is first?"));
+        let lakes: String = (0..800).map(|i| format!("lake{i} valley stone ")).collect();
+        let other = analysed(&chat(&lakes, "Hello?"));
+        assert!(first.unfinished.is_some() && other.unfinished.is_some());
+        let _first = kv.predictions.add(WorkerId(0), first.clone());
+        let _other = kv.predictions.add(WorkerId(1), other.clone());
+        // A second request with the first's system prompt, before any KV event: the first is
+        // tokenized whole for it, so it matches the whole system prompt on worker 0.
+        let second = analysed(&chat(&system, "And what is second?"));
+        let system_blocks = tokenizer.encode(&system).unwrap().len() / 16;
+        let overlap = kv.overlap(&second.hashes);
+        assert!(
+            overlap.depth(WorkerId(0)) as usize >= system_blocks,
+            "{} of {system_blocks}",
+            overlap.depth(WorkerId(0))
+        );
+        assert!(second.hashes.len() > first.hashes.len() * 4);
+        // The prompt it shares nothing with stays a head.
+        let mut unrelated = switchyard_kv::index::Overlap::default();
+        kv.predictions.raise(&other.hashes, &mut unrelated);
+        assert_eq!(unrelated.depth(WorkerId(1)) as usize, other.hashes.len());
+        let tokenized = std::cell::Cell::new(0);
+        kv.predictions.finish_under(
+            &[other.hashes.clone(), vec![SequenceHash(1)]].concat(),
+            |u| {
+                tokenized.set(tokenized.get() + 1);
+                finish(&tokenizer, &kv.prompts, u)
+            },
+        );
+        assert_eq!(tokenized.get(), 1, "the other prompt is still only a head");
+        // Nothing is tokenized for a request that does not run past a head.
+        kv.predictions.finish_under(&first.hashes, |_| {
+            tokenized.set(tokenized.get() + 1);
+            None
+        });
+        assert_eq!(tokenized.get(), 1);
+    }
+
+    #[test]
     fn worker_salts_keep_tenants_and_clients_apart() {
         let tenant = |name: &str, isolated: bool| Tenant {
             name: name.into(),
