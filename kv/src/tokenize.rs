@@ -234,6 +234,11 @@ impl SegmentCache {
     }
 }
 
+/// The segment cache's key of a piece of text.
+fn piece_key(piece: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(piece.as_bytes(), piece.len() as u64)
+}
+
 /// Byte offsets where `text` may be cut (see [`SegmentCache`]), at least `min_bytes` apart.
 fn cut_points(text: &str, min_bytes: usize) -> Vec<usize> {
     let bytes = text.as_bytes();
@@ -448,6 +453,39 @@ impl PromptTokenizer {
         }
     }
 
+    /// Extend a head of `text` ([`Self::encode_head`]: its `tokens`, ending at byte `bytes`)
+    /// through the pieces after it that the segment cache holds, in order, up to the first it
+    /// does not: text seen before (a shared system prompt, earlier turns) costs lookups, not
+    /// tokenizing. Whether it grew.
+    pub fn extend_cached(&self, text: &str, tokens: &mut Vec<u32>, bytes: &mut usize) -> bool {
+        let Some(cache) = &self.segments else {
+            return false;
+        };
+        if !self.cuts_words() || *bytes >= text.len() {
+            return false;
+        }
+        let cuts = segment_cuts(text, MIN_SEGMENT_BYTES, true);
+        // Only from one of the whole's cuts do its pieces follow.
+        if !cuts.contains(bytes) {
+            return false;
+        }
+        let start = *bytes;
+        let ends = cuts
+            .iter()
+            .copied()
+            .filter(|cut| *cut > start)
+            .chain(std::iter::once(text.len()));
+        for end in ends {
+            let Some(tokens_of_piece) = text.get(*bytes..end).and_then(|p| cache.get(piece_key(p)))
+            else {
+                break;
+            };
+            tokens.extend_from_slice(&tokens_of_piece);
+            *bytes = end;
+        }
+        *bytes > start
+    }
+
     /// Whether texts are cut between words (see [`PromptTokenizer::encode_head`]).
     pub fn cuts_words(&self) -> bool {
         self.word_cuts.load(std::sync::atomic::Ordering::Relaxed)
@@ -559,7 +597,7 @@ impl PromptTokenizer {
         let mut start = 0;
         for cut in cuts {
             let piece = text.get(start..cut).unwrap_or_default();
-            let key = xxhash_rust::xxh3::xxh3_64_with_seed(piece.as_bytes(), piece.len() as u64);
+            let key = piece_key(piece);
             match cache.get(key) {
                 Some(tokens) => out.extend_from_slice(&tokens),
                 None => {
@@ -573,7 +611,7 @@ impl PromptTokenizer {
         // The last piece is usually the new part (the question, the latest turn): not kept; but
         // a head that ends where a piece of its whole ended may find it.
         let last = text.get(start..).unwrap_or_default();
-        let key = xxhash_rust::xxh3::xxh3_64_with_seed(last.as_bytes(), last.len() as u64);
+        let key = piece_key(last);
         match cache.get(key) {
             Some(tokens) => out.extend_from_slice(&tokens),
             None => {
@@ -699,6 +737,44 @@ mod tests {
         let whole = tokenizer.encode(&text).unwrap();
         assert_eq!(whole, tokenizer.encode_whole(&text).unwrap());
         assert_eq!(whole[..head.len()], head[..]);
+    }
+
+    #[test]
+    fn a_head_extends_through_the_pieces_seen_before() {
+        let tokenizer = shipped();
+        let shared: String = (0..500).map(|i| format!("river{i} mountain ")).collect();
+        let unique =
+            |tag: &str| -> String { (0..500).map(|i| format!("{tag}{i} garden ")).collect() };
+        let (a, b) = (
+            format!("{shared}{}", unique("lake")),
+            format!("{shared}{}", unique("stone")),
+        );
+        // Nothing seen yet: nothing to extend through.
+        let (mut tokens, mut bytes) = tokenizer.encode_head(&b, 64).unwrap();
+        let first = (tokens.clone(), bytes);
+        assert!(!tokenizer.extend_cached(&b, &mut tokens, &mut bytes));
+        assert_eq!((tokens, bytes), first);
+        // Once `a` is tokenized, `b`'s head runs through the pieces they share for free, stops
+        // where `b`'s own text begins, and is still exactly the start of `b`'s tokens.
+        tokenizer.encode(&a).unwrap();
+        let (mut tokens, mut bytes) = tokenizer.encode_head(&b, 64).unwrap();
+        assert!(tokenizer.extend_cached(&b, &mut tokens, &mut bytes));
+        assert!(
+            bytes > shared.len() - 2 * MIN_SEGMENT_BYTES && bytes <= shared.len(),
+            "{bytes}"
+        );
+        let whole = tokenizer.encode_whole(&b).unwrap();
+        assert_eq!(tokens, whole[..tokens.len()]);
+        // A text seen whole extends through its own pieces too (all but its last, which
+        // `encode` does not keep: the part of a prompt that is usually new).
+        let (mut tokens, mut bytes) = tokenizer.encode_head(&a, 64).unwrap();
+        assert!(tokenizer.extend_cached(&a, &mut tokens, &mut bytes));
+        assert!(
+            bytes > a.len() - 2 * MIN_SEGMENT_BYTES,
+            "{bytes} of {}",
+            a.len()
+        );
+        assert_eq!(tokens, tokenizer.encode_whole(&a).unwrap()[..tokens.len()]);
     }
 
     #[test]

@@ -48,7 +48,8 @@ pub struct Unfinished {
 }
 
 /// Tokens (at least two blocks) tokenized at first, enough to estimate the rest by its bytes;
-/// the head grows fourfold while some worker holds all of it.
+/// while some worker holds all of it, the head grows through the text seen before (free), then
+/// by one piece past it, or fourfold when nothing new was seen.
 const FIRST_HEAD_TOKENS: usize = 256;
 
 /// Entries by key, and keys in insertion order.
@@ -180,9 +181,12 @@ pub fn analyse(
             // counted, not hashed.
             let mut want = block_size.saturating_mul(2).max(FIRST_HEAD_TOKENS);
             loop {
-                let (tokens, bytes) = tokenizer
+                let (mut tokens, mut bytes) = tokenizer
                     .encode_head(text, want)
                     .map_err(|e| e.to_string())?;
+                // Text seen before comes free: where it ends is likely where this prompt's
+                // own text begins, so the next step tries one more piece, not four times more.
+                let seen = tokenizer.extend_cached(text, &mut tokens, &mut bytes);
                 let head = hashes(&tokens);
                 if bytes >= text.len() {
                     let info = Arc::new(PromptInfo {
@@ -207,7 +211,11 @@ pub fn analyse(
                         })),
                     }));
                 }
-                want = want.saturating_mul(4);
+                want = if seen {
+                    tokens.len() + 1
+                } else {
+                    want.max(tokens.len()).saturating_mul(4)
+                };
             }
         }
     };
@@ -317,7 +325,9 @@ mod tests {
                 .to_string();
         let parsed = crate::wire::parse(body.as_bytes()).unwrap();
         let rendered = tokenizer.render_chat(&parsed.chat_messages(false)).unwrap();
-        let tokens = tokenizer.encode(&rendered).unwrap();
+        // Tokenized whole by another tokenizer: this one has seen none of the text.
+        let reference = PromptTokenizer::shipped().unwrap();
+        let tokens = reference.encode(&rendered).unwrap();
         let all = sequence_hashes_keyed(&tokens, 16, &[], None);
         // Nobody holds anything: two blocks are hashed, the rest estimated.
         let asked = std::cell::Cell::new(0);
@@ -447,6 +457,51 @@ mod tests {
             None
         });
         assert_eq!(tokenized.get(), 1);
+    }
+
+    #[test]
+    fn a_held_head_grows_through_text_seen_before_and_one_piece_past_it() {
+        let tokenizer = PromptTokenizer::shipped().unwrap();
+        let cache = PromptCache::default();
+        let system: String = (0..700).map(|i| format!("river{i} mountain ")).collect();
+        let chat = |question: &str| {
+            serde_json::json!({"model": "m", "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question}]})
+            .to_string()
+        };
+        let analysed = |body: &str, held: &dyn Fn(&[SequenceHash]) -> bool| {
+            let parsed = crate::wire::parse(body.as_bytes()).unwrap();
+            analyse(
+                &tokenizer,
+                &cache,
+                Endpoint::ChatCompletions,
+                &parsed,
+                64,
+                None,
+                held,
+            )
+            .unwrap()
+        };
+        // The system prompt is seen once, whole.
+        let first = analysed(&chat("Short question?"), &|_| true);
+        assert!(first.unfinished.is_none());
+        let system_blocks = tokenizer.encode(&system).unwrap().len() / 64;
+        // A second prompt behind it with a long text of its own, a worker holding the system
+        // prompt's blocks: the head stops a piece past the system prompt, not fourfold beyond.
+        let own: String = (0..2000).map(|i| format!("lake{i} stone ")).collect();
+        let holder = |hashes: &[SequenceHash]| hashes.len() <= system_blocks;
+        let second = analysed(&chat(&own), &holder);
+        assert!(second.unfinished.is_some());
+        assert!(
+            second.hashes.len() >= system_blocks && second.hashes.len() <= system_blocks + 4,
+            "{} blocks, the system prompt {system_blocks}",
+            second.hashes.len()
+        );
+        assert_eq!(
+            second.hashes[..system_blocks],
+            first.hashes[..system_blocks]
+        );
     }
 
     #[test]
