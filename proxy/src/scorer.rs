@@ -31,9 +31,10 @@
 //!
 //! Staying on the cached worker is therefore only worth it until its own backlog outweighs the
 //! prefill another worker would redo: cache affinity alone would hot-spot one worker. Workers
-//! within `tie_tolerance` of the best are tied and the one holding most of the prompt, then the
-//! one with fewest requests in flight, then a random one wins: load spreads where the cache does
-//! not decide.
+//! within `tie_tolerance` of the best, or within the model's typical relative error of the terms
+//! in which their prediction differs from the best's ([`near_tie`]), are tied, and the one
+//! holding most of the prompt, then the one with fewest requests in flight, then a random one
+//! wins: load spreads where the cache does not decide.
 
 use std::fmt::Write;
 
@@ -155,14 +156,45 @@ pub fn decide_for_prompt(
 }
 
 /// The pool's TTFT model: learned from its answers (`scoring.learnCoefficients`, the default),
-/// else as configured.
-pub fn coefficients(pool: &PoolRuntime) -> Coefficients {
+/// else as configured; and its typical relative error (`None` before its first answer, or when
+/// it does not learn).
+pub fn model(pool: &PoolRuntime) -> (Coefficients, Option<f64>) {
     let configured = Coefficients::configured(&pool.config.scoring);
     if pool.config.scoring.learn_coefficients {
-        pool.kv.calibration.fit(configured).learned
+        let fit = pool.kv.calibration.fit(configured);
+        (fit.learned, fit.error)
     } else {
-        configured
+        (configured, None)
     }
+}
+
+/// A prediction's terms: fixed, prefill (queued and uncached tokens) and running requests, each
+/// scaled by the worker's relative speed.
+fn terms(score: &WorkerScore, model: &Coefficients) -> [f64; 3] {
+    let speed = score.relative_speed;
+    [
+        speed * model.fixed_s,
+        speed * model.prefill_s_per_token * (score.queued_tokens + score.uncached_tokens) as f64,
+        speed * model.running_s_per_request * score.running as f64,
+    ]
+}
+
+/// Whether `other` is as good as `best` for all the model can tell: within `floor` seconds, or
+/// within `error` (the model's typical relative error) of the terms in which the two
+/// predictions differ.
+fn near_tie(
+    best: &WorkerScore,
+    other: &WorkerScore,
+    model: &Coefficients,
+    error: f64,
+    floor: f64,
+) -> bool {
+    let differing: f64 = terms(other, model)
+        .iter()
+        .zip(terms(best, model))
+        .map(|(a, b)| (a - b).abs())
+        .sum();
+    other.predicted_ttft_s <= best.predicted_ttft_s + floor.max(error * differing)
 }
 
 /// Score every eligible worker (not in `exclude`, address resolved) and choose one.
@@ -174,7 +206,7 @@ pub fn decide(
     exclude: &[usize],
 ) -> Option<Decision> {
     let scoring = pool.config.scoring;
-    let model = coefficients(pool);
+    let (model, error) = model(pool);
     let prefill_cost = model.prefill_s_per_token;
     let tolerance = f64::from(scoring.tie_tolerance_micros) / 1e6;
     let block_size = pool.kv.index.block_size();
@@ -262,15 +294,17 @@ pub fn decide(
     let best = scores
         .iter()
         .filter(eligible)
-        .map(|s| s.predicted_ttft_s)
-        .fold(f64::INFINITY, f64::min);
-    if !best.is_finite() {
-        return None;
-    }
+        .min_by(|a, b| a.predicted_ttft_s.total_cmp(&b.predicted_ttft_s))?;
+    // Near-ties: within the configured tolerance, or within what the model's typical relative
+    // error could make of the terms in which the two predictions differ (a worker with a
+    // longer queue but fewer running requests than the best is only as far behind as the
+    // model's prefill/running balance is right; two queues that differ in tokens alone are
+    // ordered by them whatever the coefficients).
+    let error = error.unwrap_or(0.0);
     let tied: Vec<&WorkerScore> = scores
         .iter()
         .filter(eligible)
-        .filter(|s| s.predicted_ttft_s <= best + tolerance)
+        .filter(|s| near_tie(best, s, &model, error, tolerance))
         .collect();
     // Among near-ties, the worker holding more of the prompt keeps it (its cache then serves the
     // next request too); with equal holdings, the one with fewest requests in flight.
@@ -513,6 +547,102 @@ mod tests {
                 "{extra}: {per_token} µs per token"
             );
         }
+    }
+
+    #[test]
+    fn near_ties_widen_with_the_model_error_only_where_the_terms_disagree() {
+        let model = Coefficients {
+            fixed_s: 0.0,
+            prefill_s_per_token: 300e-6,
+            running_s_per_request: 500e-6,
+        };
+        let score = |queued_tokens: usize, running: u64| {
+            let formula = model.predict(queued_tokens as f64, running as f64);
+            WorkerScore {
+                position: 0,
+                matched_blocks: 0,
+                cached_tokens: 0,
+                uncached_tokens: 0,
+                queued_tokens,
+                running,
+                in_flight: 0,
+                healthy: true,
+                kv_blocks_needed: 0,
+                kv_blocks_free: None,
+                formula_ttft_s: formula,
+                speed: Speed::default(),
+                relative_speed: 1.0,
+                predicted_ttft_s: formula,
+            }
+        };
+        let best = score(1000, 0);
+        // 20 ms behind on the balance of prefill (-300 ms) against running (+320 ms): tied at
+        // a 10% error (62 ms of slack), not at none (the 5 ms floor).
+        let balanced = score(0, 640);
+        assert!(near_tie(&best, &balanced, &model, 0.1, 0.005));
+        assert!(!near_tie(&best, &balanced, &model, 0.0, 0.005));
+        // 30 ms behind on prefill alone: the coefficients cannot reorder a longer queue, so
+        // even a 50% error leaves it 15 ms short.
+        let longer = score(1100, 0);
+        assert!(!near_tie(&best, &longer, &model, 0.5, 0.005));
+        assert!(near_tie(&best, &longer, &model, 0.5, 0.031));
+    }
+
+    #[test]
+    fn the_holder_keeps_a_prompt_when_the_model_cannot_tell_it_from_a_cold_worker() {
+        use crate::calibration::Observation;
+        let table = table();
+        let pool = table.pools().next().unwrap();
+        // A 1,000-token prompt. Worker 1 holds it and runs 640 requests; worker 0 holds none of
+        // it and runs none (predicted some 20 ms better); worker 2 holds 600 tokens of it and
+        // runs 640 (120 ms worse than worker 1).
+        let prompt: Vec<u32> = (0..1000).collect();
+        store(pool, 1, &prompt[..996]);
+        store(pool, 2, &prompt[..600]);
+        let lookup = overlap(pool, &prompt);
+        for position in [1, 2] {
+            pool.workers[position].load.update_from_metrics(
+                "vllm:num_requests_waiting 0\nvllm:num_requests_running 640\n",
+                10,
+            );
+        }
+        let chosen = |pool: &PoolRuntime| {
+            let mut counts = [0usize; 3];
+            for _ in 0..50 {
+                counts[decide(pool, 1000, 0, &lookup, &[]).unwrap().chosen] += 1;
+            }
+            counts
+        };
+        // A model that has not answered yet has no error: the best prediction wins.
+        assert_eq!(chosen(pool), [50, 0, 0]);
+        // Answers 15% either side of the configured model: a typical error of about 0.15, so
+        // worker 1's 20 ms are within what the model can tell, and its cache keeps the prompt.
+        let configured = Coefficients::configured(&pool.config.scoring);
+        for i in 0..400 {
+            let tokens = f64::from(i % 40) * 100.0;
+            let running = f64::from(i % 7) * 100.0;
+            let noise = if i % 2 == 0 { 1.15 } else { 0.85 };
+            pool.kv.calibration.observe(
+                configured,
+                &Observation {
+                    tokens,
+                    running,
+                    ttft_s: configured.predict(tokens, running) * noise,
+                },
+            );
+        }
+        let error = pool.kv.calibration.fit(configured).error.unwrap();
+        assert!((0.1..0.25).contains(&error), "{error}");
+        let decision = decide(pool, 1000, 0, &lookup, &[]).unwrap();
+        let behind = |position: usize| {
+            decision.scores[position].predicted_ttft_s - decision.scores[0].predicted_ttft_s
+        };
+        assert!(
+            behind(1) > 0.005 && behind(2) > 0.1,
+            "{:?}",
+            decision.scores
+        );
+        assert_eq!(chosen(pool), [0, 50, 0]);
     }
 
     #[test]
