@@ -126,7 +126,9 @@ pub struct ScoringSpec {
     /// Added time per request already running on the worker (decode steps slow prefill).
     #[serde(default = "default_running_micros")]
     pub running_request_micros: u32,
-    /// Workers predicted within this much of the best are treated as tied and load is spread.
+    /// Workers predicted within this much of the best are treated as tied and load is spread
+    /// (at least: a worker is also tied where the learned model's typical error covers the
+    /// terms in which its prediction differs from the best's).
     #[serde(default = "default_tie_micros")]
     pub tie_tolerance_micros: u32,
     /// Learn each worker's speed relative to the pool from its observed first tokens and scale
