@@ -54,7 +54,12 @@ fn run(jobs: &Mutex<Receiver<Job>>) {
             Err(_) => return,
         };
         match job {
-            Ok(job) => job(),
+            // A job that panics costs itself, not the thread.
+            Ok(job) => {
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
+                    tracing::warn!("a background job panicked");
+                }
+            }
             Err(_) => return,
         }
     }
@@ -102,6 +107,15 @@ mod tests {
             // The caller's own thread is untouched.
             assert_ne!(own_niceness(), Some(19));
         }
+    }
+
+    #[test]
+    fn a_job_that_panics_leaves_the_thread_working() {
+        let background = Background::start("test-background", 1, 4).unwrap();
+        assert!(background.try_run(|| panic!("a job that panics")));
+        let (done, results) = channel();
+        assert!(background.try_run(move || done.send(7).unwrap()));
+        assert_eq!(results.recv_timeout(Duration::from_secs(10)), Ok(7));
     }
 
     #[test]
