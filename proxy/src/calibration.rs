@@ -215,6 +215,13 @@ pub struct Fit {
     /// Typical relative error of the predictions (mean |ln(observed / predicted)|, each taken
     /// before the observation taught the model); `None` before the first.
     pub error: Option<f64>,
+    /// The part of that error every prediction shares: mean ln(observed / predicted). A scale
+    /// all workers share does not change which is best, only how much work a second of the
+    /// worker's time is (`exp(bias)` times the model's).
+    pub bias: Option<f64>,
+    /// The part that differs from one prediction to the next: mean |ln(observed / predicted)
+    /// − bias|, what can reorder two workers.
+    pub spread: Option<f64>,
 }
 
 /// One streamed answer, as the pool's model sees it.
@@ -238,6 +245,8 @@ struct FilterState {
     prior_sd: [f64; 3],
     observations: u64,
     error: Option<f64>,
+    bias: Option<f64>,
+    spread: Option<f64>,
 }
 
 impl FilterState {
@@ -253,6 +262,8 @@ impl FilterState {
             prior_sd,
             observations: 0,
             error: None,
+            bias: None,
+            spread: None,
         }
     }
 
@@ -262,6 +273,8 @@ impl FilterState {
             learned: Coefficients::from_state(self.mean),
             observations: self.observations,
             error: self.error,
+            bias: self.bias,
+            spread: self.spread,
         }
     }
 
@@ -279,11 +292,15 @@ impl FilterState {
         );
         let predicted = dot(&self.mean, &x);
         if predicted > OBSERVATION_FLOOR_S / 10.0 {
-            let miss = (y / predicted).ln().abs();
-            self.error = Some(match self.error {
-                None => miss,
-                Some(error) => error + ERROR_RATE * (miss - error),
-            });
+            let ratio = (y / predicted).ln();
+            let average = |last: Option<f64>, value: f64| match last {
+                None => value,
+                Some(last) => last + ERROR_RATE * (value - last),
+            };
+            self.error = Some(average(self.error, ratio.abs()));
+            let off = (ratio - self.bias.unwrap_or(ratio)).abs();
+            self.spread = Some(average(self.spread, off));
+            self.bias = Some(average(self.bias, ratio));
         }
         let px = self.covariance.map(|row| dot(&row, &x));
         let noise = (OBSERVATION_ERROR * predicted.max(OBSERVATION_FLOOR_S)).powi(2);
@@ -473,6 +490,35 @@ mod tests {
         // A new configuration starts over from itself.
         let other = Coefficients::configured(&Scoring::default());
         assert_eq!(pool.fit(other).observations, 0);
+    }
+
+    #[test]
+    fn a_shared_scale_is_bias_and_what_reorders_is_spread() {
+        let configured = Coefficients::configured(&Scoring::default());
+        // Five times faster than configured, exactly: the first answers are all off by the same
+        // factor, which says how long a token takes, not which worker is best.
+        let scaled = PoolCalibration::default();
+        let mut seed = 5;
+        for mut observation in answers(configured, 10, &mut seed) {
+            observation.ttft_s = configured.predict(observation.tokens, observation.running) / 5.0;
+            scaled.observe(configured, &observation);
+        }
+        let fit = scaled.fit(configured);
+        let (error, bias, spread) = (fit.error.unwrap(), fit.bias.unwrap(), fit.spread.unwrap());
+        assert!(error > 1.0, "{fit:?}");
+        assert!(bias < -1.0 && bias > -1.7, "{fit:?}");
+        assert!(spread < error / 2.0, "{fit:?}");
+        // Right on average but ±30% from one answer to the next: no bias, all spread.
+        let noisy = PoolCalibration::default();
+        for (i, mut observation) in answers(configured, 40, &mut seed).into_iter().enumerate() {
+            let noise = if i % 2 == 0 { 1.3 } else { 1.0 / 1.3 };
+            observation.ttft_s =
+                configured.predict(observation.tokens, observation.running) * noise;
+            noisy.observe(configured, &observation);
+        }
+        let fit = noisy.fit(configured);
+        assert!(fit.bias.unwrap().abs() < 0.1, "{fit:?}");
+        assert!(fit.spread.unwrap() > 0.15, "{fit:?}");
     }
 
     #[test]

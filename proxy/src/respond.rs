@@ -362,6 +362,8 @@ fn ttft_model(pool: &Arc<PoolRuntime>) -> serde_json::Value {
         "learned": coefficients(fit.learned),
         "observations": fit.observations,
         "typical_error": fit.error,
+        "shared_error": fit.bias,
+        "error_spread": fit.spread,
     })
 }
 

@@ -156,15 +156,17 @@ pub fn decide_for_prompt(
 }
 
 /// The pool's TTFT model: learned from its answers (`scoring.learnCoefficients`, the default),
-/// else as configured; and its typical relative error (`None` before its first answer, or when
-/// it does not learn).
-pub fn model(pool: &PoolRuntime) -> (Coefficients, Option<f64>) {
+/// else as configured; the error its predictions share (a scale, `exp(bias)`: 1 when unknown)
+/// and the error that differs between them (`None` before its first answer, or when it does
+/// not learn).
+pub fn model(pool: &PoolRuntime) -> (Coefficients, f64, Option<f64>) {
     let configured = Coefficients::configured(&pool.config.scoring);
     if pool.config.scoring.learn_coefficients {
         let fit = pool.kv.calibration.fit(configured);
-        (fit.learned, fit.error)
+        let scale = fit.bias.map_or(1.0, |bias| bias.clamp(-3.0, 3.0).exp());
+        (fit.learned, scale, fit.spread)
     } else {
-        (configured, None)
+        (configured, 1.0, None)
     }
 }
 
@@ -206,7 +208,7 @@ pub fn decide(
     exclude: &[usize],
 ) -> Option<Decision> {
     let scoring = pool.config.scoring;
-    let (model, error) = model(pool);
+    let (model, scale, error) = model(pool);
     let prefill_cost = model.prefill_s_per_token;
     let tolerance = f64::from(scoring.tie_tolerance_micros) / 1e6;
     let block_size = pool.kv.index.block_size();
@@ -244,8 +246,11 @@ pub fn decide(
         // works off one queue: the longer of the two stretches counts).
         let peers = load.peers();
         let working = worker.prefill_elapsed().max(load.peers_read_elapsed());
+        // A prefill token takes the model's time times the scale all its predictions share
+        // (while the model learns, it may be several times off in seconds and still order the
+        // workers right).
         let done = if prefill_cost > 0.0 {
-            (working.as_secs_f64() / (prefill_cost * relative_speed)) as usize
+            (working.as_secs_f64() / (prefill_cost * scale * relative_speed)) as usize
         } else {
             0
         };
@@ -643,6 +648,35 @@ mod tests {
             decision.scores
         );
         assert_eq!(chosen(pool), [0, 50, 0]);
+    }
+
+    #[test]
+    fn a_model_off_by_a_shared_scale_converts_seconds_at_that_scale() {
+        use crate::calibration::Observation;
+        let table = table();
+        let pool = table.pools().next().unwrap();
+        assert_eq!(model(pool).1, 1.0);
+        // The workers answer four times faster than configured, every time.
+        let configured = Coefficients::configured(&pool.config.scoring);
+        for i in 0..5 {
+            let tokens = 1000.0 + f64::from(i) * 500.0;
+            pool.kv.calibration.observe(
+                configured,
+                &Observation {
+                    tokens,
+                    running: 0.0,
+                    ttft_s: configured.predict(tokens, 0.0) / 4.0,
+                },
+            );
+        }
+        // A second of the worker's time is worth more tokens than the model yet says.
+        let (_, scale, spread) = model(pool);
+        assert!(scale < 0.6 && scale > 0.2, "{scale}");
+        assert!(spread.is_some());
+        // A pool that keeps its coefficients keeps its scale too.
+        let fixed = table_with(", scoring: {learnCoefficients: false}");
+        let fixed = fixed.pools().next().unwrap();
+        assert_eq!(model(fixed), (configured, 1.0, None));
     }
 
     #[test]
