@@ -293,6 +293,7 @@ impl Exchange {
                 .chosen_score()
                 .map_or(decision.prompt_tokens, |s| s.uncached_tokens);
             kv.record_prefill_tokens(prefill);
+            kv.record_arrival();
             let counter = match decision.outcome {
                 Outcome::CacheHit => &kv.decisions.cache_hit,
                 Outcome::NoCache => &kv.decisions.no_cache,

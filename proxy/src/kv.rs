@@ -168,6 +168,10 @@ pub struct PoolKv {
     /// Running average of the prefill work (uncached prompt tokens) of routed requests, as f64
     /// bits: estimates the work behind each request a worker reports as waiting.
     prefill_tokens_average: AtomicU64,
+    /// When the last routed request arrived (`clock_micros`), and the running average of the
+    /// time between arrivals (f64 bits, seconds): the pool's arrival rate.
+    last_arrival_us: AtomicU64,
+    arrival_interval_s: AtomicU64,
     /// The pool's TTFT coefficients, learned from its answers.
     pub calibration: crate::calibration::PoolCalibration,
 }
@@ -183,6 +187,8 @@ impl PoolKv {
             prompts: crate::prompt::PromptCache::default(),
             predictions: Arc::default(),
             prefill_tokens_average: AtomicU64::new(0f64.to_bits()),
+            last_arrival_us: AtomicU64::new(0),
+            arrival_interval_s: AtomicU64::new(0f64.to_bits()),
             calibration: crate::calibration::PoolCalibration::default(),
         }
     }
@@ -263,6 +269,36 @@ impl PoolKv {
 
     pub fn prefill_tokens_average(&self) -> f64 {
         f64::from_bits(self.prefill_tokens_average.load(Ordering::Relaxed))
+    }
+
+    /// Requests routed per second, lately (0 before two have been): the average time between
+    /// arrivals, or the time since the last one when that is longer (a pool that went quiet).
+    pub fn arrival_rate(&self) -> f64 {
+        let interval = f64::from_bits(self.arrival_interval_s.load(Ordering::Relaxed));
+        let last = self.last_arrival_us.load(Ordering::Relaxed);
+        if interval <= 0.0 || last == 0 {
+            return 0.0;
+        }
+        let since = clock_micros().saturating_sub(last) as f64 / 1e6;
+        1.0 / interval.max(since)
+    }
+
+    /// Count a routed request's arrival (for [`Self::arrival_rate`]).
+    pub fn record_arrival(&self) {
+        let now = clock_micros().max(1);
+        let last = self.last_arrival_us.swap(now, Ordering::Relaxed);
+        if last == 0 {
+            return;
+        }
+        let gap = now.saturating_sub(last) as f64 / 1e6;
+        let previous = f64::from_bits(self.arrival_interval_s.load(Ordering::Relaxed));
+        let next = if previous <= 0.0 {
+            gap
+        } else {
+            0.9 * previous + 0.1 * gap
+        };
+        self.arrival_interval_s
+            .store(next.to_bits(), Ordering::Relaxed);
     }
 
     pub fn record_prefill_tokens(&self, tokens: usize) {

@@ -30,9 +30,12 @@
 //! it is chosen only when no healthy worker has room.
 //!
 //! Staying on the cached worker is therefore only worth it until its own backlog outweighs the
-//! prefill another worker would redo: cache affinity alone would hot-spot one worker. Workers
-//! within `tie_tolerance` of the best, or within the model's typical relative error of the terms
-//! in which their prediction differs from the best's ([`near_tie`]), are tied, and the one
+//! prefill another worker would redo: cache affinity alone would hot-spot one worker. But while
+//! every worker has a backlog, the prefill a copy adds delays the requests arriving after it
+//! too: the choice's cost is then its TTFT plus its own prefill times the arrivals each worker
+//! sees before the shortest backlog clears (see [`decide`]); with a worker idle, its TTFT alone.
+//! Workers within `tie_tolerance` of the best cost, or within the model's error spread of the
+//! terms in which their prediction differs from the best's ([`near_tie`]), are tied, and the one
 //! holding most of the prompt, then the one with fewest requests in flight, then a random one
 //! wins: load spreads where the cache does not decide.
 
@@ -68,6 +71,9 @@ pub struct WorkerScore {
     /// That speed relative to the pool's median worker: predicted = relative × formula.
     pub relative_speed: f64,
     pub predicted_ttft_s: f64,
+    /// What the choice costs: the predicted TTFT plus, while every worker has a backlog, the
+    /// delay its own prefill adds for the requests that will arrive behind it ([`decide`]).
+    pub cost_s: f64,
 }
 
 /// What decided a routing choice (for metrics).
@@ -118,7 +124,7 @@ impl Decision {
         for score in &self.scores {
             let _ = write!(
                 out,
-                "; {} matched_blocks={} cached_tokens={} queued_tokens={} running={} in_flight={} healthy={} kv_blocks_needed={} kv_blocks_free={} predicted_ttft_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
+                "; {} matched_blocks={} cached_tokens={} queued_tokens={} running={} in_flight={} healthy={} kv_blocks_needed={} kv_blocks_free={} predicted_ttft_ms={:.1} cost_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
                 address(score.position),
                 score.matched_blocks,
                 score.cached_tokens,
@@ -131,6 +137,7 @@ impl Decision {
                     .kv_blocks_free
                     .map_or_else(|| "unknown".to_owned(), |free| free.to_string()),
                 score.predicted_ttft_s * 1000.0,
+                score.cost_s * 1000.0,
                 score.formula_ttft_s * 1000.0,
                 score.relative_speed
             );
@@ -196,7 +203,7 @@ fn near_tie(
         .zip(terms(best, model))
         .map(|(a, b)| (a - b).abs())
         .sum();
-    other.predicted_ttft_s <= best.predicted_ttft_s + floor.max(error * differing)
+    other.cost_s <= best.cost_s + floor.max(error * differing)
 }
 
 /// Score every eligible worker (not in `exclude`, address resolved) and choose one.
@@ -280,6 +287,7 @@ pub fn decide(
             speed,
             relative_speed,
             predicted_ttft_s,
+            cost_s: predicted_ttft_s,
         });
     }
     // Healthy workers with room for the request; else healthy ones; else any.
@@ -296,10 +304,30 @@ pub fn decide(
             s.healthy || !any_healthy
         }
     };
+    // While every eligible worker has prefill queued, the fleet is behind: a prefill added now
+    // delays the requests that arrive before the shortest backlog clears, wherever they go, so
+    // a choice is charged its own prefill times the arrivals each worker will see in that
+    // time. A hit saves the fleet work; a copy of a prefix to a shorter queue spends it. With
+    // any worker idle the charge is zero and the choice is the request's own TTFT.
+    let backlog_s = scores
+        .iter()
+        .filter(eligible)
+        .map(|s| s.relative_speed * prefill_cost * s.queued_tokens as f64)
+        .fold(f64::INFINITY, f64::min);
+    let eligible_count = scores.iter().filter(eligible).count().max(1);
+    let behind = if backlog_s.is_finite() {
+        pool.kv.arrival_rate() * backlog_s * scale / eligible_count as f64
+    } else {
+        0.0
+    };
+    for score in &mut scores {
+        score.cost_s = score.predicted_ttft_s
+            + behind * score.relative_speed * prefill_cost * score.uncached_tokens as f64;
+    }
     let best = scores
         .iter()
         .filter(eligible)
-        .min_by(|a, b| a.predicted_ttft_s.total_cmp(&b.predicted_ttft_s))?;
+        .min_by(|a, b| a.cost_s.total_cmp(&b.cost_s))?;
     // Near-ties: within the configured tolerance, or within what the model's typical relative
     // error could make of the terms in which the two predictions differ (a worker with a
     // longer queue but fewer running requests than the best is only as far behind as the
@@ -578,6 +606,7 @@ mod tests {
                 speed: Speed::default(),
                 relative_speed: 1.0,
                 predicted_ttft_s: formula,
+                cost_s: formula,
             }
         };
         let best = score(1000, 0);
@@ -677,6 +706,40 @@ mod tests {
         let fixed = table_with(", scoring: {learnCoefficients: false}");
         let fixed = fixed.pools().next().unwrap();
         assert_eq!(model(fixed), (configured, 1.0, None));
+    }
+
+    #[test]
+    fn a_fleet_that_is_behind_keeps_prompts_where_they_are_cached() {
+        let table = table();
+        let pool = table.pools().next().unwrap();
+        // A 1,000-token prompt that worker 1 holds. Every worker has prefill queued: worker 1
+        // 3,000 tokens, worker 0 1,500 (so the request's own TTFT is some 150 ms better there,
+        // copying the prompt), worker 2 2,500.
+        let prompt: Vec<u32> = (0..1000).collect();
+        store(pool, 1, &prompt[..996]);
+        let lookup = overlap(pool, &prompt);
+        let _holder = PendingPrefill::start(&pool.workers[1], 3000);
+        let _shorter = PendingPrefill::start(&pool.workers[0], 1500);
+        let longer = PendingPrefill::start(&pool.workers[2], 2500);
+        // Nothing has arrived yet: no charge, the request's own TTFT decides.
+        let alone = decide(pool, 1000, 0, &lookup, &[]).unwrap();
+        assert_eq!(alone.chosen, 0, "{:?}", alone.scores);
+        assert!(alone.scores.iter().all(|s| s.cost_s == s.predicted_ttft_s));
+        // Requests arriving fast: copying 1,000 tokens delays every one of them that comes
+        // before the shortest backlog clears, so the holder keeps the prompt.
+        for _ in 0..20 {
+            pool.kv.record_arrival();
+        }
+        assert!(pool.kv.arrival_rate() > 100.0);
+        let behind = decide(pool, 1000, 0, &lookup, &[]).unwrap();
+        assert_eq!(behind.chosen, 1, "{:?}", behind.scores);
+        assert_eq!(behind.outcome, Outcome::CacheHit);
+        assert!(behind.scores[0].cost_s > behind.scores[0].predicted_ttft_s);
+        // With one worker idle the fleet is not behind: copying to it costs nobody a wait.
+        drop(longer);
+        let idle = decide(pool, 1000, 0, &lookup, &[]).unwrap();
+        assert_eq!(idle.chosen, 2, "{:?}", idle.scores);
+        assert!(idle.scores.iter().all(|s| s.cost_s == s.predicted_ttft_s));
     }
 
     #[test]
