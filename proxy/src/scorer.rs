@@ -328,8 +328,8 @@ pub fn decide(
         .iter()
         .filter(eligible)
         .min_by(|a, b| a.cost_s.total_cmp(&b.cost_s))?;
-    // Near-ties: within the configured tolerance, or within what the model's typical relative
-    // error could make of the terms in which the two predictions differ (a worker with a
+    // Near-ties: within the configured tolerance, or within what the model's error spread
+    // could make of the terms in which the two predictions differ (a worker with a
     // longer queue but fewer running requests than the best is only as far behind as the
     // model's prefill/running balance is right; two queues that differ in tokens alone are
     // ordered by them whatever the coefficients).
