@@ -291,26 +291,24 @@ impl PoolKv {
             return;
         }
         let gap = now.saturating_sub(last) as f64 / 1e6;
-        let previous = f64::from_bits(self.arrival_interval_s.load(Ordering::Relaxed));
-        let next = if previous <= 0.0 {
-            gap
-        } else {
-            0.9 * previous + 0.1 * gap
-        };
-        self.arrival_interval_s
-            .store(next.to_bits(), Ordering::Relaxed);
+        add_to_average(&self.arrival_interval_s, gap);
     }
 
     pub fn record_prefill_tokens(&self, tokens: usize) {
-        let previous = self.prefill_tokens_average();
-        let next = if previous == 0.0 {
-            tokens as f64
-        } else {
-            0.9 * previous + 0.1 * tokens as f64
-        };
-        self.prefill_tokens_average
-            .store(next.to_bits(), Ordering::Relaxed);
+        add_to_average(&self.prefill_tokens_average, tokens as f64);
     }
+}
+
+/// Move a running average (α = 0.1, f64 bits; zero: none yet, so `value` starts it) towards
+/// `value`, which is never negative.
+fn add_to_average(average: &AtomicU64, value: f64) {
+    let previous = f64::from_bits(average.load(Ordering::Relaxed));
+    let next = if previous <= 0.0 {
+        value
+    } else {
+        0.9 * previous + 0.1 * value
+    };
+    average.store(next.to_bits(), Ordering::Relaxed);
 }
 
 /// Pool KV state and tokenizers that outlive snapshots.

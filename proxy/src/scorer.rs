@@ -188,9 +188,9 @@ fn terms(score: &WorkerScore, model: &Coefficients) -> [f64; 3] {
     ]
 }
 
-/// Whether `other` is as good as `best` for all the model can tell: within `floor` seconds, or
-/// within `error` (the model's typical relative error) of the terms in which the two
-/// predictions differ.
+/// Whether `other` is as good as `best` for all the model can tell: its cost within `floor`
+/// seconds of the best's, or within `error` (the model's error spread) of the terms in which
+/// the two predictions differ.
 fn near_tie(
     best: &WorkerScore,
     other: &WorkerScore,
