@@ -75,7 +75,7 @@ pub struct Proxy {
 
 impl Proxy {
     /// Start the proxy on a free port with `config_yaml` written to a temp file, plus `args`;
-    /// returns once `/ready` answers 200.
+    /// returns once `/ready` answers 200 and the admin listener answers `/metrics`.
     pub async fn start(config_yaml: &str, args: &[&str]) -> Proxy {
         Proxy::start_with_env(config_yaml, args, &[]).await
     }
@@ -259,8 +259,14 @@ impl Proxy {
                     self.log()
                 );
             }
-            if let Ok(response) = client.get(format!("{}/ready", self.url())).send().await
-                && response.status() == 200
+            // Both listeners: Pingora starts the admin service on its own thread, so the main
+            // listener can answer before the admin one (`/debug/route`, `/metrics`) is bound.
+            let answers = |url: String| {
+                let request = client.get(url).send();
+                async move { request.await.is_ok_and(|r| r.status() == 200) }
+            };
+            if answers(format!("{}/ready", self.url())).await
+                && answers(format!("{}/metrics", self.admin_url())).await
             {
                 return;
             }
