@@ -710,14 +710,15 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 "capacity": capacity,
             }),
         );
+        // After every workload, so that a long run stopped part way keeps what it measured.
+        if let Some(parent) = args.json.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(
+            &args.json,
+            serde_json::to_vec_pretty(&serde_json::Value::Object(report.clone()))?,
+        )?;
     }
-    if let Some(parent) = args.json.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    std::fs::write(
-        &args.json,
-        serde_json::to_vec_pretty(&serde_json::Value::Object(report))?,
-    )?;
     println!("\nresults written to {}", args.json.display());
     plot(&root, &args.json);
     if let Some(failure) = quick_failure {

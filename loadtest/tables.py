@@ -1,0 +1,108 @@
+"""Markdown tables of switchyard-bench compare results, as the README shows them: one table per
+workload (client TTFT medians over the seeds with their range, the workers' own TTFT, hit rate,
+ratios against random), a line of switchyard over the best other router and over the oracle, and
+the capacity search when it ran. Usage: tables.py RESULTS.json. Standard library only."""
+
+import json
+import pathlib
+import sys
+
+
+def is_other(router: str) -> bool:
+    """A router switchyard is measured against: not switchyard (one proxy or replicas), not the
+    oracle (it reads the simulator's true state; no one can run it)."""
+    return not router.startswith("switchyard") and router != "oracle"
+
+
+def cell(spread: dict, seeds: int) -> str:
+    if seeds > 1:
+        return f"{spread['median']:.3f} ({spread['min']:.2f}–{spread['max']:.2f})"
+    return f"{spread['median']:.3f}"
+
+
+def ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}x" if theirs > 0 else "n/a"
+
+
+def workload_table(name: str, report: dict) -> list[str]:
+    summaries = report["summary"]
+    seeds = max((len(s["seeds"]) for s in summaries), default=1)
+    lines = [
+        f"| {name} | TTFT p50 | p90 | p99 | eng mean | eng p90 | hit rate | p50 x | p90 x |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        router = f"**{s['router']}**" if s["router"] == "switchyard" else s["router"]
+        vs = [s.get("ttft_p50_vs_random"), s.get("ttft_p90_vs_random")]
+        vs = [f"{v:.2f}" if isinstance(v, (int, float)) else "–" for v in vs]
+        lines.append(
+            f"| {router} | {cell(s['ttft_p50'], seeds)} | {cell(s['ttft_p90'], seeds)} "
+            f"| {s['ttft_p99']['median']:.3f} | {s['engine_ttft_mean']['median']:.3f} "
+            f"| {s['engine_ttft_p90']['median']:.3f} | {s['cache_hit_rate']['median'] * 100:.1f}% "
+            f"| {vs[0]} | {vs[1]} |"
+        )
+    by_router = {s["router"]: s for s in summaries}
+    ours = by_router.get("switchyard")
+    others = [s for s in summaries if is_other(s["router"])]
+    if ours and others:
+        best50 = min(others, key=lambda s: s["ttft_p50"]["median"])
+        best90 = min(others, key=lambda s: s["ttft_p90"]["median"])
+        line = (
+            f"\nswitchyard / best other router: p50 "
+            f"{ratio(ours['ttft_p50']['median'], best50['ttft_p50']['median'])} ({best50['router']}), "
+            f"p90 {ratio(ours['ttft_p90']['median'], best90['ttft_p90']['median'])} ({best90['router']})"
+        )
+        oracle = by_router.get("oracle")
+        if oracle:
+            line += (
+                f"; / oracle: p50 {ratio(ours['ttft_p50']['median'], oracle['ttft_p50']['median'])}, "
+                f"p90 {ratio(ours['ttft_p90']['median'], oracle['ttft_p90']['median'])}"
+            )
+        replicas = by_router.get("switchyard-2")
+        if replicas:
+            line += (
+                f"; 2 replicas / 1: p50 {ratio(replicas['ttft_p50']['median'], ours['ttft_p50']['median'])}, "
+                f"p90 {ratio(replicas['ttft_p90']['median'], ours['ttft_p90']['median'])}"
+            )
+        lines.append(line + ".")
+    return lines
+
+
+def capacity_table(results: dict) -> list[str]:
+    rows = [(name, report["capacity"]) for name, report in results.items() if report.get("capacity")]
+    if not rows:
+        return []
+    routers: list[str] = []
+    for _, capacity in rows:
+        routers += [r for r in capacity if r not in routers]
+    lines = [
+        "| workload | " + " | ".join(routers) + " | switchyard / best other |",
+        "|---|" + "---|" * (len(routers) + 1),
+    ]
+    for name, capacity in rows:
+        values = {r: c["capacity"] for r, c in capacity.items()}
+        others = [v for r, v in values.items() if is_other(r)]
+        best = max(others, default=0.0)
+        ours = values.get("switchyard")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{values[r]:.2f}" if r in values else "–" for r in routers)
+            + f" | {ratio(ours, best) if ours is not None else 'n/a'} |"
+        )
+    return lines
+
+
+def main(path: str) -> None:
+    results = json.loads(pathlib.Path(path).read_text())
+    out: list[str] = []
+    for name, report in results.items():
+        if report.get("summary"):
+            out += workload_table(name, report) + [""]
+    out += capacity_table(results)
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])
