@@ -36,6 +36,9 @@ use crate::telemetry::RequestSpan;
 
 /// Response header carrying the routing explanation.
 const EXPLAIN_RESPONSE_HEADER: &str = "x-switchyard-route";
+/// Output tokens a request's `max_tokens` counts for in routing at most (2^24: past every
+/// model's context).
+const MAX_ROUTING_OUTPUT_TOKENS: u64 = 1 << 24;
 /// Response header carrying the policy trace (rules looked at, prompt classes, target).
 const POLICY_RESPONSE_HEADER: &str = "x-switchyard-policy";
 /// Response header naming the model that served the answer (answers name the client's alias).
@@ -285,14 +288,25 @@ impl Exchange {
             return pool.pick(&self.attempt.tried);
         }
         let prompt = self.plan.target.prompt.as_deref();
-        let output = self.client.parsed.max_tokens.unwrap_or(0) as usize;
+        // Tokens the answer may take up in the worker's KV cache: a `max_tokens` past any
+        // model's context (which the worker will refuse) counts as that bound, not as an
+        // overflow of the ledger.
+        let output = self
+            .client
+            .parsed
+            .max_tokens
+            .unwrap_or(0)
+            .min(MAX_ROUTING_OUTPUT_TOKENS) as usize;
         let decision = scorer::decide_for_prompt(&pool, prompt, output, &self.attempt.tried)?;
         if first_attempt {
             let kv = &pool.kv;
             let prefill = decision
                 .chosen_score()
                 .map_or(decision.prompt_tokens, |s| s.uncached_tokens);
-            kv.record_prefill_tokens(prefill);
+            // A prompt not tokenized has no known size: it says nothing of the average.
+            if prompt.is_some() {
+                kv.record_prefill_tokens(prefill);
+            }
             kv.record_arrival();
             let counter = match decision.outcome {
                 Outcome::CacheHit => &kv.decisions.cache_hit,

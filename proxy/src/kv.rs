@@ -165,13 +165,13 @@ pub struct PoolKv {
     pub prompts: crate::prompt::PromptCache,
     /// Prompts in flight, not yet confirmed by KV events.
     pub predictions: Arc<Predictions>,
-    /// Running average of the prefill work (uncached prompt tokens) of routed requests, as f64
-    /// bits: estimates the work behind each request a worker reports as waiting.
-    prefill_tokens_average: AtomicU64,
+    /// Running average of the prefill work (uncached prompt tokens) of routed requests:
+    /// estimates the work behind each request a worker reports as waiting.
+    prefill_tokens_average: RunningAverage,
     /// When the last routed request arrived (`clock_micros`), and the running average of the
-    /// time between arrivals (f64 bits, seconds): the pool's arrival rate.
+    /// time between arrivals (seconds): the pool's arrival rate.
     last_arrival_us: AtomicU64,
-    arrival_interval_s: AtomicU64,
+    arrival_interval_s: RunningAverage,
     /// The pool's TTFT coefficients, learned from its answers.
     pub calibration: crate::calibration::PoolCalibration,
 }
@@ -186,9 +186,9 @@ impl PoolKv {
             decisions: DecisionStats::default(),
             prompts: crate::prompt::PromptCache::default(),
             predictions: Arc::default(),
-            prefill_tokens_average: AtomicU64::new(0f64.to_bits()),
+            prefill_tokens_average: RunningAverage::default(),
             last_arrival_us: AtomicU64::new(0),
-            arrival_interval_s: AtomicU64::new(0f64.to_bits()),
+            arrival_interval_s: RunningAverage::default(),
             calibration: crate::calibration::PoolCalibration::default(),
         }
     }
@@ -267,48 +267,88 @@ impl PoolKv {
         workers
     }
 
+    /// The average uncached prompt of routed requests (0 before the first).
     pub fn prefill_tokens_average(&self) -> f64 {
-        f64::from_bits(self.prefill_tokens_average.load(Ordering::Relaxed))
+        self.prefill_tokens_average.get()
     }
 
     /// Requests routed per second, lately (0 before two have been): the average time between
     /// arrivals, or the time since the last one when that is longer (a pool that went quiet).
     pub fn arrival_rate(&self) -> f64 {
-        let interval = f64::from_bits(self.arrival_interval_s.load(Ordering::Relaxed));
+        let (interval, gaps) = self.arrival_interval_s.read();
         let last = self.last_arrival_us.load(Ordering::Relaxed);
-        if interval <= 0.0 || last == 0 {
+        if gaps == 0 || last == 0 {
             return 0.0;
         }
         let since = clock_micros().saturating_sub(last) as f64 / 1e6;
-        1.0 / interval.max(since)
+        1.0 / interval.max(since).max(MIN_ARRIVAL_INTERVAL_S)
     }
 
-    /// Count a routed request's arrival (for [`Self::arrival_rate`]).
+    /// Count a routed request's arrival (for [`Self::arrival_rate`]). A gap longer than
+    /// [`QUIET_GAPS`] average gaps (the pool went quiet) counts as that many: the quiet
+    /// itself is read from the time since the last arrival, and an hour without traffic must
+    /// not make the next burst look slow for dozens of requests.
     pub fn record_arrival(&self) {
         let now = clock_micros().max(1);
         let last = self.last_arrival_us.swap(now, Ordering::Relaxed);
         if last == 0 {
             return;
         }
-        let gap = now.saturating_sub(last) as f64 / 1e6;
-        add_to_average(&self.arrival_interval_s, gap);
+        self.record_arrival_gap(now.saturating_sub(last) as f64 / 1e6);
+    }
+
+    fn record_arrival_gap(&self, gap_s: f64) {
+        let gap_s = match self.arrival_interval_s.read() {
+            (_, 0) => gap_s,
+            (interval, _) => gap_s.min(QUIET_GAPS * interval.max(MIN_ARRIVAL_INTERVAL_S)),
+        };
+        self.arrival_interval_s.add(gap_s);
     }
 
     pub fn record_prefill_tokens(&self, tokens: usize) {
-        add_to_average(&self.prefill_tokens_average, tokens as f64);
+        self.prefill_tokens_average.add(tokens as f64);
     }
 }
 
-/// Move a running average (α = 0.1, f64 bits; zero: none yet, so `value` starts it) towards
-/// `value`, which is never negative.
-fn add_to_average(average: &AtomicU64, value: f64) {
-    let previous = f64::from_bits(average.load(Ordering::Relaxed));
-    let next = if previous <= 0.0 {
-        value
-    } else {
-        0.9 * previous + 0.1 * value
-    };
-    average.store(next.to_bits(), Ordering::Relaxed);
+/// Arrival rates are read as at most one request per this many seconds apart (10,000 a second).
+const MIN_ARRIVAL_INTERVAL_S: f64 = 1e-4;
+/// A gap between arrivals counts for at most this many average gaps.
+const QUIET_GAPS: f64 = 10.0;
+
+/// A running average shared between threads: the plain mean of its first
+/// [`RunningAverage::WINDOW`] values, then an exponential average with weight 1 / `WINDOW`. The
+/// first value alone (one gap between two requests that happened to arrive together) would
+/// otherwise stand for the whole average until a dozen more have worn it down.
+#[derive(Debug, Default)]
+pub struct RunningAverage {
+    /// The average and how many values it has seen, updated together.
+    state: Mutex<(f64, u64)>,
+}
+
+impl RunningAverage {
+    /// Values after which the average is exponential (α = 0.1).
+    pub const WINDOW: u64 = 10;
+
+    pub fn add(&self, value: f64) {
+        if !value.is_finite() {
+            return;
+        }
+        let mut state = lock(&self.state);
+        let (average, count) = &mut *state;
+        *count = count.saturating_add(1);
+        let weight = 1.0 / (*count).min(Self::WINDOW) as f64;
+        *average += weight * (value - *average);
+    }
+
+    /// The average (0 before any value).
+    pub fn get(&self) -> f64 {
+        self.read().0
+    }
+
+    /// The average and how many values it has seen.
+    pub fn read(&self) -> (f64, u64) {
+        *lock(&self.state)
+    }
 }
 
 /// Pool KV state and tokenizers that outlive snapshots.
@@ -489,7 +529,11 @@ impl WorkerLoad {
         let peers = self.peers();
         let in_flight = self.own_in_flight() + peers.in_flight;
         let pending = (self.own_pending() + peers.prefills).min(in_flight);
-        (in_flight, pending, self.own_kv_blocks() + peers.kv_blocks)
+        (
+            in_flight,
+            pending,
+            self.own_kv_blocks().saturating_add(peers.kv_blocks),
+        )
     }
     /// KV blocks free for a new request: the worker's usable blocks less others' use at the last
     /// scrape and this proxy's reservations now. `None` when the worker does not report its
@@ -658,5 +702,38 @@ mod tests {
         pool.release("a:1");
         assert_eq!(pool.slot("c:1"), WorkerId(0));
         assert_eq!(pool.slot_count(), 2);
+    }
+
+    #[test]
+    fn averages_start_as_plain_means_and_a_quiet_spell_counts_as_ten_gaps() {
+        let average = RunningAverage::default();
+        assert_eq!(average.read(), (0.0, 0));
+        // Two requests that arrived together do not stand for the whole average.
+        for gap in [0.000_001, 0.5, 0.5, 0.5] {
+            average.add(gap);
+        }
+        let (mean, count) = average.read();
+        assert!((mean - 1.500_001 / 4.0).abs() < 1e-12, "{mean}");
+        assert_eq!(count, 4);
+        // Past the window, each value moves it by a tenth.
+        for _ in 0..100 {
+            average.add(1.0);
+        }
+        average.add(2.0);
+        assert!((average.get() - 1.1).abs() < 1e-3, "{}", average.get());
+        average.add(f64::NAN);
+        assert_eq!(average.read().1, 105);
+
+        let pool = PoolKv::new(PoolId::new("default", "p"), 16);
+        assert_eq!(pool.arrival_rate(), 0.0);
+        for _ in 0..10 {
+            pool.record_arrival_gap(0.1);
+        }
+        // An hour without traffic counts as ten gaps, not as 36,000.
+        pool.record_arrival_gap(3600.0);
+        assert!((pool.arrival_interval_s.get() - 0.19).abs() < 1e-9);
+        pool.record_arrival();
+        let rate = pool.arrival_rate();
+        assert!(rate > 0.0 && rate <= 1.0 / 0.19 + 1e-9, "{rate}");
     }
 }

@@ -188,6 +188,13 @@ fn terms(score: &WorkerScore, model: &Coefficients) -> [f64; 3] {
     ]
 }
 
+/// The model's error spread that near-ties use, at most: a model whose predictions are typically
+/// this far off (ln 1.65) still orders two workers whose queues differ in prefill alone, and at
+/// an error of 1 every worker would tie with the best (the sum of a prediction's term
+/// differences is never less than the difference of the predictions), leaving cache affinity
+/// alone to choose.
+const MAX_TIE_ERROR: f64 = 0.5;
+
 /// Whether `other` is as good as `best` for all the model can tell: its cost within `floor`
 /// seconds of the best's, or within `error` (the model's error spread) of the terms in which
 /// the two predictions differ.
@@ -271,7 +278,9 @@ pub fn decide(
         let formula_ttft_s =
             model.predict((queued_tokens + uncached_tokens) as f64, running as f64);
         let predicted_ttft_s = relative_speed * formula_ttft_s;
-        let kv_blocks_needed = (uncached_tokens + output_tokens).div_ceil(block_size.max(1)) as u64;
+        let kv_blocks_needed = uncached_tokens
+            .saturating_add(output_tokens)
+            .div_ceil(block_size.max(1)) as u64;
         scores.push(WorkerScore {
             position,
             matched_blocks,
@@ -333,7 +342,7 @@ pub fn decide(
     // longer queue but fewer running requests than the best is only as far behind as the
     // model's prefill/running balance is right; two queues that differ in tokens alone are
     // ordered by them whatever the coefficients).
-    let error = error.unwrap_or(0.0);
+    let error = error.unwrap_or(0.0).min(MAX_TIE_ERROR);
     let tied: Vec<&WorkerScore> = scores
         .iter()
         .filter(eligible)
@@ -698,9 +707,15 @@ mod tests {
                 },
             );
         }
-        // A second of the worker's time is worth more tokens than the model yet says.
-        let (_, scale, spread) = model(pool);
-        assert!(scale < 0.6 && scale > 0.2, "{scale}");
+        // Its seconds are the worker's once scaled: what the model learned from the first answers
+        // is not corrected a second time by the scale.
+        let (learned, scale, spread) = model(pool);
+        assert!(learned.prefill_s_per_token < 0.6 * configured.prefill_s_per_token);
+        for tokens in [1000.0, 4000.0] {
+            let off =
+                learned.predict(tokens, 0.0) * scale / (configured.predict(tokens, 0.0) / 4.0);
+            assert!(off > 0.8 && off < 1.25, "{tokens}: {off}, scale {scale}");
+        }
         assert!(spread.is_some());
         // A pool that keeps its coefficients keeps its scale too.
         let fixed = table_with(", scoring: {learnCoefficients: false}");

@@ -3,7 +3,7 @@
 //! metrics report it, and its learned speed. Data only: the scorer and the attempt phase read
 //! and count here.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,6 +23,11 @@ pub struct WorkerState {
     /// When the worker started on the oldest of those (microseconds on [`crate::kv::clock_micros`]): the
     /// queue is worked off first come, first served, so part of it is done already.
     prefill_started_us: AtomicU64,
+    /// The pending prefills by the order they were sent (a number each): the first is the one
+    /// the worker is on.
+    prefill_order: Mutex<BTreeSet<u64>>,
+    /// The next prefill's number.
+    prefill_sequence: AtomicU64,
     /// Queue as the worker's metrics report it, and this proxy's own requests there.
     pub load: Arc<WorkerLoad>,
     /// Observed against predicted time to first token, learned from this proxy's requests.
@@ -55,15 +60,20 @@ impl WorkerState {
 pub struct PendingPrefill {
     worker: Arc<WorkerState>,
     tokens: usize,
+    /// Its place in the worker's order of pending prefills.
+    number: u64,
 }
 
 impl PendingPrefill {
     pub fn start(worker: &Arc<WorkerState>, tokens: usize) -> PendingPrefill {
-        if worker.load.own_pending() == 0 {
+        let number = worker.prefill_sequence.fetch_add(1, Ordering::Relaxed);
+        let mut order = crate::lock(&worker.prefill_order);
+        if order.is_empty() {
             worker
                 .prefill_started_us
                 .store(crate::kv::clock_micros(), Ordering::Relaxed);
         }
+        order.insert(number);
         worker
             .pending_prefill_tokens
             .fetch_add(tokens, Ordering::Relaxed);
@@ -71,20 +81,28 @@ impl PendingPrefill {
         PendingPrefill {
             worker: worker.clone(),
             tokens,
+            number,
         }
     }
 }
 
 impl Drop for PendingPrefill {
     fn drop(&mut self) {
+        let mut order = crate::lock(&self.worker.prefill_order);
+        let oldest = order.first() == Some(&self.number);
+        order.remove(&self.number);
         self.worker
             .pending_prefill_tokens
             .fetch_sub(self.tokens, Ordering::Relaxed);
         self.worker.load.own_pending.fetch_sub(1, Ordering::Relaxed);
-        // The next pending prefill (if any) starts now.
-        self.worker
-            .prefill_started_us
-            .store(crate::kv::clock_micros(), Ordering::Relaxed);
+        // When the oldest is through, the worker starts on the next one now. A later one
+        // released first (a short cached prompt overtaking a long one, a cancel, a retry) leaves
+        // the worker's progress on the oldest as it was.
+        if oldest {
+            self.worker
+                .prefill_started_us
+                .store(crate::kv::clock_micros(), Ordering::Relaxed);
+        }
     }
 }
 
@@ -166,6 +184,8 @@ impl EndpointRegistry {
             socket,
             pending_prefill_tokens: AtomicUsize::new(0),
             prefill_started_us: AtomicU64::new(0),
+            prefill_order: Mutex::default(),
+            prefill_sequence: AtomicU64::new(0),
             load: Arc::default(),
             ttft: TtftCalibration::default(),
         });
@@ -177,5 +197,36 @@ impl EndpointRegistry {
     pub(crate) fn retain(&self, live: &[Arc<WorkerState>]) {
         let mut workers = crate::lock(&self.workers);
         workers.retain(|address, _| live.iter().any(|w| &w.address == address));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefill_clock_restarts_only_when_the_oldest_prefill_is_through() {
+        let registry = EndpointRegistry::default();
+        let worker = registry.worker("127.0.0.1:1");
+        assert_eq!(worker.prefill_elapsed(), std::time::Duration::ZERO);
+        let long = PendingPrefill::start(&worker, 2_000);
+        let short = PendingPrefill::start(&worker, 30);
+        // When the worker started on the long prompt (a mark no clock reading is).
+        let mark = u64::MAX / 2;
+        worker.prefill_started_us.store(mark, Ordering::Relaxed);
+        // A short cached prompt sent after it answers first: the long one is as far along.
+        drop(short);
+        assert_eq!(worker.prefill_started_us.load(Ordering::Relaxed), mark);
+        assert_eq!(worker.pending_prefill_tokens(), 2_000);
+        let next = PendingPrefill::start(&worker, 500);
+        assert_eq!(worker.prefill_started_us.load(Ordering::Relaxed), mark);
+        // The long one is through: the worker starts on the next now.
+        drop(long);
+        assert!(worker.prefill_started_us.load(Ordering::Relaxed) < mark);
+        assert_eq!(worker.pending_prefill_tokens(), 500);
+        assert_eq!(worker.load.own_pending(), 1);
+        drop(next);
+        assert_eq!(worker.pending_prefill_tokens(), 0);
+        assert_eq!(worker.prefill_elapsed(), std::time::Duration::ZERO);
     }
 }
