@@ -207,7 +207,6 @@ impl PoolKv {
         WorkerId(candidate)
     }
 
-    /// One past the highest slot in use (the size of an overlap buffer).
     /// How deep each worker holds `hashes`: in the index, or by a request in flight to it.
     pub fn overlap(
         &self,
@@ -237,6 +236,7 @@ impl PoolKv {
         self.overlap(hashes).deepest() as usize >= hashes.len()
     }
 
+    /// One past the highest slot in use (the size of an overlap buffer).
     pub fn slot_count(&self) -> usize {
         lock(&self.slots)
             .values()
