@@ -36,9 +36,6 @@ use crate::telemetry::RequestSpan;
 
 /// Response header carrying the routing explanation.
 const EXPLAIN_RESPONSE_HEADER: &str = "x-switchyard-route";
-/// Output tokens a request's `max_tokens` counts for in routing at most (2^24: past every
-/// model's context).
-const MAX_ROUTING_OUTPUT_TOKENS: u64 = 1 << 24;
 /// Response header carrying the policy trace (rules looked at, prompt classes, target).
 const POLICY_RESPONSE_HEADER: &str = "x-switchyard-policy";
 /// Response header naming the model that served the answer (answers name the client's alias).
@@ -288,15 +285,8 @@ impl Exchange {
             return pool.pick(&self.attempt.tried);
         }
         let prompt = self.plan.target.prompt.as_deref();
-        // Tokens the answer may take up in the worker's KV cache: a `max_tokens` past any
-        // model's context (which the worker will refuse) counts as that bound, not as an
-        // overflow of the ledger.
-        let output = self
-            .client
-            .parsed
-            .max_tokens
-            .unwrap_or(0)
-            .min(MAX_ROUTING_OUTPUT_TOKENS) as usize;
+        let output = self.client.parsed.max_tokens.unwrap_or(0);
+        let output = usize::try_from(output).unwrap_or(usize::MAX);
         let decision = scorer::decide_for_prompt(&pool, prompt, output, &self.attempt.tried)?;
         if first_attempt {
             let kv = &pool.kv;

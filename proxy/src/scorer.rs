@@ -213,6 +213,11 @@ fn near_tie(
     other.cost_s <= best.cost_s + floor.max(error * differing)
 }
 
+/// Output tokens a request counts for in the KV cache at most (2^24: past every model's
+/// context). A larger `max_tokens`, which the worker will refuse, counts as this bound, not as
+/// an overflow of the ledger's reservations.
+const MAX_OUTPUT_TOKENS: usize = 1 << 24;
+
 /// Score every eligible worker (not in `exclude`, address resolved) and choose one.
 pub fn decide(
     pool: &PoolRuntime,
@@ -278,8 +283,7 @@ pub fn decide(
         let formula_ttft_s =
             model.predict((queued_tokens + uncached_tokens) as f64, running as f64);
         let predicted_ttft_s = relative_speed * formula_ttft_s;
-        let kv_blocks_needed = uncached_tokens
-            .saturating_add(output_tokens)
+        let kv_blocks_needed = (uncached_tokens + output_tokens.min(MAX_OUTPUT_TOKENS))
             .div_ceil(block_size.max(1)) as u64;
         scores.push(WorkerScore {
             position,
@@ -789,6 +793,12 @@ mod tests {
             KvReservation::start(&pool.workers[2], 800),
         ];
         assert_eq!(decide(pool, 400, 200, &lookup, &[]).unwrap().chosen, 1);
+        // A `max_tokens` no model has room for counts as the bound, not as an overflow.
+        let huge = decide(pool, 400, usize::MAX, &lookup, &[]).unwrap();
+        assert_eq!(
+            huge.scores[1].kv_blocks_needed,
+            MAX_OUTPUT_TOKENS.div_ceil(4) as u64
+        );
     }
 
     #[test]

@@ -23,11 +23,9 @@ pub struct WorkerState {
     /// When the worker started on the oldest of those (microseconds on [`crate::kv::clock_micros`]): the
     /// queue is worked off first come, first served, so part of it is done already.
     prefill_started_us: AtomicU64,
-    /// The pending prefills by the order they were sent (a number each): the first is the one
-    /// the worker is on.
+    /// The pending prefills by the order they were sent (a number each, one past the last
+    /// pending one's): the first is the one the worker is on.
     prefill_order: Mutex<BTreeSet<u64>>,
-    /// The next prefill's number.
-    prefill_sequence: AtomicU64,
     /// Queue as the worker's metrics report it, and this proxy's own requests there.
     pub load: Arc<WorkerLoad>,
     /// Observed against predicted time to first token, learned from this proxy's requests.
@@ -66,8 +64,8 @@ pub struct PendingPrefill {
 
 impl PendingPrefill {
     pub fn start(worker: &Arc<WorkerState>, tokens: usize) -> PendingPrefill {
-        let number = worker.prefill_sequence.fetch_add(1, Ordering::Relaxed);
         let mut order = crate::lock(&worker.prefill_order);
+        let number = order.last().map_or(0, |last| last + 1);
         if order.is_empty() {
             worker
                 .prefill_started_us
@@ -185,7 +183,6 @@ impl EndpointRegistry {
             pending_prefill_tokens: AtomicUsize::new(0),
             prefill_started_us: AtomicU64::new(0),
             prefill_order: Mutex::default(),
-            prefill_sequence: AtomicU64::new(0),
             load: Arc::default(),
             ttft: TtftCalibration::default(),
         });
