@@ -161,6 +161,7 @@ fn main() -> anyhow::Result<()> {
         graceful_shutdown_timeout_seconds: Some(args.grace_period_s),
         ..ServerConf::default()
     };
+    check_listeners(&args.listen, &args.admin_listen)?;
     let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
     server.bootstrap();
 
@@ -262,4 +263,21 @@ fn main() -> anyhow::Result<()> {
 
     tracing::info!(listen = %args.listen, admin = %args.admin_listen, "switchyard-proxy starting");
     server.run_forever();
+}
+
+/// Pingora binds each listener on its own service thread and only logs a failure, so a taken,
+/// malformed or shared address would leave the proxy running without that listener (an admin
+/// address equal to the main one answered `/metrics` with the tenants' 404). Bind both here
+/// first, the main one held while the admin one binds, and refuse to start on any error.
+fn check_listeners(listen: &str, admin_listen: &str) -> anyhow::Result<()> {
+    let bind = |flag: &str, address: &str| {
+        std::net::TcpListener::bind(address)
+            .map_err(|error| anyhow::anyhow!("cannot listen on --{flag} {address}: {error}"))
+    };
+    let main = bind("listen", listen)?;
+    if admin_listen != "off" {
+        drop(bind("admin-listen", admin_listen)?);
+    }
+    drop(main);
+    Ok(())
 }

@@ -9,7 +9,7 @@ pub mod process;
 pub mod tls;
 pub mod upstream;
 
-pub use process::{Proxy, Sim, SimWorker, free_port, workspace_root};
+pub use process::{Proxy, Sim, SimWorker, free_port, free_ports, workspace_root};
 pub use upstream::{Received, Upstream, UpstreamOptions};
 
 /// A config with one pool (`pool`, serving `served`) over `endpoints`, and aliases → that pool.

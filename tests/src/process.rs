@@ -17,8 +17,16 @@ pub fn workspace_root() -> PathBuf {
 
 /// A port that was free a moment ago on 127.0.0.1.
 pub fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    listener.local_addr().expect("local addr").port()
+    let [port] = free_ports();
+    port
+}
+
+/// `N` distinct ports that were free a moment ago on 127.0.0.1: each listener is held until
+/// all are bound (two separate [`free_port`] calls can return the same port).
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let listeners: [TcpListener; N] =
+        std::array::from_fn(|_| TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0"));
+    listeners.map(|listener| listener.local_addr().expect("local addr").port())
 }
 
 /// Path of a workspace binary, built once per test process with the same profile as the tests.
@@ -103,42 +111,55 @@ impl Proxy {
     }
 
     async fn spawn(
-        config_dir: tempfile::TempDir,
-        config_path: PathBuf,
+        mut config_dir: tempfile::TempDir,
+        mut config_path: PathBuf,
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Proxy {
-        let port = free_port();
-        let admin_port = free_port();
-        let mut child = Command::new(binary("switchyard-proxy"))
-            .args([
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--admin-listen",
-                &format!("127.0.0.1:{admin_port}"),
-                "--threads",
-                "2",
-                "--grace-period-s",
-                "1",
-            ])
-            .args(args)
-            .env("RUST_LOG", "info")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn switchyard-proxy");
-        let log = capture_stderr(&mut child, "proxy");
-        let mut proxy = Proxy {
-            child,
-            port,
-            admin_port,
-            config_dir,
-            config_path,
-            log,
-        };
-        proxy.wait_ready(Duration::from_secs(30)).await;
-        proxy
+        // Another test's process can take a port between its check here and the proxy's bind;
+        // the proxy then refuses to start ("cannot listen"), and a fresh pair is tried.
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let [port, admin_port] = free_ports();
+            let mut child = Command::new(binary("switchyard-proxy"))
+                .args([
+                    "--listen",
+                    &format!("127.0.0.1:{port}"),
+                    "--admin-listen",
+                    &format!("127.0.0.1:{admin_port}"),
+                    "--threads",
+                    "2",
+                    "--grace-period-s",
+                    "1",
+                ])
+                .args(args)
+                .env("RUST_LOG", "info")
+                .envs(env.iter().copied())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn switchyard-proxy");
+            let log = capture_stderr(&mut child, "proxy");
+            let mut proxy = Proxy {
+                child,
+                port,
+                admin_port,
+                config_dir,
+                config_path,
+                log,
+            };
+            match proxy.wait_ready(Duration::from_secs(30)).await {
+                Ok(()) => return proxy,
+                Err(log) if attempt < 3 && log.contains("cannot listen") => {
+                    // Keep the config for the next attempt; dropping `proxy` kills the child.
+                    let spare = tempfile::tempdir().expect("tempdir");
+                    config_dir = std::mem::replace(&mut proxy.config_dir, spare);
+                    config_path = std::mem::take(&mut proxy.config_path);
+                }
+                Err(log) => panic!("switchyard-proxy exited early; log:\n{log}"),
+            }
+        }
     }
 
     pub fn url(&self) -> String {
@@ -249,15 +270,15 @@ impl Proxy {
         std::fs::rename(&temp, &self.config_path).expect("rename config");
     }
 
-    async fn wait_ready(&mut self, timeout: Duration) {
+    /// Wait for both listeners; the log as the error when the proxy exited first.
+    async fn wait_ready(&mut self, timeout: Duration) -> Result<(), String> {
         let deadline = Instant::now() + timeout;
         let client = reqwest::Client::new();
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "switchyard-proxy exited early with {status}; log:\n{}",
-                    self.log()
-                );
+                // Let the stderr reader catch up with the last lines.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                return Err(format!("exit status {status}\n{}", self.log()));
             }
             // Both listeners: Pingora starts the admin service on its own thread, so the main
             // listener can answer before the admin one (`/debug/route`, `/metrics`) is bound.
@@ -268,7 +289,7 @@ impl Proxy {
             if answers(format!("{}/ready", self.url())).await
                 && answers(format!("{}/metrics", self.admin_url())).await
             {
-                return;
+                return Ok(());
             }
             assert!(
                 Instant::now() < deadline,

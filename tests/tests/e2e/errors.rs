@@ -263,6 +263,32 @@ fn a_tokenizer_that_cannot_be_loaded_is_reported_by_check() {
     assert!(stderr.contains("/nonexistent/tokenizer.json"), "{stderr}");
 }
 
+#[test]
+fn a_listen_address_that_cannot_be_bound_stops_the_proxy() {
+    // Pingora binds on its service threads and only logs a failure; the proxy checks first,
+    // so a shared or taken address is an error at start, not a missing listener.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = taken.local_addr().unwrap().to_string();
+    let [port] = switchyard_e2e::free_ports();
+    let same = format!("127.0.0.1:{port}");
+    for (listen, admin, flag) in [
+        (same.as_str(), same.as_str(), "--admin-listen"),
+        (taken.as_str(), "off", "--listen"),
+    ] {
+        let output =
+            std::process::Command::new(switchyard_e2e::process::binary("switchyard-proxy"))
+                .args(["--listen", listen, "--admin-listen", admin])
+                .output()
+                .unwrap();
+        assert!(!output.status.success());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains(&format!("cannot listen on {flag}")),
+            "{stderr}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn client_strings_are_escaped_and_bounded_in_errors_and_logs() {
     let (_upstream, proxy) = one_worker_proxy("w1", "m", &["m"], &[]).await;

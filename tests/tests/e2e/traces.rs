@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use switchyard_e2e::{
-    Proxy, Sim, Upstream, default_config_for, free_port, key_sha256, workspace_root,
+    Proxy, Sim, Upstream, default_config_for, free_port, free_ports, key_sha256, workspace_root,
 };
 
 const KEY: &str = "sk-trace-test";
@@ -34,7 +34,7 @@ impl Collector {
             binary.display()
         );
         let dir = tempfile::tempdir().unwrap();
-        let (grpc, http) = (free_port(), free_port());
+        let [grpc, http] = free_ports();
         let file = dir.path().join("traces.jsonl");
         let config = format!(
             "receivers:\n  otlp:\n    protocols:\n      grpc: {{endpoint: \"127.0.0.1:{grpc}\"}}\n      http: {{endpoint: \"127.0.0.1:{http}\"}}\n\
