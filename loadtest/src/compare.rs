@@ -282,6 +282,22 @@ pub fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
+/// `n` distinct ports that were free a moment ago on 127.0.0.1, none of them in `avoid`: each
+/// listener is held until all are bound (separate [`free_port`] calls can repeat a port).
+pub fn free_ports(n: usize, avoid: &[u16]) -> anyhow::Result<Vec<u16>> {
+    let mut held = Vec::new();
+    let mut ports = Vec::new();
+    while ports.len() < n {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let port = listener.local_addr()?.port();
+        if !avoid.contains(&port) {
+            ports.push(port);
+        }
+        held.push(listener);
+    }
+    Ok(ports)
+}
+
 /// Poll `url` until it answers 2xx, or fail after `timeout`.
 pub async fn wait_ready(url: &str, timeout: Duration) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
@@ -419,13 +435,20 @@ async fn start_router(
             // replica's operator listener, itself included as a headless Service would list it),
             // as the Helm chart's pods do.
             let replicas = replicas.max(1);
-            let admins: Vec<String> = (0..replicas)
-                .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
-                .collect::<anyhow::Result<_>>()?;
+            // Replica 0 serves on `port`; the others' and every admin port are distinct from it.
+            let more = free_ports(2 * replicas - 1, &[port])?;
+            let (admin_ports, replica_ports) = more.split_at(replicas);
+            let admins: Vec<String> = admin_ports
+                .iter()
+                .map(|p| format!("127.0.0.1:{p}"))
+                .collect();
             let mut processes = Vec::new();
             let mut urls = Vec::new();
             for (replica, admin) in admins.iter().enumerate() {
-                let port = if replica == 0 { port } else { free_port()? };
+                let port = match replica.checked_sub(1) {
+                    None => port,
+                    Some(other) => replica_ports.get(other).copied().unwrap_or(port),
+                };
                 let (admin, peers) = if replicas > 1 && config.peer_interval_ms > 0 {
                     (
                         admin.clone(),
@@ -1132,7 +1155,10 @@ pub fn spawn_vllm_router(
     port: u16,
     extra_args: &[String],
 ) -> anyhow::Result<Child> {
-    let metrics_port = free_port()?;
+    let metrics_port = free_ports(1, &[port])?
+        .first()
+        .copied()
+        .context("no free port for vllm-router's metrics")?;
     Command::new(executable)
         .arg("--worker-urls")
         .args(worker_urls)
@@ -1173,6 +1199,18 @@ pub fn find_vllm_router(root: &Path) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn free_ports_are_distinct_and_avoid_the_ones_taken() {
+        let taken = free_port().unwrap();
+        let ports = free_ports(6, &[taken]).unwrap();
+        assert_eq!(ports.len(), 6);
+        assert!(!ports.contains(&taken));
+        let mut unique = ports.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), ports.len());
+    }
 
     /// Two workers' histograms as the simulator writes them (cumulative buckets, vLLM's labels).
     fn worker(counts: &[(&str, u64)], sum: f64, count: u64) -> String {
