@@ -172,6 +172,9 @@ pub struct PoolKv {
     /// time between arrivals (seconds): the pool's arrival rate.
     last_arrival_us: AtomicU64,
     arrival_interval_s: RunningAverage,
+    /// What the other gateway replicas route into the pool per second, from their ledgers
+    /// ([`crate::peers`]; f64 bits, 0 without peers).
+    peer_arrival_rate: AtomicU64,
     /// The pool's TTFT coefficients, learned from its answers.
     pub calibration: crate::calibration::PoolCalibration,
 }
@@ -189,6 +192,7 @@ impl PoolKv {
             prefill_tokens_average: RunningAverage::default(),
             last_arrival_us: AtomicU64::new(0),
             arrival_interval_s: RunningAverage::default(),
+            peer_arrival_rate: AtomicU64::new(0),
             calibration: crate::calibration::PoolCalibration::default(),
         }
     }
@@ -272,9 +276,27 @@ impl PoolKv {
         self.prefill_tokens_average.get()
     }
 
-    /// Requests routed per second, lately (0 before two have been): the average time between
-    /// arrivals, or the time since the last one when that is longer (a pool that went quiet).
+    /// Requests per second arriving at the pool's workers through every gateway replica: this
+    /// proxy's [`Self::own_arrival_rate`] plus what the other replicas last reported.
     pub fn arrival_rate(&self) -> f64 {
+        self.own_arrival_rate() + self.peer_arrival_rate()
+    }
+
+    /// The other replicas' arrival rate into this pool, as last read from their ledgers.
+    pub fn peer_arrival_rate(&self) -> f64 {
+        f64::from_bits(self.peer_arrival_rate.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn set_peer_arrival_rate(&self, rate: f64) {
+        let rate = if rate.is_finite() { rate.max(0.0) } else { 0.0 };
+        self.peer_arrival_rate
+            .store(rate.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Requests this proxy routed per second, lately (0 before two have been): the average
+    /// time between arrivals, or the time since the last one when that is longer (a pool that
+    /// went quiet). What the replica exports to its peers: their rates are never re-exported.
+    pub fn own_arrival_rate(&self) -> f64 {
         let (interval, gaps) = self.arrival_interval_s.read();
         let last = self.last_arrival_us.load(Ordering::Relaxed);
         if gaps == 0 || last == 0 {
@@ -416,6 +438,9 @@ pub struct PeerLedger {
     pub prefill_tokens: u64,
     pub in_flight: u64,
     pub kv_blocks: u64,
+    /// How long the worker had been on the oldest of those prefills when they were read
+    /// (microseconds; the longest of the replicas': the worker works off one queue).
+    pub prefill_elapsed_us: u64,
 }
 
 impl PeerLedger {
@@ -424,6 +449,7 @@ impl PeerLedger {
         self.prefill_tokens += other.prefill_tokens;
         self.in_flight += other.in_flight;
         self.kv_blocks += other.kv_blocks;
+        self.prefill_elapsed_us = self.prefill_elapsed_us.max(other.prefill_elapsed_us);
     }
 }
 
@@ -454,8 +480,9 @@ pub struct WorkerLoad {
     peers_pending_tokens: AtomicU64,
     peers_in_flight: AtomicU64,
     peers_kv_blocks: AtomicU64,
-    /// When the peers' ledgers were last read (microseconds on the worker clock).
-    peers_read_us: AtomicU64,
+    /// When the worker started on the oldest of the peers' pending prefills, as of the last
+    /// read of their ledgers (microseconds on the worker clock).
+    peers_prefill_started_us: AtomicU64,
     /// The last scrape's requests beyond this proxy's own: queued, and being served.
     others_waiting: AtomicU64,
     others_running: AtomicU64,
@@ -502,6 +529,7 @@ impl WorkerLoad {
             prefill_tokens: self.peers_pending_tokens.load(Ordering::Relaxed),
             in_flight: self.peers_in_flight.load(Ordering::Relaxed),
             kv_blocks: self.peers_kv_blocks.load(Ordering::Relaxed),
+            prefill_elapsed_us: self.peers_prefill_elapsed().as_micros() as u64,
         }
     }
     pub(crate) fn set_peers(&self, ledger: PeerLedger) {
@@ -512,16 +540,18 @@ impl WorkerLoad {
             .store(ledger.in_flight, Ordering::Relaxed);
         self.peers_kv_blocks
             .store(ledger.kv_blocks, Ordering::Relaxed);
-        self.peers_read_us.store(clock_micros(), Ordering::Relaxed);
+        let started = clock_micros().saturating_sub(ledger.prefill_elapsed_us);
+        self.peers_prefill_started_us
+            .store(started, Ordering::Relaxed);
     }
-    /// Time since the peers' ledgers were last read: the worker has been working off their
-    /// prefill since (zero when no peer has any pending).
-    pub fn peers_read_elapsed(&self) -> std::time::Duration {
+    /// How long the worker has been on the oldest of the peers' pending prefills: what they
+    /// reported at the read, plus the time since (zero when no peer has any pending).
+    pub fn peers_prefill_elapsed(&self) -> std::time::Duration {
         if self.peers_pending.load(Ordering::Relaxed) == 0 {
             return std::time::Duration::ZERO;
         }
-        let read = self.peers_read_us.load(Ordering::Relaxed);
-        std::time::Duration::from_micros(clock_micros().saturating_sub(read))
+        let started = self.peers_prefill_started_us.load(Ordering::Relaxed);
+        std::time::Duration::from_micros(clock_micros().saturating_sub(started))
     }
     /// Requests of this proxy and of the other replicas at the worker, and those of them before
     /// their first token, and their KV blocks: what a scrape of the worker need not explain.
@@ -687,7 +717,7 @@ mod tests {
             prefills: 2,
             prefill_tokens: 4000,
             in_flight: 3,
-            kv_blocks: 0,
+            ..Default::default()
         });
         load.update_from_metrics(&gauges(3, 3), 40);
         assert_eq!((load.others_waiting(), load.others_running()), (0, 0));
@@ -735,5 +765,11 @@ mod tests {
         pool.record_arrival();
         let rate = pool.arrival_rate();
         assert!(rate > 0.0 && rate <= 1.0 / 0.19 + 1e-9, "{rate}");
+        // Other replicas' arrivals add to the rate the scorer reads, never to the exported one.
+        pool.set_peer_arrival_rate(4.0);
+        assert!((pool.arrival_rate() - pool.own_arrival_rate() - 4.0).abs() < 1e-9);
+        assert!(pool.own_arrival_rate() <= 1.0 / 0.19 + 1e-9);
+        pool.set_peer_arrival_rate(f64::NAN);
+        assert_eq!(pool.peer_arrival_rate(), 0.0);
     }
 }

@@ -261,10 +261,11 @@ pub fn decide(
         // oldest of ours is no longer queued.
         let speed = speeds.get(position).copied().unwrap_or_default();
         let relative_speed = speed.relative_to(median);
-        // ... and so has it since the other replicas' pending prefills were read (the worker
-        // works off one queue: the longer of the two stretches counts).
+        // ... and so has it on the other replicas' oldest (as they reported it, plus the time
+        // since the read; the worker works off one queue: the longer of the two stretches
+        // counts).
         let peers = load.peers();
-        let working = worker.prefill_elapsed().max(load.peers_read_elapsed());
+        let working = worker.prefill_elapsed().max(load.peers_prefill_elapsed());
         // A prefill token takes the model's time times the scale all its predictions share
         // (while the model learns, it may be several times off in seconds and still order the
         // workers right).
@@ -502,7 +503,7 @@ mod tests {
             prefills: 1,
             prefill_tokens: 3000,
             in_flight: 1,
-            kv_blocks: 0,
+            ..Default::default()
         });
         pool.workers[0].load.set_peers(crate::peers::PeerLedger {
             in_flight: 1,
@@ -512,6 +513,16 @@ mod tests {
         // (Less what the worker did since the ledger was read: a token per 300 µs.)
         let queued = decision.scores[1].queued_tokens;
         assert!((3400..=3500).contains(&queued), "{queued}");
+        // The replica had been on it for 0.3 s when it was read: 1,000 tokens are done.
+        pool.workers[1].load.set_peers(crate::peers::PeerLedger {
+            prefills: 1,
+            prefill_tokens: 3000,
+            in_flight: 1,
+            prefill_elapsed_us: 300_000,
+            ..Default::default()
+        });
+        let queued = decide(pool, 4, 0, &lookup, &[]).unwrap().scores[1].queued_tokens;
+        assert!((2400..=2500).contains(&queued), "{queued}");
         assert_eq!(decision.scores[0].running, 3);
         pool.workers[0].load.set_peers(Default::default());
         // Worker 0 reports only ours: nothing is counted twice.

@@ -194,9 +194,27 @@ impl Collector for StateCollector {
         )?;
         family(
             encoder,
+            "switchyard_worker_prefill_elapsed_seconds",
+            "How long the worker has been on the oldest of those prefills (0 when none is pending).",
+            workers()
+                .map(|(labels, w)| (labels, ConstGauge::new(w.prefill_elapsed().as_secs_f64()))),
+        )?;
+        family(
+            encoder,
             "switchyard_worker_kv_blocks_reserved",
             "KV blocks this proxy's requests in flight to the worker are expected to hold.",
             workers().map(|(labels, w)| (labels, ConstGauge::new(w.load.own_kv_blocks()))),
+        )?;
+        family(
+            encoder,
+            "switchyard_pool_arrival_rate",
+            "Requests per second this proxy routes into the pool, lately (other replicas' excluded).",
+            table.pools().map(|pool| {
+                (
+                    [("pool", pool.config.id.0.as_str())],
+                    ConstGauge::new(pool.kv.own_arrival_rate()),
+                )
+            }),
         )?;
         // Which replica this is: a peer reading this ledger recognises itself by it.
         family(

@@ -16,6 +16,8 @@ struct Ledger {
     prefill_tokens: u64,
     in_flight: u64,
     kv_blocks: u64,
+    /// How long the worker has been on the oldest pending prefill (µs; 0 when none).
+    prefill_elapsed_us: u64,
 }
 
 async fn ledger(proxy: &Proxy, worker: &str) -> Ledger {
@@ -25,14 +27,15 @@ async fn ledger(proxy: &Proxy, worker: &str) -> Ledger {
             .lines()
             .find(|line| line.starts_with(name) && line.contains(&format!("worker=\"{worker}\"")))
             .and_then(|line| line.rsplit(' ').next())
-            .and_then(|value| value.parse::<u64>().ok())
+            .and_then(|value| value.parse::<f64>().ok())
             .unwrap_or_else(|| panic!("{name} for {worker} missing:\n{metrics}"))
     };
     Ledger {
-        prefills: read("switchyard_worker_prefills_pending{"),
-        prefill_tokens: read("switchyard_worker_prefill_tokens_pending{"),
-        in_flight: read("switchyard_worker_requests_in_flight{"),
-        kv_blocks: read("switchyard_worker_kv_blocks_reserved{"),
+        prefills: read("switchyard_worker_prefills_pending{") as u64,
+        prefill_tokens: read("switchyard_worker_prefill_tokens_pending{") as u64,
+        in_flight: read("switchyard_worker_requests_in_flight{") as u64,
+        kv_blocks: read("switchyard_worker_kv_blocks_reserved{") as u64,
+        prefill_elapsed_us: (read("switchyard_worker_prefill_elapsed_seconds{") * 1e6) as u64,
     }
 }
 
@@ -170,6 +173,8 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
     let before = ledger(&proxy, &worker).await;
     assert_eq!((before.prefills, before.in_flight), (1, 1), "{before:?}");
     assert!(before.prefill_tokens > 100, "{before:?}");
+    // The worker has been on it since it was sent (what other replicas take as done).
+    assert!(before.prefill_elapsed_us > 0, "{before:?}");
     // Uncached prompt and 64 output tokens in blocks of 64.
     assert!(before.kv_blocks >= 2, "{before:?}");
     // ...and at its first token it is not, while the request still decodes and holds its blocks.
@@ -184,7 +189,8 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
             prefills: 0,
             prefill_tokens: 0,
             in_flight: 1,
-            kv_blocks: before.kv_blocks
+            kv_blocks: before.kv_blocks,
+            prefill_elapsed_us: 0,
         }
     );
     // The rest (no later request streams from this worker, so spare permits do no harm).
@@ -270,8 +276,11 @@ async fn a_replica_counts_another_replicas_requests_like_its_own() {
         },
     )
     .await;
+    // A prefill token costs 0.1 s here, so the worker is taken to do a few of the prompt's
+    // hundreds of tokens while the test waits (the gated worker never answers, whatever the
+    // model predicts).
     let config = format!(
-        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: gated}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: gated}}\nspec: {{model: m, scoring: {{prefillMicrosPerToken: 100000}}, endpoints: [\"{}\"]}}\n---\n\
          apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: gated}}\nspec: {{modelName: gated, targets: [{{pool: gated}}]}}\n",
         gated.endpoint()
     );
@@ -297,11 +306,14 @@ async fn a_replica_counts_another_replicas_requests_like_its_own() {
     wait_received(&gated, 1).await;
     let pending = ledger(&first, &worker).await.prefill_tokens;
     assert!(pending > 100);
-    // (less the little the worker is taken to have done since the last read, 20 ms ago at most)
+    // (less the little the worker is taken to have done since the first replica sent it: the
+    // first exports how long the worker has been on it, and the second adds the time since)
     wait_scored(&second, &worker, |(queued, _)| {
         queued > pending / 2 && queued <= pending
     })
     .await;
+    let elapsed = ledger(&first, &worker).await.prefill_elapsed_us;
+    assert!(elapsed > 0);
     // ...then, past its first token, a request decoding there...
     let mut chunks = response.bytes_stream();
     gated.release(1);
