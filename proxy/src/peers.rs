@@ -5,8 +5,9 @@
 //! counts: a request another replica is prefilling shows as one "running" request, not as the
 //! thousands of prompt tokens ahead of the next one. So each replica reads the others' ledgers
 //! (the `switchyard_worker_*` gauges of their `/metrics`: pending prefills, their tokens and how
-//! long the worker has been on the oldest, requests in flight, KV blocks reserved) every `--peer-interval-ms` and counts them like its
-//! own, a peer interval late; the workers' gauges then only add what no replica explains.
+//! long the worker has been on the oldest, requests in flight, KV blocks reserved) every
+//! `--peer-interval-ms` and counts them like its own, a peer interval late; the workers' gauges
+//! then only add what no replica explains.
 //! Their arrival rates (`switchyard_pool_arrival_rate`, each replica's own) are added to this
 //! one's: the scorer's fleet charge ([`crate::scorer`]) is about every request that will arrive
 //! behind a choice, not only those that come through this replica.
