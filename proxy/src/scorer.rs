@@ -262,21 +262,28 @@ pub fn decide(
         let speed = speeds.get(position).copied().unwrap_or_default();
         let relative_speed = speed.relative_to(median);
         // ... and so has it on the other replicas' oldest (as they reported it, plus the time
-        // since the read; the worker works off one queue: the longer of the two stretches
-        // counts).
+        // since the read). The worker works off one queue: the longer of the two stretches
+        // counts, but each only against its own side's tokens (a peer's long wait says nothing
+        // of prompts this proxy sent a moment ago, nor ours of theirs).
         let peers = load.peers();
-        let working = worker.prefill_elapsed().max(load.peers_prefill_elapsed());
         // A prefill token takes the model's time times the scale all its predictions share
         // (while the model learns, it may be several times off in seconds and still order the
         // workers right).
-        let done = if prefill_cost > 0.0 {
-            (working.as_secs_f64() / (prefill_cost * scale * relative_speed)) as usize
-        } else {
-            0
+        let done_in = |elapsed: std::time::Duration, tokens: usize| {
+            if prefill_cost > 0.0 {
+                let done = elapsed.as_secs_f64() / (prefill_cost * scale * relative_speed);
+                (done as usize).min(tokens)
+            } else {
+                0
+            }
         };
-        let queued_tokens = (worker.pending_prefill_tokens() + peers.prefill_tokens as usize)
-            .saturating_sub(done)
-            + others_queue;
+        let (own_tokens, peer_tokens) = (
+            worker.pending_prefill_tokens(),
+            peers.prefill_tokens as usize,
+        );
+        let done = done_in(worker.prefill_elapsed(), own_tokens)
+            .max(done_in(load.peers_prefill_elapsed(), peer_tokens));
+        let queued_tokens = (own_tokens + peer_tokens).saturating_sub(done) + others_queue;
         let in_flight = worker.in_flight();
         let own_decoding = (in_flight as u64).saturating_sub(load.own_pending());
         let peers_decoding = peers.in_flight.saturating_sub(peers.prefills);
@@ -523,6 +530,19 @@ mod tests {
         });
         let queued = decide(pool, 4, 0, &lookup, &[]).unwrap().scores[1].queued_tokens;
         assert!((2400..=2500).contains(&queued), "{queued}");
+        // A peer's long wait (10 s: 33,000 tokens' time) counts only against its own 1,000:
+        // a prompt this proxy has just sent there stays queued.
+        pool.workers[1].load.set_peers(crate::peers::PeerLedger {
+            prefills: 1,
+            prefill_tokens: 1000,
+            in_flight: 1,
+            prefill_elapsed_us: 10_000_000,
+            ..Default::default()
+        });
+        let before = decide(pool, 4, 0, &lookup, &[]).unwrap().scores[1].queued_tokens;
+        let _ours = PendingPrefill::start(&pool.workers[1], 3000);
+        let queued = decide(pool, 4, 0, &lookup, &[]).unwrap().scores[1].queued_tokens;
+        assert!(queued >= before + 2900, "{before} then {queued}");
         assert_eq!(decision.scores[0].running, 3);
         pool.workers[0].load.set_peers(Default::default());
         // Worker 0 reports only ours: nothing is counted twice.

@@ -12,7 +12,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::core::GroupVersionKind;
 use kube::discovery::Scope;
 
-use crate::process::{free_port, free_ports, workspace_root};
+use crate::process::{free_ports, workspace_root};
 use crate::tls::TestCerts;
 
 /// Token of the cluster administrator (group `system:masters`).
@@ -71,7 +71,8 @@ impl Cluster {
         }
         std::fs::write(path.join("tokens.csv"), tokens).expect("tokens");
 
-        let [client_port, peer_port] = free_ports();
+        // The apiserver's port too: etcd may not have bound its two yet when it is chosen.
+        let [client_port, peer_port, port] = free_ports();
         let etcd_url = format!("http://127.0.0.1:{client_port}");
         let peer_url = format!("http://127.0.0.1:{peer_port}");
         let etcd = Command::new(tool("etcd"))
@@ -88,7 +89,6 @@ impl Cluster {
             .spawn()
             .expect("start etcd");
 
-        let port = free_port();
         let file = |name: &str| path.join(name).display().to_string();
         let apiserver = Command::new(tool("kube-apiserver"))
             .args(["--etcd-servers", &etcd_url])

@@ -116,8 +116,9 @@ impl Proxy {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Proxy {
-        // Another test's process can take a port between its check here and the proxy's bind;
-        // the proxy then refuses to start ("cannot listen"), and a fresh pair is tried.
+        // Another test's process can take a port between its check here and the proxy's own
+        // check; the proxy then refuses to start ("cannot listen"), and a fresh pair is tried.
+        // (One taken after that check, before Pingora binds, is not caught: `wait_ready` fails.)
         let mut attempt = 0;
         loop {
             attempt += 1;
