@@ -277,9 +277,7 @@ impl Drop for Killed {
 
 /// A port that was free a moment ago on 127.0.0.1.
 pub fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    free_ports(1, &[])?.first().copied().context("no free port")
 }
 
 /// `n` distinct ports that were free a moment ago on 127.0.0.1, none of them in `avoid`: each

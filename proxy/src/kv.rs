@@ -431,6 +431,11 @@ pub(crate) fn clock_micros() -> u64 {
         .as_micros() as u64
 }
 
+/// Time since `started` on [`clock_micros`].
+pub(crate) fn elapsed_since(started: u64) -> std::time::Duration {
+    std::time::Duration::from_micros(clock_micros().saturating_sub(started))
+}
+
 /// What replicas other than this one count against one worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PeerLedger {
@@ -546,12 +551,11 @@ impl WorkerLoad {
     }
     /// How long the worker has been on the oldest of the peers' pending prefills: what they
     /// reported at the read, plus the time since (zero when no peer has any pending).
-    pub fn peers_prefill_elapsed(&self) -> std::time::Duration {
+    fn peers_prefill_elapsed(&self) -> std::time::Duration {
         if self.peers_pending.load(Ordering::Relaxed) == 0 {
             return std::time::Duration::ZERO;
         }
-        let started = self.peers_prefill_started_us.load(Ordering::Relaxed);
-        std::time::Duration::from_micros(clock_micros().saturating_sub(started))
+        elapsed_since(self.peers_prefill_started_us.load(Ordering::Relaxed))
     }
     /// Requests of this proxy and of the other replicas at the worker, and those of them before
     /// their first token, and their KV blocks: what a scrape of the worker need not explain.

@@ -281,8 +281,9 @@ pub fn decide(
             worker.pending_prefill_tokens(),
             peers.prefill_tokens as usize,
         );
-        let done = done_in(worker.prefill_elapsed(), own_tokens)
-            .max(done_in(load.peers_prefill_elapsed(), peer_tokens));
+        let peers_elapsed = std::time::Duration::from_micros(peers.prefill_elapsed_us);
+        let done =
+            done_in(worker.prefill_elapsed(), own_tokens).max(done_in(peers_elapsed, peer_tokens));
         let queued_tokens = (own_tokens + peer_tokens).saturating_sub(done) + others_queue;
         let in_flight = worker.in_flight();
         let own_decoding = (in_flight as u64).saturating_sub(load.own_pending());

@@ -48,8 +48,7 @@ impl WorkerState {
         if self.load.own_pending() == 0 {
             return std::time::Duration::ZERO;
         }
-        let started = self.prefill_started_us.load(Ordering::Relaxed);
-        std::time::Duration::from_micros(crate::kv::clock_micros().saturating_sub(started))
+        crate::kv::elapsed_since(self.prefill_started_us.load(Ordering::Relaxed))
     }
 }
 
