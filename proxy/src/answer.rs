@@ -1,6 +1,6 @@
 //! The upstream's answer on its way to the client: translated into the client's API when the
 //! target speaks another, its usage read (and the usage chunk the gateway asked for removed),
-//! and its first byte timed.
+//! and its first output timed.
 
 use std::time::Instant;
 
@@ -92,8 +92,33 @@ pub struct Answer {
     mode: Mode,
     /// Reads `usage` from the answer (and removes the usage chunk the proxy asked for).
     pub usage: UsageTap,
-    /// When the first byte of the answer went to the client.
-    pub first_byte: Option<Instant>,
+    /// When the answer's first output (its first token, or its error) went to the client.
+    pub first_output: Option<Instant>,
+    /// A native Responses API stream: it opens with events its server sends before the model
+    /// has produced anything ([`OPENING_EVENTS`]), so its first output is the first other event.
+    pub opens_with_events: bool,
+    /// The stream names its events (`event:` lines): only they say where output starts.
+    events_named: bool,
+}
+
+/// The events a Responses API stream opens with: vLLM sends both as soon as it has accepted the
+/// request, before its engine yields a token (`responses_stream_generator`).
+const OPENING_EVENTS: [&[u8]; 2] = [b"response.created", b"response.in_progress"];
+
+/// What a piece of a Responses API stream says by its `event:` lines: `None` when it names no
+/// event, else whether it names one past the opening ones (output, the end, an error).
+fn names_output(chunk: &[u8]) -> Option<bool> {
+    let mut named = None;
+    for line in chunk.split(|&b| b == b'\n') {
+        let Some(name) = line.strip_prefix(b"event:") else {
+            continue;
+        };
+        if !OPENING_EVENTS.contains(&name.trim_ascii()) {
+            return Some(true);
+        }
+        named = Some(false);
+    }
+    named
 }
 
 impl Answer {
@@ -101,7 +126,25 @@ impl Answer {
         Answer {
             mode: Mode::PassThrough,
             usage,
-            first_byte: None,
+            first_output: None,
+            opens_with_events: false,
+            events_named: false,
+        }
+    }
+
+    /// Whether `chunk` (non-empty, on its way to the client) carries output: any chunk, but in
+    /// a stream that opens with events only one that names an event past them (or, in a stream
+    /// that names no events, its first).
+    fn carries_output(&mut self, chunk: &[u8]) -> bool {
+        if !self.opens_with_events {
+            return true;
+        }
+        match names_output(chunk) {
+            Some(output) => {
+                self.events_named = true;
+                output
+            }
+            None => !self.events_named,
         }
     }
 }
@@ -182,7 +225,7 @@ impl Answer {
     }
 
     /// A piece of the upstream's body, made the client's. Returns `true` when it carries the
-    /// answer's first byte.
+    /// answer's first output.
     pub fn body(
         &mut self,
         body: &mut Option<Bytes>,
@@ -264,8 +307,8 @@ impl Answer {
         }
         let mut first = false;
         if let Some(chunk) = body.take() {
-            if self.first_byte.is_none() && !chunk.is_empty() {
-                self.first_byte = Some(Instant::now());
+            if self.first_output.is_none() && !chunk.is_empty() && self.carries_output(&chunk) {
+                self.first_output = Some(Instant::now());
                 first = true;
             }
             *body = Some(self.usage.feed(chunk));
@@ -394,6 +437,65 @@ mod tests {
                 "cut at {cut}"
             );
         }
+    }
+
+    /// The pieces of a stream, in order, that carry its first output.
+    fn first_outputs(opens_with_events: bool, pieces: &[&str]) -> Vec<usize> {
+        let mut answer = answer();
+        answer.opens_with_events = opens_with_events;
+        let mut response = ResponseHeader::build(200, None).unwrap();
+        answer
+            .head(
+                &mut response,
+                Translation::None,
+                true,
+                "m",
+                "m",
+                Some(ALIAS_HEAD_BYTES),
+            )
+            .unwrap();
+        pieces
+            .iter()
+            .enumerate()
+            .filter_map(|(i, piece)| {
+                let mut body = Some(Bytes::copy_from_slice(piece.as_bytes()));
+                answer.body(&mut body, false, "m").then_some(i)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_responses_stream_shows_output_after_its_opening_events() {
+        // vLLM: created and in_progress as soon as the request is accepted, then the output.
+        let pieces = [
+            "event: response.created\ndata: {\"response\":{\"instructions\":\"event: response.output_text.delta\"},\"type\":\"response.created\"}\n\n",
+            "event: response.in_progress\n",
+            "data: {\"type\":\"response.in_progress\"}\n\n",
+            "event: response.output_item.added\r\ndata: {}\r\n\r\n",
+            "event: response.output_text.delta\ndata: {}\n\n",
+        ];
+        assert_eq!(first_outputs(true, &pieces), [3]);
+        // Any other stream: its first piece.
+        assert_eq!(first_outputs(false, &pieces), [0]);
+        // A stream that names no events: its first piece too.
+        assert_eq!(
+            first_outputs(
+                true,
+                &["data: {\"type\":\"response.created\"}\n\n", "data: {}\n\n"]
+            ),
+            [0]
+        );
+        // An error before any output is the first output.
+        assert_eq!(
+            first_outputs(
+                true,
+                &[
+                    "event: response.created\ndata: {}\n\n",
+                    "event: error\ndata: {}\n\n"
+                ]
+            ),
+            [1]
+        );
     }
 
     #[test]

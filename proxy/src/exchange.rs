@@ -332,6 +332,9 @@ impl Exchange {
                 "internal gateway error",
             ));
         };
+        // Choosing and counting the request against its worker are one step for the pool's
+        // requests on every thread (released when the attempt's guards are in place).
+        let _choosing = crate::lock(&pool.kv.choosing);
         let reconnect = self.attempt.reconnect_to.take();
         let first_attempt = self.attempt.tried.is_empty() && reconnect.is_none();
         let picked = reconnect
@@ -562,6 +565,11 @@ impl Exchange {
             Endpoint::Responses | Endpoint::StoredResponse => Some(answer::RESPONSE_ALIAS_BYTES),
             _ => Some(answer::ALIAS_HEAD_BYTES),
         };
+        // vLLM's Responses stream opens with `response.created` and `response.in_progress`
+        // before its engine yields anything: its first token is the first event after them.
+        self.answer.opens_with_events = stream
+            && self.client.endpoint == Endpoint::Responses
+            && target.translate == Translation::None;
         self.answer.head(
             response,
             target.translate,
@@ -591,8 +599,9 @@ impl Exchange {
         if !first {
             return;
         }
-        // vLLM streams nothing before the first token: the prefill is done, and the worker's
-        // queue no longer holds it (decoding is counted by `current`).
+        // The first token (vLLM streams nothing before it but a Responses stream's opening
+        // events, which `answer` passes over): the prefill is done, and the worker's queue no
+        // longer holds it (decoding is counted by `current`).
         self.attempt.pending = None;
         if let (Some(unfinished), Some(prediction), Some(pool)) = (
             self.attempt.unfinished.take(),

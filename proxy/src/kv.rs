@@ -177,6 +177,10 @@ pub struct PoolKv {
     peer_arrival_rate: AtomicU64,
     /// The pool's TTFT coefficients, learned from its answers.
     pub calibration: crate::calibration::PoolCalibration,
+    /// Held while a request chooses a worker and is counted against it: a request deciding on
+    /// another thread meanwhile would see the chosen worker without this one's prefill, KV
+    /// blocks and prediction, and could take it for idle too.
+    pub choosing: Mutex<()>,
 }
 
 impl PoolKv {
@@ -194,6 +198,7 @@ impl PoolKv {
             arrival_interval_s: RunningAverage::default(),
             peer_arrival_rate: AtomicU64::new(0),
             calibration: crate::calibration::PoolCalibration::default(),
+            choosing: Mutex::new(()),
         }
     }
 

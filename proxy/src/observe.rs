@@ -64,7 +64,7 @@ pub fn finished(metrics: &Metrics, error: Option<&Error>, ctx: &mut RequestCtx) 
         usage: exchange.answer.usage.usage,
         ttft: exchange
             .answer
-            .first_byte
+            .first_output
             .map(|t| t.duration_since(ctx.started)),
         total: ctx.started.elapsed(),
     });
@@ -177,7 +177,7 @@ fn span_attributes(ctx: &RequestCtx) -> Vec<KeyValue> {
             prompt.tokens as i64,
         ));
     }
-    if let Some(first) = exchange.answer.first_byte {
+    if let Some(first) = exchange.answer.first_output {
         attributes.push(KeyValue::new(
             "switchyard.ttft.actual_ms",
             first.duration_since(ctx.started).as_secs_f64() * 1000.0,

@@ -160,11 +160,18 @@ impl Drop for Upstream {
 }
 
 fn sse(events: Vec<String>, shared: Arc<Shared>) -> Response {
+    sse_opening(events, 0, shared)
+}
+
+/// A stream whose first `opening` events go out at once, gated or not (what a server sends
+/// before its engine has produced anything).
+fn sse_opening(events: Vec<String>, opening: usize, shared: Arc<Shared>) -> Response {
     let stream = futures_util::stream::unfold(
-        (events.into_iter(), shared),
-        |(mut events, shared)| async move {
-            let event = events.next()?;
+        (events.into_iter().enumerate(), shared),
+        move |(mut events, shared)| async move {
+            let (index, event) = events.next()?;
             if shared.options.gated
+                && index >= opening
                 && let Ok(permit) = shared.gate.acquire().await
             {
                 permit.forget();
@@ -306,6 +313,33 @@ async fn answer(
             }
             events.push("data: [DONE]\n\n".to_owned());
             sse(events, shared)
+        }
+        // A streamed Responses API answer in vLLM's order: `response.created` and
+        // `response.in_progress` as soon as the request is accepted, then one delta per token.
+        "/v1/responses" if stream => {
+            let id = format!("resp_{name}_{}", body.len());
+            let opened = json!({"id": id, "object": "response", "model": model, "status": "in_progress", "output": []});
+            let event = |kind: &str, data: Value| {
+                let mut data = data;
+                data["type"] = json!(kind);
+                format!("event: {kind}\ndata: {data}\n\n")
+            };
+            let mut events = vec![
+                event("response.created", json!({"response": opened})),
+                event("response.in_progress", json!({"response": opened})),
+            ];
+            events.extend((0..chunks).map(|i| {
+                event(
+                    "response.output_text.delta",
+                    json!({"output_index": 0, "content_index": 0, "delta": format!("{name}-{i} ")}),
+                )
+            }));
+            events.push(event(
+                "response.completed",
+                json!({"response": {"id": id, "object": "response", "model": model, "status": "completed", "output": [],
+                       "usage": {"input_tokens": 12, "output_tokens": chunks, "total_tokens": 12 + chunks}}}),
+            ));
+            sse_opening(events, 2, shared)
         }
         // The Responses API (whole answers): the request's `instructions` echoed before the
         // model, as vLLM's answer does.

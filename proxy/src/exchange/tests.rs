@@ -38,16 +38,23 @@ fn exchange(metrics: &Metrics) -> Exchange {
     )
 }
 
-fn exchange_of(metrics: &Metrics, body: Bytes) -> Exchange {
+fn table() -> Arc<RoutingTable> {
     let snapshot = switchyard_snapshot::load_str("test", CONFIG).unwrap();
-    let table = Arc::new(
+    Arc::new(
         RoutingTable::build(
             Arc::new(snapshot),
             &EndpointRegistry::default(),
             &KvRegistry::default(),
         )
         .unwrap(),
-    );
+    )
+}
+
+fn exchange_of(metrics: &Metrics, body: Bytes) -> Exchange {
+    exchange_on(metrics, table(), body)
+}
+
+fn exchange_on(metrics: &Metrics, table: Arc<RoutingTable>, body: Bytes) -> Exchange {
     let typed = crate::wire::parse(&body).unwrap();
     let client = ClientRequest {
         endpoint: Endpoint::ChatCompletions,
@@ -118,6 +125,43 @@ async fn connect_failures_try_another_worker_then_the_next_target() {
         0,
         "finish releases the worker"
     );
+}
+
+/// Choosing a worker and counting the request against it are one step: requests choosing on
+/// several threads at the same moment each see the others' choices, so three requests on three
+/// idle workers take one each (without the pool's lock, two of them often read the same worker
+/// as idle before either counted against it).
+#[test]
+fn requests_choosing_at_once_see_each_others_choices() {
+    let metrics = metrics();
+    let table = table();
+    let body =
+        Bytes::from_static(br#"{"model":"chain","messages":[{"role":"user","content":"hi"}]}"#);
+    for round in 0..300 {
+        let mut exchanges: Vec<Exchange> = (0..3)
+            .map(|_| exchange_on(&metrics, table.clone(), body.clone()))
+            .collect();
+        let barrier = std::sync::Barrier::new(exchanges.len());
+        let mut chosen: Vec<usize> = std::thread::scope(|scope| {
+            let handles: Vec<_> = exchanges
+                .iter_mut()
+                .map(|exchange| {
+                    let barrier = &barrier;
+                    scope.spawn(move || {
+                        barrier.wait();
+                        exchange.next_peer(TIMEOUT).unwrap();
+                        exchange.attempt.tried[0]
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        chosen.sort_unstable();
+        assert_eq!(chosen, [0, 1, 2], "round {round}: one worker each");
+        for exchange in &mut exchanges {
+            exchange.finish();
+        }
+    }
 }
 
 #[test]

@@ -161,6 +161,49 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
     let _ = abandoned.await;
     wait_empty(&proxy, &stalled.endpoint()).await;
 
+    // A streamed Responses answer (native, in vLLM's order): its opening events come before
+    // any token, so the prompt stays pending prefill through them, until the first delta.
+    let input = body("gated", true)["messages"][0]["content"].clone();
+    let response = client
+        .post(format!("{}/v1/responses", proxy.url()))
+        .json(&json!({"model": "gated", "stream": true, "max_output_tokens": 64, "input": input}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut chunks = response.bytes_stream();
+    let mut seen = String::new();
+    while !seen.contains("response.in_progress") {
+        seen.push_str(&String::from_utf8_lossy(
+            &chunks.next().await.unwrap().unwrap(),
+        ));
+    }
+    let opened = ledger(&proxy, &worker).await;
+    assert_eq!((opened.prefills, opened.in_flight), (1, 1), "{opened:?}");
+    assert!(opened.prefill_tokens > 100, "{opened:?}");
+    gated.release(1);
+    while !seen.contains("response.output_text.delta") {
+        seen.push_str(&String::from_utf8_lossy(
+            &chunks.next().await.unwrap().unwrap(),
+        ));
+    }
+    let decoding = ledger(&proxy, &worker).await;
+    assert_eq!(
+        (
+            decoding.prefills,
+            decoding.prefill_tokens,
+            decoding.in_flight
+        ),
+        (0, 0, 1),
+        "{decoding:?}"
+    );
+    // Exactly the rest (two more deltas and the end), so the next stream starts gated.
+    gated.release(3);
+    while let Some(chunk) = chunks.next().await {
+        chunk.unwrap();
+    }
+    wait_empty(&proxy, &worker).await;
+
     // A streamed request: before its first token the prompt is pending prefill...
     let response = client
         .post(&url)
