@@ -236,11 +236,10 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
             prefill_elapsed_us: 0,
         }
     );
-    // The rest (no later request streams from this worker, so spare permits do no harm).
-    gated.release(16);
-    while let Some(chunk) = chunks.next().await {
-        chunk.unwrap();
-    }
+    // Its client goes away mid-stream (the worker's stream, still gated, is dropped with it):
+    // the decoding request and its blocks are released too. (The Responses stream above and
+    // the paths below stream to the end.)
+    drop(chunks);
     wait_empty(&proxy, &worker).await;
 
     // A non-streamed answer arrives whole: counted until then, nothing after.
