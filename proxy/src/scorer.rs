@@ -505,14 +505,17 @@ mod tests {
         let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
         assert_eq!(decision.scores[2].running, 6);
         assert!(decision.scores[2].queued_tokens > 0);
+        // Another replica's one request, prefilling `tokens` for `elapsed_us` when read.
+        let prefilling = |prefill_tokens, prefill_elapsed_us| crate::peers::PeerLedger {
+            prefills: 1,
+            prefill_tokens,
+            in_flight: 1,
+            prefill_elapsed_us,
+            ..Default::default()
+        };
         // Another replica prefills 3,000 tokens on worker 1 and decodes one request on worker 0:
         // counted like ours.
-        pool.workers[1].load.set_peers(crate::peers::PeerLedger {
-            prefills: 1,
-            prefill_tokens: 3000,
-            in_flight: 1,
-            ..Default::default()
-        });
+        pool.workers[1].load.set_peers(prefilling(3000, 0));
         pool.workers[0].load.set_peers(crate::peers::PeerLedger {
             in_flight: 1,
             ..Default::default()
@@ -522,24 +525,12 @@ mod tests {
         let queued = decision.scores[1].queued_tokens;
         assert!((3400..=3500).contains(&queued), "{queued}");
         // The replica had been on it for 0.3 s when it was read: 1,000 tokens are done.
-        pool.workers[1].load.set_peers(crate::peers::PeerLedger {
-            prefills: 1,
-            prefill_tokens: 3000,
-            in_flight: 1,
-            prefill_elapsed_us: 300_000,
-            ..Default::default()
-        });
+        pool.workers[1].load.set_peers(prefilling(3000, 300_000));
         let queued = decide(pool, 4, 0, &lookup, &[]).unwrap().scores[1].queued_tokens;
         assert!((2400..=2500).contains(&queued), "{queued}");
         // A peer's long wait (10 s: 33,000 tokens' time) counts only against its own 1,000:
         // a prompt this proxy has just sent there stays queued.
-        pool.workers[1].load.set_peers(crate::peers::PeerLedger {
-            prefills: 1,
-            prefill_tokens: 1000,
-            in_flight: 1,
-            prefill_elapsed_us: 10_000_000,
-            ..Default::default()
-        });
+        pool.workers[1].load.set_peers(prefilling(1000, 10_000_000));
         let before = decide(pool, 4, 0, &lookup, &[]).unwrap().scores[1].queued_tokens;
         let _ours = PendingPrefill::start(&pool.workers[1], 3000);
         let queued = decide(pool, 4, 0, &lookup, &[]).unwrap().scores[1].queued_tokens;
