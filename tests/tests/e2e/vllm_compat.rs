@@ -9,8 +9,9 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 use switchyard_e2e::{Sim, free_port, python, run_python, workspace_root};
 use switchyard_kv::events::{
-    BlockRemoved, BlockStored, ExternalBlockHash, HashEncoding, KvEvent, KvEventBatch,
-    REPLAY_END_SEQ, WireFormat, decode_batch, decode_frames, decode_seq, encode_batch,
+    BlockRemoved, BlockStored, EventMessage, ExternalBlockHash, HashEncoding, KvEvent,
+    KvEventBatch, REPLAY_END_SEQ, WireFormat, decode_batch, decode_frames, decode_seq,
+    encode_batch,
 };
 use switchyard_loadtest::sim::kv_cache::KvCache;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -106,10 +107,14 @@ async fn vllm_publisher_feeds_our_decoder_live_and_through_replay() {
         .spawn()
         .unwrap();
 
-    // Live: every message decodes, with vLLM's topic and increasing sequence numbers.
+    // Live: every message decodes, with vLLM's topic and increasing sequence numbers. Read until
+    // the last known batch has gone out: vLLM's publisher thread answers a replay request with
+    // what it has sent so far, so asking earlier races its sending of the known batches.
+    let known = known_batches();
+    let last_known = known.len() as u64 - 1;
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mut live = Vec::new();
-    while live.len() < 3 {
+    let mut live: Vec<EventMessage> = Vec::new();
+    while live.len() < 3 || live.last().is_some_and(|message| message.seq < last_known) {
         assert!(
             Instant::now() < deadline,
             "no live batches from vLLM's publisher"
@@ -122,7 +127,6 @@ async fn vllm_publisher_feeds_our_decoder_live_and_through_replay() {
             live.push(message);
         }
     }
-    let known = known_batches();
     for window in live.windows(2) {
         assert!(window[1].seq > window[0].seq);
     }
