@@ -74,11 +74,13 @@ struct Args {
     cors_allow_origins: String,
     /// Other replicas of this gateway in front of the same workers: `host:port` of their
     /// operator listeners, comma-separated; a name resolves to all its addresses (a Kubernetes
-    /// headless Service), this replica among them is skipped. Their ledgers (prefill pending,
-    /// requests in flight, KV blocks) count in routing like this replica's own.
+    /// headless Service), this replica among them is skipped. Replicas send each other their
+    /// ledgers (prefill pending, requests in flight, KV blocks) as UDP datagrams on those
+    /// ports whenever they change, and count the others' in routing like their own.
     #[arg(long, value_delimiter = ',', env = "SWITCHYARD_PEERS")]
     peers: Vec<String>,
-    /// How often the peers' ledgers are read, in milliseconds.
+    /// How often this replica sends its ledger to the peers when it does not change, and
+    /// resolves their names, in milliseconds; one silent for ten of these counts for nothing.
     #[arg(long, default_value_t = 100)]
     peer_interval_ms: u64,
     /// Responses API: how many response ids the gateway remembers the worker of (each
@@ -234,6 +236,13 @@ fn main() -> anyhow::Result<()> {
             PeerService {
                 store: store.clone(),
                 peers,
+                // Datagrams arrive on the operator listener's port; without that listener, on
+                // any port (the peers learn it from this replica's datagrams).
+                bind: if args.admin_listen == "off" {
+                    "0.0.0.0:0".to_owned()
+                } else {
+                    args.admin_listen.clone()
+                },
                 interval: Duration::from_millis(args.peer_interval_ms.max(10)),
             },
         ));

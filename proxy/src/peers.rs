@@ -1,39 +1,69 @@
-//! Other gateway replicas' ledgers ("shared hints").
+//! Other gateway replicas' ledgers ("shared hints"), pushed as they change.
 //!
 //! Several proxy replicas in front of the same workers each know their own requests exactly and
 //! at once, and everyone else's only through the workers' gauges, a scrape late and as bare
 //! counts: a request another replica is prefilling shows as one "running" request, not as the
-//! thousands of prompt tokens ahead of the next one. So each replica reads the others' ledgers
-//! (the `switchyard_worker_*` gauges of their `/metrics`: pending prefills, their tokens and how
-//! long the worker has been on the oldest, requests in flight, KV blocks reserved) every
-//! `--peer-interval-ms` and counts them like its own, a peer interval late; the workers' gauges
-//! then only add what no replica explains.
-//! Their arrival rates (`switchyard_pool_arrival_rate`, each replica's own) are added to this
-//! one's: the scorer's fleet charge ([`crate::scorer`]) is about every request that will arrive
-//! behind a choice, not only those that come through this replica.
+//! thousands of prompt tokens ahead of the next one. So each replica sends its ledger (per
+//! worker: pending prefills, their tokens and how long the worker has been on the oldest,
+//! requests in flight, KV blocks reserved; per pool: its arrival rate) to the others whenever it
+//! changes (a decision, a first token, an end) and at least every `--peer-interval-ms`, and
+//! counts theirs like its own; the workers' gauges then only add what no replica explains.
+//! Their arrival rates are added to this one's: the scorer's fleet charge ([`crate::scorer`]) is
+//! about every request that will arrive behind a choice, not only those that come through this
+//! replica.
 //!
-//! Peers are `host:port` of the other replicas' operator listeners, each name resolved every
-//! round to all its addresses (a Kubernetes headless Service names every replica), so a replica
-//! may list itself: it recognises its own `switchyard_instance_info` and skips it. A peer that
-//! does not answer counts for nothing until it does.
+//! Why pushed, and why datagrams: a ledger read every interval is an interval late, and two
+//! replicas deciding within it both take the same best worker; one pushed at each change is
+//! late by a datagram's trip. Each datagram is the sender's whole ledger (the workers it counts
+//! anything against; the others count nothing), numbered, so a lost or reordered one is
+//! repaired by the next and no acknowledgement is needed. They travel over UDP on the operator
+//! listener's port (the same `host:port` the peers are named by; a Kubernetes headless Service
+//! names every replica). A replica sends to the peers it resolves every interval and to every
+//! replica it has heard from lately, so one that knows the others is enough to connect both
+//! ways; it recognises its own datagrams by its instance id and skips them. A replica not heard
+//! from for [`SILENT_INTERVALS`] intervals counts for nothing until it is heard again.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
+use serde::{Deserialize, Serialize};
+use tokio::net::UdpSocket;
+use tokio::sync::Notify;
 
 use crate::config::ConfigStore;
 pub use crate::kv::PeerLedger;
-use crate::kv::{label_value, sample};
+use crate::routing::RoutingTable;
 
 /// This process's id among replicas (random, fixed for its life).
 pub fn instance_id() -> &'static str {
     static ID: OnceLock<String> = OnceLock::new();
     ID.get_or_init(|| format!("{:016x}", rand::random::<u64>()))
 }
+
+/// Wakes the sender: this replica's ledger changed (a guard of [`crate::worker`] started or
+/// ended). Cheap when no peers are configured: a permit nobody takes.
+static LEDGER_CHANGED: Notify = Notify::const_new();
+
+/// Called by the ledger's guards whenever they count or release something.
+pub(crate) fn ledger_changed() {
+    LEDGER_CHANGED.notify_one();
+}
+
+/// Intervals without a datagram after which a replica counts for nothing (it stopped, or the
+/// network between us did).
+pub const SILENT_INTERVALS: u32 = 10;
+
+/// Largest datagram sent; a ledger longer than this (well over a thousand busy workers) keeps
+/// its busiest workers and says so in the log.
+const MAX_DATAGRAM: usize = 60_000;
+
+/// The format's version: a datagram of another version is ignored.
+const VERSION: u32 = 1;
 
 /// What one replica reports: its ledger per worker address, and its arrival rate per pool.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -44,77 +74,206 @@ pub struct ReplicaLedger {
 }
 
 impl ReplicaLedger {
-    fn add(&mut self, other: ReplicaLedger) {
-        for (worker, ledger) in other.workers {
-            self.workers.entry(worker).or_default().add(&ledger);
+    fn add(&mut self, other: &ReplicaLedger) {
+        for (worker, ledger) in &other.workers {
+            self.workers.entry(worker.clone()).or_default().add(ledger);
         }
-        for (pool, rate) in other.arrival_rates {
-            *self.arrival_rates.entry(pool).or_default() += rate;
+        for (pool, rate) in &other.arrival_rates {
+            *self.arrival_rates.entry(pool.clone()).or_default() += rate;
+        }
+    }
+
+    /// This replica's own ledger now: every worker of the table it counts anything against.
+    pub fn own(table: &RoutingTable) -> ReplicaLedger {
+        let mut own = ReplicaLedger::default();
+        for pool in table.pools() {
+            let rate = pool.kv.own_arrival_rate();
+            if rate.is_finite() && rate > 0.0 {
+                own.arrival_rates.insert(pool.config.id.0.clone(), rate);
+            }
+            for worker in &pool.workers {
+                let ledger = PeerLedger {
+                    prefills: worker.load.own_pending(),
+                    prefill_tokens: worker.pending_prefill_tokens() as u64,
+                    in_flight: worker.in_flight() as u64,
+                    kv_blocks: worker.load.own_kv_blocks(),
+                    prefill_elapsed_us: worker.prefill_elapsed().as_micros() as u64,
+                };
+                if ledger != PeerLedger::default() {
+                    own.workers.insert(worker.address.clone(), ledger);
+                }
+            }
+        }
+        own
+    }
+}
+
+/// One datagram: a replica's whole ledger, numbered.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Datagram {
+    v: u32,
+    instance: String,
+    seq: u64,
+    /// `[address, prefills, prefill tokens, in flight, KV blocks, prefill elapsed µs]`.
+    workers: Vec<(String, u64, u64, u64, u64, u64)>,
+    arrival_rates: HashMap<String, f64>,
+}
+
+impl Datagram {
+    /// The ledger as one datagram's bytes, its busiest workers first when it must be cut.
+    fn encode(ledger: &ReplicaLedger, seq: u64) -> Vec<u8> {
+        let mut workers: Vec<_> = ledger
+            .workers
+            .iter()
+            .map(|(address, l)| {
+                (
+                    address.clone(),
+                    l.prefills,
+                    l.prefill_tokens,
+                    l.in_flight,
+                    l.kv_blocks,
+                    l.prefill_elapsed_us,
+                )
+            })
+            .collect();
+        workers.sort_by(|a, b| (b.2, b.3, &a.0).cmp(&(a.2, a.3, &b.0)));
+        let mut datagram = Datagram {
+            v: VERSION,
+            instance: instance_id().to_owned(),
+            seq,
+            workers,
+            arrival_rates: ledger.arrival_rates.clone(),
+        };
+        loop {
+            let bytes = serde_json::to_vec(&datagram).unwrap_or_default();
+            if bytes.len() <= MAX_DATAGRAM || datagram.workers.is_empty() {
+                return bytes;
+            }
+            static WARNED: OnceLock<()> = OnceLock::new();
+            WARNED.get_or_init(|| {
+                tracing::warn!(
+                    workers = datagram.workers.len(),
+                    "routing ledger too long for one datagram to the peers; the least busy workers are left out"
+                )
+            });
+            let keep = datagram.workers.len() * MAX_DATAGRAM / bytes.len();
+            datagram
+                .workers
+                .truncate(keep.min(datagram.workers.len() - 1));
+        }
+    }
+
+    /// A peer's datagram: `None` when it is not one (another version, not ours, this process's).
+    fn decode(bytes: &[u8]) -> Option<Datagram> {
+        let datagram: Datagram = serde_json::from_slice(bytes).ok()?;
+        (datagram.v == VERSION && datagram.instance != instance_id()).then_some(datagram)
+    }
+
+    fn ledger(&self) -> ReplicaLedger {
+        let workers = self
+            .workers
+            .iter()
+            .map(
+                |(address, prefills, tokens, in_flight, kv_blocks, elapsed)| {
+                    let ledger = PeerLedger {
+                        prefills: *prefills,
+                        prefill_tokens: *tokens,
+                        in_flight: *in_flight,
+                        kv_blocks: *kv_blocks,
+                        prefill_elapsed_us: *elapsed,
+                    };
+                    (address.clone(), ledger)
+                },
+            )
+            .collect();
+        let arrival_rates = self
+            .arrival_rates
+            .iter()
+            .filter(|(_, rate)| rate.is_finite() && **rate > 0.0)
+            .map(|(pool, rate)| (pool.clone(), *rate))
+            .collect();
+        ReplicaLedger {
+            workers,
+            arrival_rates,
         }
     }
 }
 
-/// One replica's ledger from its `/metrics`; `None` when it is this process. A worker in
-/// several pools appears once per pool with the same figures (the ledger is per worker): the
-/// largest is kept.
-pub fn parse_ledger(text: &str) -> Option<ReplicaLedger> {
-    let mut replica = ReplicaLedger::default();
-    for line in text.lines() {
-        let Some((name, value)) = sample(line) else {
-            continue;
-        };
-        if name == "switchyard_instance_info" {
-            if label_value(line, "instance") == Some(instance_id()) {
-                return None;
-            }
-            continue;
-        }
-        if name == "switchyard_pool_arrival_rate" {
-            if let Some(pool) = label_value(line, "pool")
-                && value.is_finite()
-                && value > 0.0
-            {
-                replica.arrival_rates.insert(pool.to_owned(), value);
-            }
-            continue;
-        }
-        if name == "switchyard_worker_prefill_elapsed_seconds" {
-            if let Some(worker) = label_value(line, "worker")
-                && value.is_finite()
-            {
-                let ledger = replica.workers.entry(worker.to_owned()).or_default();
-                let micros = (value.max(0.0) * 1e6) as u64;
-                ledger.prefill_elapsed_us = ledger.prefill_elapsed_us.max(micros);
-            }
-            continue;
-        }
-        let field: fn(&mut PeerLedger) -> &mut u64 = match name {
-            "switchyard_worker_prefills_pending" => |l| &mut l.prefills,
-            "switchyard_worker_prefill_tokens_pending" => |l| &mut l.prefill_tokens,
-            "switchyard_worker_requests_in_flight" => |l| &mut l.in_flight,
-            "switchyard_worker_kv_blocks_reserved" => |l| &mut l.kv_blocks,
-            _ => continue,
-        };
-        let Some(worker) = label_value(line, "worker") else {
-            continue;
-        };
-        let slot = field(replica.workers.entry(worker.to_owned()).or_default());
-        *slot = (*slot).max(value.max(0.0) as u64);
-    }
-    Some(replica)
+/// The latest ledger heard from one replica.
+#[derive(Debug, Clone)]
+struct Heard {
+    seq: u64,
+    at: Instant,
+    from: SocketAddr,
+    ledger: ReplicaLedger,
 }
 
-/// Reads the peers' ledgers into the live table's workers.
+/// The replicas heard from, by instance id.
+#[derive(Debug, Default)]
+struct Replicas(HashMap<String, Heard>);
+
+impl Replicas {
+    /// Keep a datagram unless an equal or later one of its replica is already here.
+    fn hear(&mut self, datagram: Datagram, from: SocketAddr, at: Instant) -> bool {
+        if let Some(heard) = self.0.get(&datagram.instance)
+            && heard.seq >= datagram.seq
+        {
+            return false;
+        }
+        let ledger = datagram.ledger();
+        self.0.insert(
+            datagram.instance,
+            Heard {
+                seq: datagram.seq,
+                at,
+                from,
+                ledger,
+            },
+        );
+        true
+    }
+
+    /// Forget replicas silent for longer than `silence`.
+    fn forget_silent(&mut self, now: Instant, silence: Duration) {
+        self.0
+            .retain(|_, heard| now.saturating_duration_since(heard.at) <= silence);
+    }
+
+    /// Every replica's ledger summed as of `now`: a worker's time on the oldest pending prefill
+    /// grows by the time since its replica reported it.
+    fn total(&self, now: Instant) -> ReplicaLedger {
+        let mut total = ReplicaLedger::default();
+        for heard in self.0.values() {
+            let since = now.saturating_duration_since(heard.at).as_micros() as u64;
+            let mut ledger = heard.ledger.clone();
+            for worker in ledger.workers.values_mut() {
+                if worker.prefills > 0 {
+                    worker.prefill_elapsed_us = worker.prefill_elapsed_us.saturating_add(since);
+                }
+            }
+            total.add(&ledger);
+        }
+        total
+    }
+
+    fn addresses(&self) -> impl Iterator<Item = SocketAddr> + '_ {
+        self.0.values().map(|heard| heard.from)
+    }
+}
+
+/// Sends this replica's ledger to the peers and counts theirs in the live table's workers.
 pub struct PeerService {
     pub store: Arc<ConfigStore>,
     /// `host:port` of the replicas' operator listeners (names resolve to every address).
     pub peers: Vec<String>,
+    /// Where this replica receives the others' datagrams (its operator listener's address).
+    pub bind: String,
     pub interval: Duration,
 }
 
 impl PeerService {
-    /// One round: every peer's ledger, summed per worker and per pool.
-    async fn read(&self, client: &reqwest::Client) -> ReplicaLedger {
+    /// Every address the peers' names resolve to now.
+    async fn resolve(&self) -> Vec<SocketAddr> {
         let mut addresses = Vec::new();
         for peer in &self.peers {
             match tokio::net::lookup_host(peer.as_str()).await {
@@ -124,24 +283,18 @@ impl PeerService {
                 }
             }
         }
-        addresses.sort();
-        addresses.dedup();
-        let mut total = ReplicaLedger::default();
-        for address in addresses {
-            let text = match client.get(format!("http://{address}/metrics")).send().await {
-                Ok(response) if response.status().is_success() => response.text().await.ok(),
-                _ => None,
-            };
-            if let Some(replica) = text.as_deref().and_then(parse_ledger) {
-                total.add(replica);
-            }
-        }
-        total
+        addresses
     }
 
-    fn apply(&self, peers: &ReplicaLedger) {
+    fn apply(&self, replicas: &Mutex<Replicas>) {
         let Some(table) = self.store.current() else {
             return;
+        };
+        let peers = {
+            let mut replicas = crate::lock(replicas);
+            let now = Instant::now();
+            replicas.forget_silent(now, self.interval * SILENT_INTERVALS);
+            replicas.total(now)
         };
         for pool in table.pools() {
             let rate = peers.arrival_rates.get(&pool.config.id.0).copied();
@@ -156,24 +309,83 @@ impl PeerService {
             }
         }
     }
+
+    /// Sends at every change of the ledger and every interval; resolves the peers every interval.
+    async fn send(&self, socket: &UdpSocket, replicas: &Mutex<Replicas>) {
+        let mut ticker = tokio::time::interval(self.interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut resolved = Vec::new();
+        let mut seq = 0u64;
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {
+                    resolved = self.resolve().await;
+                    // Silent replicas drop out even when nobody sends.
+                    self.apply(replicas);
+                }
+                _ = LEDGER_CHANGED.notified() => {}
+            }
+            let Some(table) = self.store.current() else {
+                continue;
+            };
+            seq += 1;
+            let bytes = Datagram::encode(&ReplicaLedger::own(&table), seq);
+            let mut targets = resolved.clone();
+            targets.extend(crate::lock(replicas).addresses());
+            targets.sort();
+            targets.dedup();
+            for target in targets {
+                if let Err(error) = socket.send_to(&bytes, target).await {
+                    tracing::debug!(peer = %target, %error, "ledger not sent");
+                }
+            }
+            // A decision starts three guards and a first token ends one: let a burst of changes
+            // go out as one datagram.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    async fn receive(&self, socket: &UdpSocket, replicas: &Mutex<Replicas>) {
+        let mut buffer = vec![0u8; 65_536];
+        loop {
+            let (length, from) = match socket.recv_from(&mut buffer).await {
+                Ok(received) => received,
+                Err(error) => {
+                    tracing::debug!(%error, "peer datagram not received");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            };
+            let Some(datagram) = buffer.get(..length).and_then(Datagram::decode) else {
+                continue;
+            };
+            let fresh = crate::lock(replicas).hear(datagram, from, Instant::now());
+            if fresh {
+                self.apply(replicas);
+            }
+        }
+    }
 }
 
 #[async_trait]
 impl BackgroundService for PeerService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let client = reqwest::Client::builder()
-            .timeout(self.interval.max(Duration::from_millis(250)) * 2)
-            .build()
-            .unwrap_or_default();
-        let mut ticker = tokio::time::interval(self.interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = ticker.tick() => {}
-                _ = shutdown.changed() => break,
+        let socket = match UdpSocket::bind(self.bind.as_str()).await {
+            Ok(socket) => socket,
+            Err(error) => {
+                tracing::error!(
+                    bind = self.bind.as_str(),
+                    %error,
+                    "cannot receive the other replicas' ledgers; routing counts only this replica's requests and the workers' gauges"
+                );
+                return;
             }
-            let ledgers = self.read(&client).await;
-            self.apply(&ledgers);
+        };
+        let replicas = Mutex::new(Replicas::default());
+        tokio::select! {
+            _ = self.send(&socket, &replicas) => {}
+            _ = self.receive(&socket, &replicas) => {}
+            _ = shutdown.changed() => {}
         }
     }
 }
@@ -182,57 +394,103 @@ impl BackgroundService for PeerService {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_replicas_ledger_is_read_per_worker_and_this_one_is_skipped() {
-        let text = "# HELP switchyard_instance_info x\nswitchyard_instance_info{instance=\"other\"} 1\n\
-             switchyard_worker_prefills_pending{pool=\"default/a\",worker=\"10.0.0.1:8000\"} 2\n\
-             switchyard_worker_prefill_tokens_pending{pool=\"default/a\",worker=\"10.0.0.1:8000\"} 3000\n\
-             switchyard_worker_requests_in_flight{pool=\"default/a\",worker=\"10.0.0.1:8000\"} 5\n\
-             switchyard_worker_requests_in_flight{pool=\"default/b\",worker=\"10.0.0.1:8000\"} 5\n\
-             switchyard_worker_kv_blocks_reserved{pool=\"default/a\",worker=\"10.0.0.1:8000\"} 90\n\
-             switchyard_worker_prefill_elapsed_seconds{pool=\"default/a\",worker=\"10.0.0.1:8000\"} 0.25\n\
-             switchyard_worker_requests_in_flight{pool=\"default/a\",worker=\"10.0.0.2:8000\"} 1\n\
-             switchyard_worker_requests_waiting{pool=\"default/a\",worker=\"10.0.0.2:8000\"} 7\n\
-             switchyard_pool_arrival_rate{pool=\"default/a\"} 12.5\n\
-             switchyard_pool_arrival_rate{pool=\"default/b\"} 0\n";
-        let replica = parse_ledger(text).unwrap();
-        assert_eq!(replica.arrival_rates.len(), 1);
-        assert_eq!(replica.arrival_rates["default/a"], 12.5);
-        let ledgers = &replica.workers;
-        assert_eq!(
-            ledgers["10.0.0.1:8000"],
-            PeerLedger {
-                prefills: 2,
-                prefill_tokens: 3000,
-                in_flight: 5,
-                kv_blocks: 90,
-                prefill_elapsed_us: 250_000,
-            }
-        );
-        assert_eq!(
-            ledgers["10.0.0.2:8000"],
-            PeerLedger {
-                in_flight: 1,
-                ..Default::default()
-            }
-        );
-        let own = text.replace("\"other\"", &format!("\"{}\"", instance_id()));
-        assert_eq!(parse_ledger(&own), None);
+    fn ledger(prefill_tokens: u64, prefill_elapsed_us: u64) -> PeerLedger {
+        PeerLedger {
+            prefills: 1,
+            prefill_tokens,
+            in_flight: 2,
+            kv_blocks: 90,
+            prefill_elapsed_us,
+        }
+    }
+
+    /// `replica`'s datagram as another process would send it.
+    fn from(instance: &str, seq: u64, replica: &ReplicaLedger) -> Datagram {
+        let mut datagram: Datagram =
+            serde_json::from_slice(&Datagram::encode(replica, seq)).unwrap();
+        datagram.instance = instance.to_owned();
+        datagram
     }
 
     #[test]
-    fn replicas_ledgers_and_arrival_rates_add_up() {
-        let replica = |name: &str, rate: f64, tokens: u64| {
-            format!(
-                "switchyard_instance_info{{instance=\"{name}\"}} 1\n\
-                 switchyard_worker_prefill_tokens_pending{{pool=\"default/a\",worker=\"w\"}} {tokens}\n\
-                 switchyard_pool_arrival_rate{{pool=\"default/a\"}} {rate}\n"
-            )
+    fn a_ledger_survives_its_datagram_and_this_replicas_own_are_skipped() {
+        let replica = ReplicaLedger {
+            workers: HashMap::from([
+                ("10.0.0.1:8000".to_owned(), ledger(3000, 250_000)),
+                (
+                    "10.0.0.2:8000".to_owned(),
+                    PeerLedger {
+                        in_flight: 1,
+                        ..Default::default()
+                    },
+                ),
+            ]),
+            arrival_rates: HashMap::from([("default/a".to_owned(), 12.5)]),
         };
-        let mut total = ReplicaLedger::default();
-        total.add(parse_ledger(&replica("r1", 2.0, 100)).unwrap());
-        total.add(parse_ledger(&replica("r2", 3.5, 50)).unwrap());
+        let bytes = Datagram::encode(&replica, 7);
+        assert_eq!(Datagram::decode(&bytes), None, "this process's own");
+        let other = from("other", 7, &replica);
+        let bytes = serde_json::to_vec(&other).unwrap();
+        let decoded = Datagram::decode(&bytes).unwrap();
+        assert_eq!(decoded.seq, 7);
+        assert_eq!(decoded.ledger(), replica);
+        // Another version, or not a ledger at all, is ignored.
+        let newer = String::from_utf8(bytes)
+            .unwrap()
+            .replace("\"v\":1", "\"v\":2");
+        assert_eq!(Datagram::decode(newer.as_bytes()), None);
+        assert_eq!(Datagram::decode(b"GET / HTTP/1.1"), None);
+    }
+
+    #[test]
+    fn a_ledger_too_long_for_one_datagram_keeps_its_busiest_workers() {
+        let workers = (0..2_000u64)
+            .map(|i| (format!("10.0.{}.{}:8000", i / 256, i % 256), ledger(i, 0)))
+            .collect();
+        let replica = ReplicaLedger {
+            workers,
+            ..Default::default()
+        };
+        let bytes = Datagram::encode(&replica, 1);
+        assert!(bytes.len() <= MAX_DATAGRAM);
+        let kept: Datagram = serde_json::from_slice(&bytes).unwrap();
+        assert!(kept.workers.len() > 500, "{}", kept.workers.len());
+        let least = kept.workers.iter().map(|w| w.2).min().unwrap();
+        assert_eq!(least, 2_000 - kept.workers.len() as u64);
+    }
+
+    #[test]
+    fn replicas_add_up_late_datagrams_are_dropped_and_silent_replicas_forgotten() {
+        let address: SocketAddr = "127.0.0.1:9090".parse().unwrap();
+        let replica = |tokens: u64, elapsed_us: u64, rate: f64| ReplicaLedger {
+            workers: HashMap::from([("w".to_owned(), ledger(tokens, elapsed_us))]),
+            arrival_rates: HashMap::from([("default/a".to_owned(), rate)]),
+        };
+        let start = Instant::now();
+        let mut replicas = Replicas::default();
+        assert!(replicas.hear(from("r1", 2, &replica(100, 10_000, 2.0)), address, start));
+        assert!(replicas.hear(from("r2", 1, &replica(50, 0, 3.5)), address, start));
+        // r1's first datagram arrives after its second: it changes nothing.
+        assert!(!replicas.hear(from("r1", 1, &replica(900, 0, 9.0)), address, start));
+
+        let later = start + Duration::from_millis(30);
+        let total = replicas.total(later);
         assert_eq!(total.arrival_rates["default/a"], 5.5);
-        assert_eq!(total.workers["w"].prefill_tokens, 150);
+        let w = total.workers["w"];
+        assert_eq!(
+            (w.prefills, w.prefill_tokens, w.in_flight, w.kv_blocks),
+            (2, 150, 4, 180)
+        );
+        // The longest time on the oldest prefill, grown by the time since it was reported.
+        assert_eq!(w.prefill_elapsed_us, 40_000);
+
+        // r2 goes on reporting; r1 falls silent and is forgotten.
+        let much_later = start + Duration::from_secs(2);
+        assert!(replicas.hear(from("r2", 2, &replica(0, 0, 1.0)), address, much_later));
+        replicas.forget_silent(much_later, Duration::from_secs(1));
+        let total = replicas.total(much_later);
+        assert_eq!(total.arrival_rates["default/a"], 1.0);
+        assert_eq!(total.workers["w"].prefill_tokens, 0);
+        assert_eq!(replicas.addresses().count(), 1);
     }
 }

@@ -75,6 +75,7 @@ impl PendingPrefill {
             .pending_prefill_tokens
             .fetch_add(tokens, Ordering::Relaxed);
         worker.load.own_pending.fetch_add(1, Ordering::Relaxed);
+        crate::peers::ledger_changed();
         PendingPrefill {
             worker: worker.clone(),
             tokens,
@@ -100,6 +101,7 @@ impl Drop for PendingPrefill {
                 .prefill_started_us
                 .store(crate::kv::clock_micros(), Ordering::Relaxed);
         }
+        crate::peers::ledger_changed();
     }
 }
 
@@ -117,6 +119,7 @@ impl KvReservation {
             .load
             .own_kv_blocks
             .fetch_add(blocks, Ordering::Relaxed);
+        crate::peers::ledger_changed();
         KvReservation {
             worker: worker.clone(),
             blocks,
@@ -130,6 +133,7 @@ impl Drop for KvReservation {
             .load
             .own_kv_blocks
             .fetch_sub(self.blocks, Ordering::Relaxed);
+        crate::peers::ledger_changed();
     }
 }
 
@@ -140,6 +144,7 @@ pub struct InFlight(Arc<WorkerState>);
 impl InFlight {
     pub fn start(worker: &Arc<WorkerState>) -> InFlight {
         worker.load.own_in_flight.fetch_add(1, Ordering::Relaxed);
+        crate::peers::ledger_changed();
         InFlight(worker.clone())
     }
 
@@ -151,6 +156,7 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.load.own_in_flight.fetch_sub(1, Ordering::Relaxed);
+        crate::peers::ledger_changed();
     }
 }
 

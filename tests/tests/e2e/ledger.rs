@@ -326,8 +326,14 @@ async fn a_replica_counts_another_replicas_requests_like_its_own() {
          apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: gated}}\nspec: {{modelName: gated, targets: [{{pool: gated}}]}}\n",
         gated.endpoint()
     );
-    let first = Proxy::start(&config, &[]).await;
-    // The second replica reads the first's ledger, and its own (which it recognises and skips).
+    // Replicas push their ledgers to each other. The first names no replica that runs: it
+    // learns of the second from the second's own datagrams, which go to the first's operator
+    // port (and to a port nobody listens on).
+    let first = Proxy::start(
+        &config,
+        &["--peers", "127.0.0.1:1", "--peer-interval-ms", "20"],
+    )
+    .await;
     let peers = format!(
         "{},{}",
         first.admin_url().trim_start_matches("http://"),
