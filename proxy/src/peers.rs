@@ -325,11 +325,15 @@ impl PeerService {
                 }
                 _ = LEDGER_CHANGED.notified() => {}
             }
-            let Some(table) = self.store.current() else {
-                continue;
-            };
+            // Before the first table this replica counts nothing, and says so: the peers learn
+            // its address from it.
+            let own = self
+                .store
+                .current()
+                .map(|table| ReplicaLedger::own(&table))
+                .unwrap_or_default();
             seq += 1;
-            let bytes = Datagram::encode(&ReplicaLedger::own(&table), seq);
+            let bytes = Datagram::encode(&own, seq);
             let mut targets = resolved.clone();
             targets.extend(crate::lock(replicas).addresses());
             targets.sort();

@@ -107,6 +107,9 @@ fn chart_lints_renders_and_keeps_its_promises() {
         .expect("headless peers Service");
     assert_eq!(peers["spec"]["clusterIP"], "None");
     assert_eq!(peers["spec"]["ports"][0]["targetPort"], "admin");
+    // The replicas' ledgers travel as datagrams on the admin port.
+    assert_eq!(peers["spec"]["ports"][1]["targetPort"], "ledgers");
+    assert_eq!(peers["spec"]["ports"][1]["protocol"], "UDP");
     let account = of_kind(&docs, "ServiceAccount")[0];
     assert_eq!(account["automountServiceAccountToken"], false);
 
@@ -175,6 +178,9 @@ fn chart_lints_renders_and_keeps_its_promises() {
             .iter()
             .any(|p| p["name"] == "admin" && p["containerPort"] == 9090)
     );
+    assert!(proxy["ports"].as_array().unwrap().iter().any(|p| {
+        p["name"] == "ledgers" && p["containerPort"] == 9090 && p["protocol"] == "UDP"
+    }));
     let annotations = &deployment["spec"]["template"]["metadata"]["annotations"];
     assert_eq!(annotations["prometheus.io/port"], "9090");
     assert_eq!(annotations["prometheus.io/path"], "/metrics");

@@ -326,12 +326,14 @@ async fn a_replica_counts_another_replicas_requests_like_its_own() {
          apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: gated}}\nspec: {{modelName: gated, targets: [{{pool: gated}}]}}\n",
         gated.endpoint()
     );
-    // Replicas push their ledgers to each other. The first names no replica that runs: it
-    // learns of the second from the second's own datagrams, which go to the first's operator
-    // port (and to a port nobody listens on).
+    // Replicas push their ledgers to each other at every change; the interval (a minute here)
+    // only repeats an unchanged one, so everything below is seen through pushes. The first
+    // names no replica that runs: it learns of the second from the datagram the second sends
+    // when it starts, to the first's operator port (and to a port nobody listens on).
+    let minute = "60000";
     let first = Proxy::start(
         &config,
-        &["--peers", "127.0.0.1:1", "--peer-interval-ms", "20"],
+        &["--peers", "127.0.0.1:1", "--peer-interval-ms", minute],
     )
     .await;
     let peers = format!(
@@ -339,7 +341,7 @@ async fn a_replica_counts_another_replicas_requests_like_its_own() {
         first.admin_url().trim_start_matches("http://"),
         "127.0.0.1:1"
     );
-    let second = Proxy::start(&config, &["--peers", &peers, "--peer-interval-ms", "20"]).await;
+    let second = Proxy::start(&config, &["--peers", &peers, "--peer-interval-ms", minute]).await;
     let worker = gated.endpoint();
     assert_eq!(scored(&second, &worker).await, (0, 0));
 
