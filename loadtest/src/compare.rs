@@ -202,8 +202,8 @@ pub struct RunConfig {
     pub scoring_error: f64,
     /// Switchyard's pool's `scoring.tieToleranceMicros` (`None`: the default).
     pub tie_tolerance_us: Option<u32>,
-    /// `switchyard-2`: how often each replica reads the other's ledger (`--peer-interval-ms`;
-    /// 0: the replicas do not read each other).
+    /// `switchyard-2`: how often each replica repeats an unchanged ledger to the other
+    /// (`--peer-interval-ms`; it also sends at every change; 0: the replicas share nothing).
     pub peer_interval_ms: u64,
     /// A `vllm-router` executable, when one was found.
     pub vllm_router: Option<PathBuf>,
@@ -429,7 +429,7 @@ async fn start_router(
             );
             let path = dir.join(format!("{}.yaml", router.name()));
             std::fs::write(&path, yaml)?;
-            // Replicas share the workers and read each other's ledgers (`--peers`, every
+            // Replicas share the workers and send each other their ledgers (`--peers`, every
             // replica's operator listener, itself included as a headless Service would list it),
             // as the Helm chart's pods do.
             let replicas = replicas.max(1);

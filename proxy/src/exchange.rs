@@ -384,6 +384,7 @@ impl Exchange {
         });
         attempt.pending = Some(PendingPrefill::start(&worker, uncached));
         attempt.kv = score.map(|score| KvReservation::start(&worker, score.kv_blocks_needed));
+        crate::worker::ledger_changed();
         attempt.prediction = match (prompt, pool.slots.get(index)) {
             (Some(prompt), Some(slot)) => {
                 let unfinished = prompt

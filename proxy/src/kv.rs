@@ -287,7 +287,7 @@ impl PoolKv {
         self.own_arrival_rate() + self.peer_arrival_rate()
     }
 
-    /// The other replicas' arrival rate into this pool, as last read from their ledgers.
+    /// The other replicas' arrival rate into this pool, from their last ledgers.
     pub fn peer_arrival_rate(&self) -> f64 {
         f64::from_bits(self.peer_arrival_rate.load(Ordering::Relaxed))
     }
@@ -455,10 +455,10 @@ pub struct PeerLedger {
 
 impl PeerLedger {
     pub(crate) fn add(&mut self, other: &PeerLedger) {
-        self.prefills += other.prefills;
-        self.prefill_tokens += other.prefill_tokens;
-        self.in_flight += other.in_flight;
-        self.kv_blocks += other.kv_blocks;
+        self.prefills = self.prefills.saturating_add(other.prefills);
+        self.prefill_tokens = self.prefill_tokens.saturating_add(other.prefill_tokens);
+        self.in_flight = self.in_flight.saturating_add(other.in_flight);
+        self.kv_blocks = self.kv_blocks.saturating_add(other.kv_blocks);
         self.prefill_elapsed_us = self.prefill_elapsed_us.max(other.prefill_elapsed_us);
     }
 }
@@ -485,13 +485,13 @@ pub struct WorkerLoad {
     /// own reservations.
     capacity_blocks: AtomicU64,
     others_kv_blocks: AtomicU64,
-    /// Other gateway replicas' ledgers at this worker (`crate::peers`), a peer interval late.
+    /// Other gateway replicas' ledgers at this worker (`crate::peers`), as last received.
     peers_pending: AtomicU64,
     peers_pending_tokens: AtomicU64,
     peers_in_flight: AtomicU64,
     peers_kv_blocks: AtomicU64,
-    /// When the worker started on the oldest of the peers' pending prefills, as of the last
-    /// read of their ledgers (microseconds on the worker clock).
+    /// When the worker started on the oldest of the peers' pending prefills, as of their last
+    /// ledgers (microseconds on the worker clock).
     peers_prefill_started_us: AtomicU64,
     /// The last scrape's requests beyond this proxy's own: queued, and being served.
     others_waiting: AtomicU64,
@@ -532,7 +532,7 @@ impl WorkerLoad {
     pub fn own_kv_blocks(&self) -> u64 {
         self.own_kv_blocks.load(Ordering::Relaxed)
     }
-    /// What the other replicas count against this worker, as last read.
+    /// What the other replicas count against this worker, as last received.
     pub fn peers(&self) -> PeerLedger {
         PeerLedger {
             prefills: self.peers_pending.load(Ordering::Relaxed),
@@ -555,7 +555,7 @@ impl WorkerLoad {
             .store(started, Ordering::Relaxed);
     }
     /// How long the worker has been on the oldest of the peers' pending prefills: what they
-    /// reported at the read, plus the time since (zero when no peer has any pending).
+    /// reported, plus the time since (zero when no peer has any pending).
     fn peers_prefill_elapsed(&self) -> std::time::Duration {
         if self.peers_pending.load(Ordering::Relaxed) == 0 {
             return std::time::Duration::ZERO;

@@ -239,7 +239,7 @@ fn main() -> anyhow::Result<()> {
                 // Datagrams arrive on the operator listener's port; without that listener, on
                 // any port (the peers learn it from this replica's datagrams).
                 bind: if args.admin_listen == "off" {
-                    "0.0.0.0:0".to_owned()
+                    "[::]:0".to_owned()
                 } else {
                     args.admin_listen.clone()
                 },

@@ -33,11 +33,11 @@ use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use serde::{Deserialize, Serialize};
 use tokio::net::UdpSocket;
-use tokio::sync::Notify;
 
 use crate::config::ConfigStore;
 pub use crate::kv::PeerLedger;
 use crate::routing::RoutingTable;
+use crate::worker::LEDGER_CHANGED;
 
 /// This process's id among replicas (random, fixed for its life).
 pub fn instance_id() -> &'static str {
@@ -45,18 +45,12 @@ pub fn instance_id() -> &'static str {
     ID.get_or_init(|| format!("{:016x}", rand::random::<u64>()))
 }
 
-/// Wakes the sender: this replica's ledger changed (a guard of [`crate::worker`] started or
-/// ended). Cheap when no peers are configured: a permit nobody takes.
-static LEDGER_CHANGED: Notify = Notify::const_new();
-
-/// Called by the ledger's guards whenever they count or release something.
-pub(crate) fn ledger_changed() {
-    LEDGER_CHANGED.notify_one();
-}
-
-/// Intervals without a datagram after which a replica counts for nothing (it stopped, or the
-/// network between us did).
+/// Intervals (the sender's) without a datagram after which a replica counts for nothing (it
+/// stopped, or the network between us did).
 pub const SILENT_INTERVALS: u32 = 10;
+
+/// Replicas remembered at most (a gateway runs tens); datagrams of more are ignored.
+const MAX_REPLICAS: usize = 256;
 
 /// Largest datagram sent; a ledger longer than this (well over a thousand busy workers) keeps
 /// its busiest workers and says so in the log.
@@ -114,6 +108,9 @@ struct Datagram {
     v: u32,
     instance: String,
     seq: u64,
+    /// The sender's `--peer-interval-ms`: it is forgotten after [`SILENT_INTERVALS`] of these.
+    #[serde(default)]
+    interval_ms: u64,
     /// `[address, prefills, prefill tokens, in flight, KV blocks, prefill elapsed µs]`.
     workers: Vec<(String, u64, u64, u64, u64, u64)>,
     arrival_rates: HashMap<String, f64>,
@@ -121,7 +118,7 @@ struct Datagram {
 
 impl Datagram {
     /// The ledger as one datagram's bytes, its busiest workers first when it must be cut.
-    fn encode(ledger: &ReplicaLedger, seq: u64) -> Vec<u8> {
+    fn encode(ledger: &ReplicaLedger, seq: u64, interval: Duration) -> Vec<u8> {
         let mut workers: Vec<_> = ledger
             .workers
             .iter()
@@ -141,6 +138,7 @@ impl Datagram {
             v: VERSION,
             instance: instance_id().to_owned(),
             seq,
+            interval_ms: interval.as_millis() as u64,
             workers,
             arrival_rates: ledger.arrival_rates.clone(),
         };
@@ -204,6 +202,8 @@ impl Datagram {
 struct Heard {
     seq: u64,
     at: Instant,
+    /// How long it may stay silent.
+    silence: Option<Duration>,
     from: SocketAddr,
     ledger: ReplicaLedger,
 }
@@ -213,19 +213,28 @@ struct Heard {
 struct Replicas(HashMap<String, Heard>);
 
 impl Replicas {
-    /// Keep a datagram unless an equal or later one of its replica is already here.
+    /// Keep a datagram unless an equal or later one of its replica is already here. A new
+    /// instance at the address of another is that replica restarted: the old one's ledger ends.
     fn hear(&mut self, datagram: Datagram, from: SocketAddr, at: Instant) -> bool {
-        if let Some(heard) = self.0.get(&datagram.instance)
-            && heard.seq >= datagram.seq
-        {
-            return false;
+        match self.0.get(&datagram.instance) {
+            Some(heard) if heard.seq >= datagram.seq => return false,
+            Some(_) => {}
+            None => {
+                self.0.retain(|_, heard| heard.from != from);
+                if self.0.len() >= MAX_REPLICAS {
+                    return false;
+                }
+            }
         }
         let ledger = datagram.ledger();
+        let silence = (datagram.interval_ms > 0)
+            .then(|| Duration::from_millis(datagram.interval_ms) * SILENT_INTERVALS);
         self.0.insert(
             datagram.instance,
             Heard {
                 seq: datagram.seq,
                 at,
+                silence,
                 from,
                 ledger,
             },
@@ -233,10 +242,12 @@ impl Replicas {
         true
     }
 
-    /// Forget replicas silent for longer than `silence`.
+    /// Forget replicas silent for longer than their own allowance (`silence` for those that
+    /// do not say).
     fn forget_silent(&mut self, now: Instant, silence: Duration) {
-        self.0
-            .retain(|_, heard| now.saturating_duration_since(heard.at) <= silence);
+        self.0.retain(|_, heard| {
+            now.saturating_duration_since(heard.at) <= heard.silence.unwrap_or(silence)
+        });
     }
 
     /// Every replica's ledger summed as of `now`: a worker's time on the oldest pending prefill
@@ -271,27 +282,46 @@ pub struct PeerService {
     pub interval: Duration,
 }
 
+/// What the send and receive halves share.
+#[derive(Default)]
+struct Shared {
+    replicas: Mutex<Replicas>,
+    /// The addresses the peers' names resolved to last: only their hosts are heard.
+    resolved: Mutex<Vec<SocketAddr>>,
+}
+
 impl PeerService {
-    /// Every address the peers' names resolve to now.
-    async fn resolve(&self) -> Vec<SocketAddr> {
-        let mut addresses = Vec::new();
-        for peer in &self.peers {
-            match tokio::net::lookup_host(peer.as_str()).await {
-                Ok(resolved) => addresses.extend(resolved),
-                Err(error) => {
-                    tracing::debug!(peer = peer.as_str(), %error, "peer does not resolve")
+    /// Every address the peers' names resolve to now; the last answer when the names do not
+    /// resolve within an interval (a slow DNS server must not stop the datagrams).
+    async fn resolve(&self, shared: &Shared) {
+        let lookups = async {
+            let mut addresses = Vec::new();
+            for peer in &self.peers {
+                match tokio::net::lookup_host(peer.as_str()).await {
+                    Ok(resolved) => addresses.extend(resolved),
+                    Err(error) => {
+                        tracing::debug!(peer = peer.as_str(), %error, "peer does not resolve")
+                    }
                 }
             }
+            addresses
+        };
+        match tokio::time::timeout(self.interval, lookups).await {
+            Ok(mut addresses) => {
+                addresses.sort();
+                addresses.dedup();
+                *crate::lock(&shared.resolved) = addresses;
+            }
+            Err(_) => tracing::debug!("peers did not resolve within an interval"),
         }
-        addresses
     }
 
-    fn apply(&self, replicas: &Mutex<Replicas>) {
+    fn apply(&self, shared: &Shared) {
         let Some(table) = self.store.current() else {
             return;
         };
         let peers = {
-            let mut replicas = crate::lock(replicas);
+            let mut replicas = crate::lock(&shared.replicas);
             let now = Instant::now();
             replicas.forget_silent(now, self.interval * SILENT_INTERVALS);
             replicas.total(now)
@@ -311,17 +341,17 @@ impl PeerService {
     }
 
     /// Sends at every change of the ledger and every interval; resolves the peers every interval.
-    async fn send(&self, socket: &UdpSocket, replicas: &Mutex<Replicas>) {
+    async fn send(&self, socket: &UdpSocket, shared: &Shared) {
         let mut ticker = tokio::time::interval(self.interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut resolved = Vec::new();
         let mut seq = 0u64;
+        let mut warned = false;
         loop {
             tokio::select! {
                 _ = ticker.tick() => {
-                    resolved = self.resolve().await;
+                    self.resolve(shared).await;
                     // Silent replicas drop out even when nobody sends.
-                    self.apply(replicas);
+                    self.apply(shared);
                 }
                 _ = LEDGER_CHANGED.notified() => {}
             }
@@ -333,23 +363,26 @@ impl PeerService {
                 .map(|table| ReplicaLedger::own(&table))
                 .unwrap_or_default();
             seq += 1;
-            let bytes = Datagram::encode(&own, seq);
-            let mut targets = resolved.clone();
-            targets.extend(crate::lock(replicas).addresses());
+            let bytes = Datagram::encode(&own, seq, self.interval);
+            let mut targets = crate::lock(&shared.resolved).clone();
+            targets.extend(crate::lock(&shared.replicas).addresses());
             targets.sort();
             targets.dedup();
             for target in targets {
-                if let Err(error) = socket.send_to(&bytes, target).await {
-                    tracing::debug!(peer = %target, %error, "ledger not sent");
+                let sent = socket.send_to(&bytes, target).await;
+                if let Err(error) = sent
+                    && !warned
+                {
+                    warned = true;
+                    tracing::warn!(peer = %target, %error, "routing ledger not sent to a replica (warned once)");
                 }
             }
-            // A decision starts three guards and a first token ends one: let a burst of changes
-            // go out as one datagram.
+            // After a datagram, let the changes of the next millisecond go out as one.
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
 
-    async fn receive(&self, socket: &UdpSocket, replicas: &Mutex<Replicas>) {
+    async fn receive(&self, socket: &UdpSocket, shared: &Shared) {
         let mut buffer = vec![0u8; 65_536];
         loop {
             let (length, from) = match socket.recv_from(&mut buffer).await {
@@ -360,12 +393,20 @@ impl PeerService {
                     continue;
                 }
             };
+            // Only the hosts the peers' names resolve to are heard (from any port: one with its
+            // operator listener off sends from another).
+            let known = crate::lock(&shared.resolved)
+                .iter()
+                .any(|peer| peer.ip().to_canonical() == from.ip().to_canonical());
+            if !known {
+                continue;
+            }
             let Some(datagram) = buffer.get(..length).and_then(Datagram::decode) else {
                 continue;
             };
-            let fresh = crate::lock(replicas).hear(datagram, from, Instant::now());
+            let fresh = crate::lock(&shared.replicas).hear(datagram, from, Instant::now());
             if fresh {
-                self.apply(replicas);
+                self.apply(shared);
             }
         }
     }
@@ -374,7 +415,12 @@ impl PeerService {
 #[async_trait]
 impl BackgroundService for PeerService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let socket = match UdpSocket::bind(self.bind.as_str()).await {
+        let bound = match UdpSocket::bind(self.bind.as_str()).await {
+            // Without IPv6, any IPv4 port.
+            Err(_) if self.bind == "[::]:0" => UdpSocket::bind("0.0.0.0:0").await,
+            bound => bound,
+        };
+        let socket = match bound {
             Ok(socket) => socket,
             Err(error) => {
                 tracing::error!(
@@ -385,10 +431,22 @@ impl BackgroundService for PeerService {
                 return;
             }
         };
-        let replicas = Mutex::new(Replicas::default());
+        let shared = Shared::default();
+        self.resolve(&shared).await;
+        if let Ok(local) = socket.local_addr()
+            && local.ip().is_loopback()
+            && crate::lock(&shared.resolved)
+                .iter()
+                .any(|peer| !peer.ip().is_loopback())
+        {
+            tracing::warn!(
+                bind = %local,
+                "the operator listener is on a loopback address: replicas on other hosts cannot send this one their ledgers, nor it them"
+            );
+        }
         tokio::select! {
-            _ = self.send(&socket, &replicas) => {}
-            _ = self.receive(&socket, &replicas) => {}
+            _ = self.send(&socket, &shared) => {}
+            _ = self.receive(&socket, &shared) => {}
             _ = shutdown.changed() => {}
         }
     }
@@ -411,7 +469,8 @@ mod tests {
     /// `replica`'s datagram as another process would send it.
     fn from(instance: &str, seq: u64, replica: &ReplicaLedger) -> Datagram {
         let mut datagram: Datagram =
-            serde_json::from_slice(&Datagram::encode(replica, seq)).unwrap();
+            serde_json::from_slice(&Datagram::encode(replica, seq, Duration::from_millis(100)))
+                .unwrap();
         datagram.instance = instance.to_owned();
         datagram
     }
@@ -431,7 +490,7 @@ mod tests {
             ]),
             arrival_rates: HashMap::from([("default/a".to_owned(), 12.5)]),
         };
-        let bytes = Datagram::encode(&replica, 7);
+        let bytes = Datagram::encode(&replica, 7, Duration::from_millis(100));
         assert_eq!(Datagram::decode(&bytes), None, "this process's own");
         let other = from("other", 7, &replica);
         let bytes = serde_json::to_vec(&other).unwrap();
@@ -455,7 +514,7 @@ mod tests {
             workers,
             ..Default::default()
         };
-        let bytes = Datagram::encode(&replica, 1);
+        let bytes = Datagram::encode(&replica, 1, Duration::from_millis(100));
         assert!(bytes.len() <= MAX_DATAGRAM);
         let kept: Datagram = serde_json::from_slice(&bytes).unwrap();
         assert!(kept.workers.len() > 500, "{}", kept.workers.len());
@@ -465,17 +524,20 @@ mod tests {
 
     #[test]
     fn replicas_add_up_late_datagrams_are_dropped_and_silent_replicas_forgotten() {
-        let address: SocketAddr = "127.0.0.1:9090".parse().unwrap();
+        let (one, two): (SocketAddr, SocketAddr) = (
+            "10.0.0.1:9090".parse().unwrap(),
+            "10.0.0.2:9090".parse().unwrap(),
+        );
         let replica = |tokens: u64, elapsed_us: u64, rate: f64| ReplicaLedger {
             workers: HashMap::from([("w".to_owned(), ledger(tokens, elapsed_us))]),
             arrival_rates: HashMap::from([("default/a".to_owned(), rate)]),
         };
         let start = Instant::now();
         let mut replicas = Replicas::default();
-        assert!(replicas.hear(from("r1", 2, &replica(100, 10_000, 2.0)), address, start));
-        assert!(replicas.hear(from("r2", 1, &replica(50, 0, 3.5)), address, start));
+        assert!(replicas.hear(from("r1", 2, &replica(100, 10_000, 2.0)), one, start));
+        assert!(replicas.hear(from("r2", 1, &replica(50, 0, 3.5)), two, start));
         // r1's first datagram arrives after its second: it changes nothing.
-        assert!(!replicas.hear(from("r1", 1, &replica(900, 0, 9.0)), address, start));
+        assert!(!replicas.hear(from("r1", 1, &replica(900, 0, 9.0)), one, start));
 
         let later = start + Duration::from_millis(30);
         let total = replicas.total(later);
@@ -488,13 +550,35 @@ mod tests {
         // The longest time on the oldest prefill, grown by the time since it was reported.
         assert_eq!(w.prefill_elapsed_us, 40_000);
 
-        // r2 goes on reporting; r1 falls silent and is forgotten.
-        let much_later = start + Duration::from_secs(2);
-        assert!(replicas.hear(from("r2", 2, &replica(0, 0, 1.0)), address, much_later));
-        replicas.forget_silent(much_later, Duration::from_secs(1));
+        // r2 goes on reporting; r1 (interval 100 ms) falls silent for more than ten of its
+        // intervals and is forgotten, whatever this replica's own interval.
+        let much_later = start + Duration::from_millis(1_500);
+        assert!(replicas.hear(from("r2", 2, &replica(0, 0, 1.0)), two, much_later));
+        replicas.forget_silent(much_later, Duration::from_secs(60));
         let total = replicas.total(much_later);
         assert_eq!(total.arrival_rates["default/a"], 1.0);
         assert_eq!(total.workers["w"].prefill_tokens, 0);
-        assert_eq!(replicas.addresses().count(), 1);
+        assert_eq!(replicas.addresses().collect::<Vec<_>>(), vec![two]);
+
+        // r2 restarts: a new instance at its address ends the old one's ledger at once.
+        assert!(replicas.hear(from("r3", 1, &replica(7, 0, 0.5)), two, much_later));
+        let total = replicas.total(much_later);
+        assert_eq!(total.workers["w"].prefill_tokens, 7);
+        assert_eq!(total.arrival_rates["default/a"], 0.5);
+    }
+
+    #[test]
+    fn replicas_beyond_the_limit_are_not_remembered() {
+        let mut replicas = Replicas::default();
+        let now = Instant::now();
+        for i in 0..MAX_REPLICAS + 10 {
+            let address = SocketAddr::from(([10, 1, (i / 256) as u8, (i % 256) as u8], 9090));
+            replicas.hear(
+                from(&format!("r{i}"), 1, &ReplicaLedger::default()),
+                address,
+                now,
+            );
+        }
+        assert_eq!(replicas.addresses().count(), MAX_REPLICAS);
     }
 }

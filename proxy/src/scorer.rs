@@ -14,7 +14,7 @@
 //!   served), plus the waiting requests of others (the worker's reported queue less this proxy's
 //!   own, at the last scrape) times the pool's average prefill.
 //! - Other gateway replicas' requests ([`crate::peers`], when configured) count like this
-//!   proxy's, from their ledgers a peer interval late: their pending prefill tokens are queued,
+//!   proxy's, from the ledgers they push at each change: their pending prefill tokens are queued,
 //!   their decoding requests running, and a scrape adds only what no replica explains.
 //! - Running requests are this proxy's decoding ones plus others' as last scraped. This proxy's
 //!   own requests therefore count at once, not a scrape interval late, and several gateway
@@ -284,7 +284,10 @@ pub fn decide(
         let peers_elapsed = std::time::Duration::from_micros(peers.prefill_elapsed_us);
         let done =
             done_in(worker.prefill_elapsed(), own_tokens).max(done_in(peers_elapsed, peer_tokens));
-        let queued_tokens = (own_tokens + peer_tokens).saturating_sub(done) + others_queue;
+        let queued_tokens = own_tokens
+            .saturating_add(peer_tokens)
+            .saturating_sub(done)
+            .saturating_add(others_queue);
         let in_flight = worker.in_flight();
         let own_decoding = (in_flight as u64).saturating_sub(load.own_pending());
         let peers_decoding = peers.in_flight.saturating_sub(peers.prefills);

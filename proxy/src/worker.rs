@@ -8,8 +8,20 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use tokio::sync::Notify;
+
 use crate::calibration::TtftCalibration;
 use crate::kv::WorkerLoad;
+
+/// Wakes the sender of this replica's ledger to the other replicas ([`crate::peers`]): a guard
+/// below ended, or a request's guards are all in place (the attempt phase says so once it has
+/// started all three, so the other replicas never see half a decision). A permit nobody takes
+/// when no replicas are configured.
+pub(crate) static LEDGER_CHANGED: Notify = Notify::const_new();
+
+pub(crate) fn ledger_changed() {
+    LEDGER_CHANGED.notify_one();
+}
 
 /// One worker as this proxy sees it.
 #[derive(Debug)]
@@ -75,7 +87,6 @@ impl PendingPrefill {
             .pending_prefill_tokens
             .fetch_add(tokens, Ordering::Relaxed);
         worker.load.own_pending.fetch_add(1, Ordering::Relaxed);
-        crate::peers::ledger_changed();
         PendingPrefill {
             worker: worker.clone(),
             tokens,
@@ -101,7 +112,7 @@ impl Drop for PendingPrefill {
                 .prefill_started_us
                 .store(crate::kv::clock_micros(), Ordering::Relaxed);
         }
-        crate::peers::ledger_changed();
+        ledger_changed();
     }
 }
 
@@ -119,7 +130,6 @@ impl KvReservation {
             .load
             .own_kv_blocks
             .fetch_add(blocks, Ordering::Relaxed);
-        crate::peers::ledger_changed();
         KvReservation {
             worker: worker.clone(),
             blocks,
@@ -133,7 +143,7 @@ impl Drop for KvReservation {
             .load
             .own_kv_blocks
             .fetch_sub(self.blocks, Ordering::Relaxed);
-        crate::peers::ledger_changed();
+        ledger_changed();
     }
 }
 
@@ -144,7 +154,6 @@ pub struct InFlight(Arc<WorkerState>);
 impl InFlight {
     pub fn start(worker: &Arc<WorkerState>) -> InFlight {
         worker.load.own_in_flight.fetch_add(1, Ordering::Relaxed);
-        crate::peers::ledger_changed();
         InFlight(worker.clone())
     }
 
@@ -156,7 +165,7 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.load.own_in_flight.fetch_sub(1, Ordering::Relaxed);
-        crate::peers::ledger_changed();
+        ledger_changed();
     }
 }
 

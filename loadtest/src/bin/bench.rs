@@ -175,11 +175,11 @@ struct CompareArgs {
     /// Switchyard's pool's `scoring.tieToleranceMicros` (default: the pool's default, 5,000).
     #[arg(long)]
     tie_tolerance_us: Option<u32>,
-    /// switchyard-2: how often each replica reads the other's routing ledger, in wall
-    /// milliseconds (the proxy's `--peer-interval-ms`). Default: the proxy's 100 ms of model
-    /// time, i.e. 100 x --time-scale (20 ms at 0.2): at 100 ms of wall time a read would be
-    /// half a model second old, longer than the prefills it is about. 0: the replicas do not
-    /// read each other's ledgers at all.
+    /// switchyard-2: how often each replica repeats an unchanged routing ledger to the other,
+    /// in wall milliseconds (the proxy's `--peer-interval-ms`; changes go out at once).
+    /// Default: the proxy's 100 ms of model time, i.e. 100 x --time-scale (20 ms at 0.2), so a
+    /// replica silent for ten of them is forgotten as late as in a real deployment. 0: the
+    /// replicas share no ledgers at all.
     #[arg(long)]
     peer_interval_ms: Option<u64>,
     /// Results as JSON.
