@@ -19,9 +19,9 @@
 //! repaired by the next and no acknowledgement is needed. They travel over UDP on the operator
 //! listener's port (the same `host:port` the peers are named by; a Kubernetes headless Service
 //! names every replica). A replica sends to the peers it resolves every interval and to every
-//! replica it has heard from lately, so one that knows the others is enough to connect both
-//! ways; it recognises its own datagrams by its instance id and skips them. A replica not heard
-//! from for [`SILENT_INTERVALS`] intervals counts for nothing until it is heard again.
+//! replica it has heard from lately; it hears only hosts its peers resolve to (from any port),
+//! and recognises its own datagrams by its instance id and skips them. A replica not heard from
+//! for [`SILENT_INTERVALS`] of its intervals counts for nothing until it is heard again.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

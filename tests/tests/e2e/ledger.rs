@@ -328,8 +328,9 @@ async fn a_replica_counts_another_replicas_requests_like_its_own() {
     );
     // Replicas push their ledgers to each other at every change; the interval (a minute here)
     // only repeats an unchanged one, so everything below is seen through pushes. The first
-    // names no replica that runs: it learns of the second from the datagram the second sends
-    // when it starts, to the first's operator port (and to a port nobody listens on).
+    // names no replica that runs, only their host: it learns of the second's port from the
+    // datagram the second sends when it starts, to the first's operator port (and to a port
+    // nobody listens on).
     let minute = "60000";
     let first = Proxy::start(
         &config,
