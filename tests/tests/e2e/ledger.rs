@@ -279,6 +279,76 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
     assert_eq!(cloud.received().len(), 2);
 }
 
+#[tokio::test]
+async fn a_worker_that_falls_silent_is_timed_out_and_leaves_nothing_counted() {
+    // A worker that accepts requests and then says nothing more, before or after its first
+    // token; the proxy gives up after a second of silence (`--upstream-read-timeout-s`).
+    let silent = Upstream::start_with(
+        "silent",
+        UpstreamOptions {
+            gated: true,
+            stream_chunks: Some(3),
+            ..Default::default()
+        },
+    )
+    .await;
+    let config = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: silent}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: silent}}\nspec: {{modelName: silent, targets: [{{pool: silent}}]}}\n",
+        silent.endpoint()
+    );
+    let proxy = Proxy::start(&config, &["--upstream-read-timeout-s", "1"]).await;
+    let worker = silent.endpoint();
+    let url = format!("{}/v1/chat/completions", proxy.url());
+    let client = reqwest::Client::new();
+    // The whole exchange, whatever the client sees of it, ends: as a 504, or as a stream cut.
+    let finish = |response: reqwest::Response| async move {
+        let mut chunks = response.bytes_stream();
+        while let Some(Ok(_)) = chunks.next().await {}
+    };
+
+    // Silent before the first token: the prompt was pending prefill until the timeout.
+    let before = tokio::spawn({
+        let (client, url) = (client.clone(), url.clone());
+        async move { client.post(&url).json(&body("silent", true)).send().await }
+    });
+    wait_received(&silent, 1).await;
+    assert_eq!(ledger(&proxy, &worker).await.prefills, 1);
+    let response = tokio::time::timeout(std::time::Duration::from_secs(10), before)
+        .await
+        .expect("the proxy gives up on a silent worker")
+        .unwrap();
+    if let Ok(response) = response {
+        assert!(
+            response.status() == 504 || response.status() == 200,
+            "{}",
+            response.status()
+        );
+        finish(response).await;
+    }
+    wait_empty(&proxy, &worker).await;
+
+    // Silent after its first token: the request was decoding until the timeout.
+    let response = client
+        .post(&url)
+        .json(&body("silent", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut chunks = response.bytes_stream();
+    silent.release(1);
+    chunks.next().await.unwrap().unwrap();
+    let decoding = ledger(&proxy, &worker).await;
+    assert_eq!((decoding.prefills, decoding.in_flight), (0, 1));
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while let Some(Ok(_)) = chunks.next().await {}
+    })
+    .await
+    .expect("the proxy cuts a stream whose worker fell silent");
+    wait_empty(&proxy, &worker).await;
+}
+
 /// The routing figures `proxy` would use for `worker` now (`/debug/route`, nothing sent).
 async fn scored(proxy: &Proxy, worker: &str) -> (u64, u64) {
     let explained = proxy.debug_route(None, &body("gated", true)).await;
