@@ -42,6 +42,9 @@ pub struct UpstreamOptions {
     pub fail_with: Option<u16>,
     /// Answer with the headers a public provider adds ([`PROVIDER_RESPONSE_HEADERS`]).
     pub provider_headers: bool,
+    /// Break every stream after this many events (the connection is cut mid-answer, as when a
+    /// worker crashes).
+    pub break_after: Option<usize>,
 }
 
 /// What a public provider's answers carry besides the content: its own business, not a client's.
@@ -170,6 +173,14 @@ fn sse_opening(events: Vec<String>, opening: usize, shared: Arc<Shared>) -> Resp
         (events.into_iter().enumerate(), shared),
         move |(mut events, shared)| async move {
             let (index, event) = events.next()?;
+            if shared
+                .options
+                .break_after
+                .is_some_and(|after| index >= after)
+            {
+                let broken = std::io::Error::other("the worker broke mid-stream");
+                return Some((Err(broken), (events, shared)));
+            }
             if shared.options.gated
                 && index >= opening
                 && let Ok(permit) = shared.gate.acquire().await
@@ -177,7 +188,7 @@ fn sse_opening(events: Vec<String>, opening: usize, shared: Arc<Shared>) -> Resp
                 permit.forget();
             }
             Some((
-                Ok::<_, std::convert::Infallible>(Bytes::from(event)),
+                Ok::<_, std::io::Error>(Bytes::from(event)),
                 (events, shared),
             ))
         },

@@ -280,9 +280,10 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
 }
 
 #[tokio::test]
-async fn a_worker_that_falls_silent_is_timed_out_and_leaves_nothing_counted() {
+async fn a_worker_that_falls_silent_or_breaks_mid_stream_leaves_nothing_counted() {
     // A worker that accepts requests and then says nothing more, before or after its first
-    // token; the proxy gives up after a second of silence (`--upstream-read-timeout-s`).
+    // token; the proxy gives up after a second of silence (`--upstream-read-timeout-s`). And
+    // one whose connection breaks after its first event, as when a worker crashes.
     let silent = Upstream::start_with(
         "silent",
         UpstreamOptions {
@@ -292,10 +293,22 @@ async fn a_worker_that_falls_silent_is_timed_out_and_leaves_nothing_counted() {
         },
     )
     .await;
+    let breaking = Upstream::start_with(
+        "breaking",
+        UpstreamOptions {
+            break_after: Some(1),
+            stream_chunks: Some(3),
+            ..Default::default()
+        },
+    )
+    .await;
     let config = format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: silent}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
-         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: silent}}\nspec: {{modelName: silent, targets: [{{pool: silent}}]}}\n",
-        silent.endpoint()
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: breaking}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: silent}}\nspec: {{modelName: silent, targets: [{{pool: silent}}]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: breaking}}\nspec: {{modelName: breaking, targets: [{{pool: breaking}}]}}\n",
+        silent.endpoint(),
+        breaking.endpoint()
     );
     let proxy = Proxy::start(&config, &["--upstream-read-timeout-s", "1"]).await;
     let worker = silent.endpoint();
@@ -347,6 +360,27 @@ async fn a_worker_that_falls_silent_is_timed_out_and_leaves_nothing_counted() {
     .await
     .expect("the proxy cuts a stream whose worker fell silent");
     wait_empty(&proxy, &worker).await;
+
+    // A worker whose connection breaks after its first event: the client's stream ends short
+    // of the answer's end, and the request leaves nothing counted.
+    let response = client
+        .post(&url)
+        .json(&body("breaking", true))
+        .send()
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        let mut chunks = response.bytes_stream();
+        while let Some(Ok(chunk)) = chunks.next().await {
+            seen.extend_from_slice(&chunk);
+        }
+    })
+    .await
+    .expect("a broken worker's stream ends");
+    assert_eq!(breaking.received().len(), 1);
+    assert!(!String::from_utf8_lossy(&seen).contains("[DONE]"));
+    wait_empty(&proxy, &breaking.endpoint()).await;
 }
 
 /// The routing figures `proxy` would use for `worker` now (`/debug/route`, nothing sent).
