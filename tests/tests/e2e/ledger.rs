@@ -3,7 +3,7 @@
 //! `..._requests_in_flight`, `..._kv_blocks_reserved` on `/metrics`). Prefill is counted until
 //! the first token and no longer; the request and its KV blocks until the end; and nothing is
 //! left behind on any path: success, a worker error, an unreachable worker, a fallback to a
-//! provider, a client that goes away.
+//! provider, a client that goes away, a worker that falls silent or breaks mid-stream.
 
 use futures_util::StreamExt;
 use serde_json::json;
