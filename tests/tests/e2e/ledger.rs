@@ -56,6 +56,20 @@ async fn wait_empty(proxy: &Proxy, worker: &str) {
     }
 }
 
+/// A test worker whose streamed answers are three chunks, let out one by one by
+/// [`Upstream::release`] when `gated`.
+async fn three_chunks(name: &str, gated: bool) -> Upstream {
+    Upstream::start_with(name, three_chunks_options(gated)).await
+}
+
+fn three_chunks_options(gated: bool) -> UpstreamOptions {
+    UpstreamOptions {
+        gated,
+        stream_chunks: Some(3),
+        ..Default::default()
+    }
+}
+
 async fn wait_received(upstream: &Upstream, count: usize) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while upstream.received().len() < count {
@@ -103,15 +117,7 @@ fn body(model: &str, stream: bool) -> serde_json::Value {
 
 #[tokio::test]
 async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_every_path() {
-    let gated = Upstream::start_with(
-        "gated",
-        UpstreamOptions {
-            gated: true,
-            stream_chunks: Some(3),
-            ..Default::default()
-        },
-    )
-    .await;
+    let gated = three_chunks("gated", true).await;
     // Never lets a chunk out: its client gives up before the first token.
     let stalled = Upstream::start_with(
         "stalled",
@@ -284,21 +290,12 @@ async fn a_worker_that_falls_silent_or_breaks_mid_stream_leaves_nothing_counted(
     // A worker that accepts requests and then says nothing more, before or after its first
     // token; the proxy gives up after a second of silence (`--upstream-read-timeout-s`). And
     // one whose connection breaks after its first event, as when a worker crashes.
-    let silent = Upstream::start_with(
-        "silent",
-        UpstreamOptions {
-            gated: true,
-            stream_chunks: Some(3),
-            ..Default::default()
-        },
-    )
-    .await;
+    let silent = three_chunks("silent", true).await;
     let breaking = Upstream::start_with(
         "breaking",
         UpstreamOptions {
             break_after: Some(1),
-            stream_chunks: Some(3),
-            ..Default::default()
+            ..three_chunks_options(false)
         },
     )
     .await;
