@@ -86,13 +86,7 @@ impl ReplicaLedger {
                 own.arrival_rates.insert(pool.config.id.0.clone(), rate);
             }
             for worker in &pool.workers {
-                let ledger = PeerLedger {
-                    prefills: worker.load.own_pending(),
-                    prefill_tokens: worker.pending_prefill_tokens() as u64,
-                    in_flight: worker.in_flight() as u64,
-                    kv_blocks: worker.load.own_kv_blocks(),
-                    prefill_elapsed_us: worker.prefill_elapsed().as_micros() as u64,
-                };
+                let ledger = worker.ledger();
                 if ledger != PeerLedger::default() {
                     own.workers.insert(worker.address.clone(), ledger);
                 }

@@ -50,6 +50,18 @@ impl WorkerState {
         self.load.own_in_flight() as usize
     }
 
+    /// What this proxy counts against the worker now: the ledger it exports on `/metrics` and
+    /// sends to the other replicas ([`crate::peers`]).
+    pub fn ledger(&self) -> crate::kv::PeerLedger {
+        crate::kv::PeerLedger {
+            prefills: self.load.own_pending(),
+            prefill_tokens: self.pending_prefill_tokens() as u64,
+            in_flight: self.in_flight() as u64,
+            kv_blocks: self.load.own_kv_blocks(),
+            prefill_elapsed_us: self.prefill_elapsed().as_micros() as u64,
+        }
+    }
+
     pub fn pending_prefill_tokens(&self) -> usize {
         self.pending_prefill_tokens.load(Ordering::Relaxed)
     }

@@ -176,34 +176,35 @@ impl Collector for StateCollector {
             encoder,
             "switchyard_worker_requests_in_flight",
             "Requests this proxy has in flight to the worker.",
-            workers().map(|(labels, w)| (labels, ConstGauge::new(w.in_flight() as u64))),
+            workers().map(|(labels, w)| (labels, ConstGauge::new(w.ledger().in_flight))),
         )?;
         // The routing ledger: what this proxy counts against each worker right now.
         family(
             encoder,
             "switchyard_worker_prefills_pending",
             "Requests this proxy sent to the worker that have not produced a first token yet.",
-            workers().map(|(labels, w)| (labels, ConstGauge::new(w.load.own_pending()))),
+            workers().map(|(labels, w)| (labels, ConstGauge::new(w.ledger().prefills))),
         )?;
         family(
             encoder,
             "switchyard_worker_prefill_tokens_pending",
             "Uncached prompt tokens of those requests.",
-            workers()
-                .map(|(labels, w)| (labels, ConstGauge::new(w.pending_prefill_tokens() as u64))),
+            workers().map(|(labels, w)| (labels, ConstGauge::new(w.ledger().prefill_tokens))),
         )?;
         family(
             encoder,
             "switchyard_worker_prefill_elapsed_seconds",
             "How long the worker has been on the oldest of those prefills (0 when none is pending).",
-            workers()
-                .map(|(labels, w)| (labels, ConstGauge::new(w.prefill_elapsed().as_secs_f64()))),
+            workers().map(|(labels, w)| {
+                let elapsed_us = w.ledger().prefill_elapsed_us;
+                (labels, ConstGauge::new(elapsed_us as f64 / 1e6))
+            }),
         )?;
         family(
             encoder,
             "switchyard_worker_kv_blocks_reserved",
             "KV blocks this proxy's requests in flight to the worker are expected to hold.",
-            workers().map(|(labels, w)| (labels, ConstGauge::new(w.load.own_kv_blocks()))),
+            workers().map(|(labels, w)| (labels, ConstGauge::new(w.ledger().kv_blocks))),
         )?;
         family(
             encoder,
@@ -216,7 +217,7 @@ impl Collector for StateCollector {
                 )
             }),
         )?;
-        // Which replica this is: a peer reading this ledger recognises itself by it.
+        // Which replica this is: its datagrams to the other replicas carry the same id.
         family(
             encoder,
             "switchyard_instance_info",
