@@ -42,6 +42,9 @@ pub struct Unfinished {
     text: Arc<str>,
     /// The head's hashes, which the whole's must start with.
     head: Vec<SequenceHash>,
+    /// Tokens and bytes of the head: what the whole adds past them teaches the pool's rate.
+    head_tokens: usize,
+    head_bytes: usize,
     key: u64,
     block_size: usize,
     cache_salt: Option<String>,
@@ -51,6 +54,17 @@ pub struct Unfinished {
 /// while some worker holds all of it, the head grows through the text seen before (free), then
 /// by one piece past it, or fourfold when nothing new was seen.
 const FIRST_HEAD_TOKENS: usize = 256;
+/// The first head once the pool has learned its prompts' tokens per byte ([`PromptCache`]): the
+/// rest is estimated at the learned rate while the head's own agrees with it within
+/// [`RATE_TOLERANCE`] (a text unlike the pool's usual grows to [`FIRST_HEAD_TOKENS`] and is
+/// estimated by its own rate). Tokenizing is most of what routing costs a request.
+const SMALL_HEAD_TOKENS: usize = 64;
+/// How far (relative) a small head's tokens per byte may be from the learned rate.
+const RATE_TOLERANCE: f64 = 0.25;
+/// Prompts finished whole before the learned rate is used.
+const RATE_SAMPLES: u32 = 4;
+/// Weight of each finished prompt in the learned rate (an exponential average).
+const RATE_WEIGHT: f64 = 0.1;
 
 /// Entries by key, and keys in insertion order.
 #[derive(Debug, Default)]
@@ -59,13 +73,42 @@ struct Entries {
     order: VecDeque<u64>,
 }
 
-/// Recently tokenized prompts, first in first out.
+/// Tokens per byte of the text past prompts' heads, learned from the prompts finished whole.
+#[derive(Debug, Default, Clone, Copy)]
+struct Rate {
+    tokens_per_byte: f64,
+    samples: u32,
+}
+
+/// Recently tokenized prompts, first in first out, and the pool's learned tokens per byte.
 #[derive(Debug, Default)]
 pub struct PromptCache {
     entries: Mutex<Entries>,
+    rate: Mutex<Rate>,
 }
 
 impl PromptCache {
+    /// The learned tokens per byte of prompt text past a head, once enough prompts taught it.
+    fn tokens_per_byte(&self) -> Option<f64> {
+        let rate = *self.rate.lock().ok()?;
+        (rate.samples >= RATE_SAMPLES).then_some(rate.tokens_per_byte)
+    }
+
+    /// Learn from a prompt's text past its head: `tokens` in `bytes`.
+    fn learn_rate(&self, tokens: usize, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        let observed = tokens as f64 / bytes as f64;
+        let Ok(mut rate) = self.rate.lock() else {
+            return;
+        };
+        // The first samples are averaged evenly, later ones exponentially.
+        rate.samples = rate.samples.saturating_add(1);
+        let weight = (1.0 / f64::from(rate.samples)).max(RATE_WEIGHT);
+        rate.tokens_per_byte += weight * (observed - rate.tokens_per_byte);
+    }
+
     fn get(&self, key: u64) -> Option<Arc<PromptInfo>> {
         self.entries.lock().ok()?.by_key.get(&key).cloned()
     }
@@ -179,7 +222,13 @@ pub fn analyse(
             // Only as far as some worker holds the prompt's blocks: past the first block that
             // no worker (and no request in flight) holds, no worker can match, so the rest is
             // counted, not hashed.
-            let mut want = block_size.saturating_mul(2).max(FIRST_HEAD_TOKENS);
+            let learned = cache.tokens_per_byte();
+            let first = if learned.is_some() {
+                SMALL_HEAD_TOKENS
+            } else {
+                FIRST_HEAD_TOKENS
+            };
+            let mut want = block_size.saturating_mul(2).max(first);
             loop {
                 let (mut tokens, mut bytes) = tokenizer
                     .encode_head(text, want)
@@ -198,13 +247,28 @@ pub fn analyse(
                     return Ok(info);
                 }
                 if !held(&head) {
-                    let rest = (text.len() - bytes) as f64 * tokens.len() as f64 / bytes as f64;
+                    let own = tokens.len() as f64 / bytes.max(1) as f64;
+                    let per_byte = match learned {
+                        // A long head measures its own text well enough.
+                        _ if tokens.len() >= FIRST_HEAD_TOKENS => own,
+                        Some(rate) if (own / rate - 1.0).abs() <= RATE_TOLERANCE => rate,
+                        // Unlike the pool's usual text (another script, code, digits): measure
+                        // more of it.
+                        Some(_) => {
+                            want = FIRST_HEAD_TOKENS;
+                            continue;
+                        }
+                        None => own,
+                    };
+                    let rest = (text.len() - bytes) as f64 * per_byte;
                     return Ok(Arc::new(PromptInfo {
                         tokens: tokens.len() + rest.round() as usize,
                         hashes: head.clone(),
                         unfinished: Some(Arc::new(Unfinished {
                             text: Arc::from(text),
                             head,
+                            head_tokens: tokens.len(),
+                            head_bytes: bytes,
                             key,
                             block_size,
                             cache_salt: cache_salt.map(str::to_owned),
@@ -251,6 +315,10 @@ pub fn finish(
         );
         tokenizer.stop_cutting_words();
     }
+    cache.learn_rate(
+        info.tokens.saturating_sub(unfinished.head_tokens),
+        unfinished.text.len().saturating_sub(unfinished.head_bytes),
+    );
     cache.put(unfinished.key, info.clone());
     Some(info)
 }
@@ -388,6 +456,87 @@ mod tests {
         .unwrap();
         assert!(deeper.hashes.len() > head.hashes.len() && deeper.unfinished.is_some());
         assert_eq!(deeper.hashes, all[..deeper.hashes.len()]);
+    }
+
+    #[test]
+    fn once_the_pool_has_learned_its_text_a_small_head_estimates_the_rest() {
+        let tokenizer = PromptTokenizer::shipped().unwrap();
+        let reference = PromptTokenizer::shipped().unwrap();
+        let nobody = |_: &[SequenceHash]| false;
+        let words = ["river", "mountain", "garden", "stone", "lake", "cloud"];
+        let plain = |seed: usize| -> String {
+            (0..1500)
+                .map(|i| {
+                    format!(
+                        "{}{} ",
+                        words[(i * 7 + seed) % words.len()],
+                        (i * 31 + seed) % 997
+                    )
+                })
+                .collect()
+        };
+        // Made-up words: about twice the tokens per byte.
+        let consonants = b"bcdfghjklmnpqrstvwxz";
+        let dense = |seed: usize| -> String {
+            (0..1500usize)
+                .map(|i| {
+                    let letter = |k: usize| {
+                        char::from(consonants[(i * 13 + k * 7 + seed) % consonants.len()])
+                    };
+                    format!("{}{}{}{} ", letter(1), letter(2), letter(3), letter(4))
+                })
+                .collect()
+        };
+        // Tokenized whole (exactly) by another tokenizer, and by routing (head and estimate).
+        let routed = |cache: &PromptCache, content: &str| {
+            let body =
+                serde_json::json!({"model": "m", "messages": [{"role": "user", "content": content}]})
+                    .to_string();
+            let parsed = crate::wire::parse(body.as_bytes()).unwrap();
+            let rendered = tokenizer.render_chat(&parsed.chat_messages(false)).unwrap();
+            let exact = reference.encode(&rendered).unwrap().len();
+            let info = analyse(
+                &tokenizer,
+                cache,
+                Endpoint::ChatCompletions,
+                &parsed,
+                16,
+                None,
+                &nobody,
+            )
+            .unwrap();
+            let error = info.tokens.abs_diff(exact) as f64 / exact as f64;
+            assert!(error < 0.1, "estimated {} of {exact} tokens", info.tokens);
+            info
+        };
+        let long_head = FIRST_HEAD_TOKENS / 16;
+        let learned = |text: &dyn Fn(usize) -> String| {
+            let cache = PromptCache::default();
+            // Until RATE_SAMPLES prompts were finished whole, heads are long; each teaches the
+            // rate.
+            for seed in 0..RATE_SAMPLES as usize {
+                let info = routed(&cache, &text(seed));
+                assert!(info.hashes.len() >= long_head);
+                let whole = finish(&tokenizer, &cache, info.unfinished.as_ref().unwrap()).unwrap();
+                assert_eq!(whole.hashes[..info.hashes.len()], info.hashes);
+            }
+            cache
+        };
+        let fresh = RATE_SAMPLES as usize + 1;
+        // Then a new prompt of the same kind is hashed only as far as a small head.
+        let small = routed(&learned(&plain), &plain(fresh));
+        assert!(
+            small.hashes.len() >= 2 && small.hashes.len() < long_head,
+            "{} blocks",
+            small.hashes.len()
+        );
+        // Text unlike the pool's (here half as dense) is estimated by its own long head.
+        let unlike = routed(&learned(&dense), &plain(fresh));
+        assert!(
+            unlike.hashes.len() >= long_head,
+            "{} blocks",
+            unlike.hashes.len()
+        );
     }
 
     #[test]
