@@ -27,7 +27,7 @@ const CACHE_ENTRIES: usize = 512;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PromptInfo {
     /// Prompt tokens (of the tokenized prefix, when the prompt was longer than the bound;
-    /// estimated from the head's bytes per token when only a head was tokenized).
+    /// estimated from the rest's bytes when only a head was tokenized: see [`analyse`]).
     pub tokens: usize,
     /// Chained hashes of its full blocks (of the head only, when [`PromptInfo::unfinished`]).
     pub hashes: Vec<SequenceHash>,
@@ -42,8 +42,9 @@ pub struct Unfinished {
     text: Arc<str>,
     /// The head's hashes, which the whole's must start with.
     head: Vec<SequenceHash>,
-    /// Tokens and bytes of the head: what the whole adds past them teaches the pool's rate.
+    /// Tokens of the head: what the whole adds past them teaches the pool's rate.
     head_tokens: usize,
+    /// Bytes of the text the head covers.
     head_bytes: usize,
     key: u64,
     block_size: usize,
@@ -54,17 +55,23 @@ pub struct Unfinished {
 /// while some worker holds all of it, the head grows through the text seen before (free), then
 /// by one piece past it, or fourfold when nothing new was seen.
 const FIRST_HEAD_TOKENS: usize = 256;
-/// The first head once the pool has learned its prompts' tokens per byte ([`PromptCache`]): the
-/// rest is estimated at the learned rate while the head's own agrees with it within
-/// [`RATE_TOLERANCE`] (a text unlike the pool's usual grows to [`FIRST_HEAD_TOKENS`] and is
-/// estimated by its own rate). Tokenizing is most of what routing costs a request.
+/// The first head once the pool has learned its prompts' tokens per byte ([`PromptCache`]):
+/// while the head's own rate agrees with the learned one within [`RATE_TOLERANCE`], the rest
+/// is estimated at the two blended (the learned rate weighing as [`RATE_PRIOR_BYTES`] of
+/// text); a text unlike the pool's usual grows to [`FIRST_HEAD_TOKENS`] and is estimated by
+/// its own rate. Tokenizing is most of what routing costs a request.
 const SMALL_HEAD_TOKENS: usize = 64;
 /// How far (relative) a small head's tokens per byte may be from the learned rate.
-const RATE_TOLERANCE: f64 = 0.25;
+const RATE_TOLERANCE: f64 = 0.2;
+/// Bytes of text the learned rate weighs as, against a small head's own bytes.
+const RATE_PRIOR_BYTES: f64 = 1024.0;
 /// Prompts finished whole before the learned rate is used.
 const RATE_SAMPLES: u32 = 4;
-/// Weight of each finished prompt in the learned rate (an exponential average).
-const RATE_WEIGHT: f64 = 0.1;
+/// What each earlier prompt's text keeps of its weight in the learned rate per later prompt.
+const RATE_DECAY: f64 = 0.9;
+/// Text past a head shorter than this teaches nothing: mostly the chat template's closing
+/// tokens, whose rate is not the prompts'.
+const MIN_RATE_BYTES: usize = 512;
 
 /// Entries by key, and keys in insertion order.
 #[derive(Debug, Default)]
@@ -73,10 +80,12 @@ struct Entries {
     order: VecDeque<u64>,
 }
 
-/// Tokens per byte of the text past prompts' heads, learned from the prompts finished whole.
+/// Tokens per byte of the text past prompts' heads, learned from the prompts finished whole:
+/// decayed sums of tokens and of bytes, so a long text weighs by its length.
 #[derive(Debug, Default, Clone, Copy)]
 struct Rate {
-    tokens_per_byte: f64,
+    tokens: f64,
+    bytes: f64,
     samples: u32,
 }
 
@@ -91,22 +100,20 @@ impl PromptCache {
     /// The learned tokens per byte of prompt text past a head, once enough prompts taught it.
     fn tokens_per_byte(&self) -> Option<f64> {
         let rate = *self.rate.lock().ok()?;
-        (rate.samples >= RATE_SAMPLES).then_some(rate.tokens_per_byte)
+        (rate.samples >= RATE_SAMPLES && rate.bytes > 0.0).then(|| rate.tokens / rate.bytes)
     }
 
     /// Learn from a prompt's text past its head: `tokens` in `bytes`.
     fn learn_rate(&self, tokens: usize, bytes: usize) {
-        if bytes == 0 {
+        if bytes < MIN_RATE_BYTES {
             return;
         }
-        let observed = tokens as f64 / bytes as f64;
         let Ok(mut rate) = self.rate.lock() else {
             return;
         };
-        // The first samples are averaged evenly, later ones exponentially.
+        rate.tokens = rate.tokens * RATE_DECAY + tokens as f64;
+        rate.bytes = rate.bytes * RATE_DECAY + bytes as f64;
         rate.samples = rate.samples.saturating_add(1);
-        let weight = (1.0 / f64::from(rate.samples)).max(RATE_WEIGHT);
-        rate.tokens_per_byte += weight * (observed - rate.tokens_per_byte);
     }
 
     fn get(&self, key: u64) -> Option<Arc<PromptInfo>> {
@@ -251,7 +258,10 @@ pub fn analyse(
                     let per_byte = match learned {
                         // A long head measures its own text well enough.
                         _ if tokens.len() >= FIRST_HEAD_TOKENS => own,
-                        Some(rate) if (own / rate - 1.0).abs() <= RATE_TOLERANCE => rate,
+                        Some(rate) if (own / rate - 1.0).abs() <= RATE_TOLERANCE => {
+                            (tokens.len() as f64 + rate * RATE_PRIOR_BYTES)
+                                / (bytes as f64 + RATE_PRIOR_BYTES)
+                        }
                         // Unlike the pool's usual text (another script, code, digits): measure
                         // more of it.
                         Some(_) => {
@@ -297,6 +307,11 @@ pub fn finish(
     cache: &PromptCache,
     unfinished: &Unfinished,
 ) -> Option<Arc<PromptInfo>> {
+    // Finished already (for a request that shared it while it was in flight): the same whole,
+    // neither tokenized nor learned from twice.
+    if let Some(known) = cache.get(unfinished.key) {
+        return Some(known);
+    }
     let tokens = tokenizer.encode(&unfinished.text).ok()?;
     let info = Arc::new(PromptInfo {
         tokens: tokens.len(),
@@ -314,11 +329,12 @@ pub fn finish(
             "a prompt's head did not tokenize as the start of the whole: routing now tokenizes whole prompts with this tokenizer"
         );
         tokenizer.stop_cutting_words();
+    } else {
+        cache.learn_rate(
+            info.tokens.saturating_sub(unfinished.head_tokens),
+            unfinished.text.len().saturating_sub(unfinished.head_bytes),
+        );
     }
-    cache.learn_rate(
-        info.tokens.saturating_sub(unfinished.head_tokens),
-        unfinished.text.len().saturating_sub(unfinished.head_bytes),
-    );
     cache.put(unfinished.key, info.clone());
     Some(info)
 }
@@ -463,14 +479,21 @@ mod tests {
         let tokenizer = PromptTokenizer::shipped().unwrap();
         let reference = PromptTokenizer::shipped().unwrap();
         let nobody = |_: &[SequenceHash]| false;
+        // Texts that share no piece (a repeating text would be found in the segment cache).
+        let mix = |i: usize, k: usize, seed: usize| {
+            (i.wrapping_mul(31).wrapping_add(k))
+                .wrapping_mul(2_654_435_761)
+                .wrapping_add(seed.wrapping_mul(0x9E37_79B9))
+                >> 7
+        };
         let words = ["river", "mountain", "garden", "stone", "lake", "cloud"];
         let plain = |seed: usize| -> String {
             (0..1500)
                 .map(|i| {
                     format!(
                         "{}{} ",
-                        words[(i * 7 + seed) % words.len()],
-                        (i * 31 + seed) % 997
+                        words[mix(i, 0, seed) % words.len()],
+                        mix(i, 1, seed) % 997
                     )
                 })
                 .collect()
@@ -480,9 +503,8 @@ mod tests {
         let dense = |seed: usize| -> String {
             (0..1500usize)
                 .map(|i| {
-                    let letter = |k: usize| {
-                        char::from(consonants[(i * 13 + k * 7 + seed) % consonants.len()])
-                    };
+                    let letter =
+                        |k: usize| char::from(consonants[mix(i, k, seed) % consonants.len()]);
                     format!("{}{}{}{} ", letter(1), letter(2), letter(3), letter(4))
                 })
                 .collect()
@@ -517,9 +539,17 @@ mod tests {
             for seed in 0..RATE_SAMPLES as usize {
                 let info = routed(&cache, &text(seed));
                 assert!(info.hashes.len() >= long_head);
-                let whole = finish(&tokenizer, &cache, info.unfinished.as_ref().unwrap()).unwrap();
+                let unfinished = info.unfinished.as_ref().unwrap();
+                let whole = finish(&tokenizer, &cache, unfinished).unwrap();
                 assert_eq!(whole.hashes[..info.hashes.len()], info.hashes);
+                // Finished again (a request that shared it, then its own first token): the
+                // same whole, not tokenized or learned from twice.
+                assert!(Arc::ptr_eq(
+                    &whole,
+                    &finish(&tokenizer, &cache, unfinished).unwrap()
+                ));
             }
+            assert_eq!(cache.rate.lock().unwrap().samples, RATE_SAMPLES);
             cache
         };
         let fresh = RATE_SAMPLES as usize + 1;
@@ -537,6 +567,30 @@ mod tests {
             "{} blocks",
             unlike.hashes.len()
         );
+    }
+
+    #[test]
+    fn the_learned_rate_weighs_texts_by_their_length_and_skips_short_tails() {
+        let cache = PromptCache::default();
+        // Short tails (mostly the chat template's closing tokens) teach nothing.
+        for _ in 0..10 {
+            cache.learn_rate(5, MIN_RATE_BYTES - 1);
+        }
+        assert_eq!(cache.rate.lock().unwrap().samples, 0);
+        for _ in 1..RATE_SAMPLES {
+            cache.learn_rate(1000, 4000);
+        }
+        assert_eq!(cache.tokens_per_byte(), None, "too few samples yet");
+        cache.learn_rate(3000, 6000);
+        // Decayed sums: 0.345 tokens per byte, where the average of the four ratios would
+        // be 0.3125 (the long text weighs by its length).
+        let decayed = |per: f64, last: f64| {
+            (per * (RATE_DECAY.powi(3) + RATE_DECAY.powi(2) + RATE_DECAY)) + last
+        };
+        let expected = decayed(1000.0, 3000.0) / decayed(4000.0, 6000.0);
+        let learned = cache.tokens_per_byte().unwrap();
+        assert!((learned - expected).abs() < 1e-9, "{learned} vs {expected}");
+        assert!(learned > 0.34, "{learned}");
     }
 
     #[test]
