@@ -343,22 +343,33 @@ pub fn finish(
 mod tests {
     use super::*;
 
+    /// [`analyse`] of a Chat Completions request without a salt.
+    fn analyse_chat(
+        tokenizer: &PromptTokenizer,
+        cache: &PromptCache,
+        request: &RequestBody<'_>,
+        block_size: usize,
+        held: &dyn Fn(&[SequenceHash]) -> bool,
+    ) -> Arc<PromptInfo> {
+        analyse(
+            tokenizer,
+            cache,
+            Endpoint::ChatCompletions,
+            request,
+            block_size,
+            None,
+            held,
+        )
+        .unwrap()
+    }
+
     #[test]
     fn chat_prompts_hash_like_the_worker_renders_them() {
         let tokenizer = PromptTokenizer::shipped().unwrap();
         let cache = PromptCache::default();
         let body = br#"{"model":"m","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Tell me about rivers, lakes and the sea in some detail please."}]}"#;
         let parsed = crate::wire::parse(body).unwrap();
-        let info = analyse(
-            &tokenizer,
-            &cache,
-            Endpoint::ChatCompletions,
-            &parsed,
-            4,
-            None,
-            &|_| true,
-        )
-        .unwrap();
+        let info = analyse_chat(&tokenizer, &cache, &parsed, 4, &|_| true);
         let rendered = tokenizer
             .render_chat(&switchyard_kv::tokenize::openai_messages(
                 &serde_json::from_slice(body).unwrap(),
@@ -368,16 +379,7 @@ mod tests {
         assert_eq!(info.tokens, tokens.len());
         assert_eq!(info.hashes, sequence_hashes_keyed(&tokens, 4, &[], None));
         // The second time comes from the cache (same Arc).
-        let again = analyse(
-            &tokenizer,
-            &cache,
-            Endpoint::ChatCompletions,
-            &parsed,
-            4,
-            None,
-            &|_| true,
-        )
-        .unwrap();
+        let again = analyse_chat(&tokenizer, &cache, &parsed, 4, &|_| true);
         assert!(Arc::ptr_eq(&info, &again));
         // A salted request hashes apart (and is cached apart).
         let salted = analyse(
@@ -419,16 +421,7 @@ mod tests {
             asked.set(asked.get() + 1);
             false
         };
-        let head = analyse(
-            &tokenizer,
-            &cache,
-            Endpoint::ChatCompletions,
-            &parsed,
-            16,
-            None,
-            &nobody,
-        )
-        .unwrap();
+        let head = analyse_chat(&tokenizer, &cache, &parsed, 16, &nobody);
         assert_eq!(asked.get(), 1);
         assert!(
             head.hashes.len() >= 16 && head.hashes.len() < all.len() / 4,
@@ -446,30 +439,12 @@ mod tests {
         // The whole, later: exact, and remembered for the same prompt.
         let whole = finish(&tokenizer, &cache, head.unfinished.as_ref().unwrap()).unwrap();
         assert_eq!((whole.tokens, &whole.hashes), (tokens.len(), &all));
-        let again = analyse(
-            &tokenizer,
-            &cache,
-            Endpoint::ChatCompletions,
-            &parsed,
-            16,
-            None,
-            &nobody,
-        )
-        .unwrap();
+        let again = analyse_chat(&tokenizer, &cache, &parsed, 16, &nobody);
         assert!(Arc::ptr_eq(&again, &whole));
         // Held as far as 20 blocks: the head grows past them, then stops.
         let cache = PromptCache::default();
         let twenty = |hashes: &[SequenceHash]| hashes.len() <= 20;
-        let deeper = analyse(
-            &tokenizer,
-            &cache,
-            Endpoint::ChatCompletions,
-            &parsed,
-            16,
-            None,
-            &twenty,
-        )
-        .unwrap();
+        let deeper = analyse_chat(&tokenizer, &cache, &parsed, 16, &twenty);
         assert!(deeper.hashes.len() > head.hashes.len() && deeper.unfinished.is_some());
         assert_eq!(deeper.hashes, all[..deeper.hashes.len()]);
     }
@@ -517,16 +492,7 @@ mod tests {
             let parsed = crate::wire::parse(body.as_bytes()).unwrap();
             let rendered = tokenizer.render_chat(&parsed.chat_messages(false)).unwrap();
             let exact = reference.encode(&rendered).unwrap().len();
-            let info = analyse(
-                &tokenizer,
-                cache,
-                Endpoint::ChatCompletions,
-                &parsed,
-                16,
-                None,
-                &nobody,
-            )
-            .unwrap();
+            let info = analyse_chat(&tokenizer, cache, &parsed, 16, &nobody);
             let error = info.tokens.abs_diff(exact) as f64 / exact as f64;
             assert!(error < 0.1, "estimated {} of {exact} tokens", info.tokens);
             info
@@ -612,16 +578,7 @@ mod tests {
         let analysed = |body: &str| {
             let parsed = crate::wire::parse(body.as_bytes()).unwrap();
             let held = |hashes: &[SequenceHash]| kv.holds_all(hashes, &tokenizer);
-            analyse(
-                &tokenizer,
-                &kv.prompts,
-                Endpoint::ChatCompletions,
-                &parsed,
-                16,
-                None,
-                &held,
-            )
-            .unwrap()
+            analyse_chat(&tokenizer, &kv.prompts, &parsed, 16, &held)
         };
         // Two prompts nobody holds, sent to workers 0 and 1: known by their heads only.
         let first = analysed(&chat(&system, "What is first?"));
@@ -675,16 +632,7 @@ mod tests {
         };
         let analysed = |body: &str, held: &dyn Fn(&[SequenceHash]) -> bool| {
             let parsed = crate::wire::parse(body.as_bytes()).unwrap();
-            analyse(
-                &tokenizer,
-                &cache,
-                Endpoint::ChatCompletions,
-                &parsed,
-                64,
-                None,
-                held,
-            )
-            .unwrap()
+            analyse_chat(&tokenizer, &cache, &parsed, 64, held)
         };
         // The system prompt is seen once, whole.
         let first = analysed(&chat("Short question?"), &|_| true);
