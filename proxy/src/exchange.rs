@@ -673,6 +673,9 @@ impl Exchange {
     }
 }
 
+/// How long after a prompt's first token its whole is tokenized (see [`finish_prompt`]).
+const WHOLE_AFTER_FIRST_TOKEN: Duration = Duration::from_millis(5);
+
 /// Tokenize the whole of a prompt routed by its head, once its worker has prefilled it, on the
 /// low-priority background threads: its pieces are then in the segment cache for what follows
 /// it (the next turn of a conversation), and its prediction holds all of its blocks. A request
@@ -681,6 +684,12 @@ impl Exchange {
 /// the request's own path nor its prefill's window pays for work that, for a prompt nobody
 /// shares, is never used.
 /// Bounded: when the background queue is full, a prompt keeps its head's prediction.
+///
+/// It starts [`WHOLE_AFTER_FIRST_TOKEN`] after the first token, once that token is on its way
+/// to the client: started at once, it delayed the token at the client by about 2 ms on this
+/// project's two-core machine (measured: a shared 1,000-token system prompt and a unique
+/// question, sequential requests, p50 79.6 ms against 77.6 ms with no whole tokenized and
+/// 77.1 ms through round-robin), niceness 19 notwithstanding.
 fn finish_prompt(pool: &Arc<PoolRuntime>, prediction: &Prediction, unfinished: Arc<Unfinished>) {
     let (Some(tokenizer), Some(background)) = (pool.tokenizer.clone(), background::prompts())
     else {
@@ -688,14 +697,25 @@ fn finish_prompt(pool: &Arc<PoolRuntime>, prediction: &Prediction, unfinished: A
     };
     let kv = pool.kv.clone();
     let (predictions, id) = prediction.handle();
-    background.try_run(move || {
+    let whole = move || {
         // The request may be over already: then nobody needs the whole.
         if predictions.contains(id)
             && let Some(whole) = prompt::finish(&tokenizer, &kv.prompts, &unfinished)
         {
             predictions.finish(id, whole);
         }
-    });
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(async move {
+                tokio::time::sleep(WHOLE_AFTER_FIRST_TOKEN).await;
+                background.try_run(whole);
+            });
+        }
+        Err(_) => {
+            background.try_run(whole);
+        }
+    }
 }
 
 #[cfg(test)]
