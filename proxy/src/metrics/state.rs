@@ -172,39 +172,40 @@ impl Collector for StateCollector {
             "Running requests the worker last reported.",
             workers().map(|(labels, w)| (labels, ConstGauge::new(w.load.running()))),
         )?;
+        // The ledger of each worker read once: its five gauges are one moment's.
+        let ledgers: Vec<_> = workers().map(|(labels, w)| (labels, w.ledger())).collect();
+        let ledger = || ledgers.iter().map(|(labels, ledger)| (*labels, ledger));
         family(
             encoder,
             "switchyard_worker_requests_in_flight",
             "Requests this proxy has in flight to the worker.",
-            workers().map(|(labels, w)| (labels, ConstGauge::new(w.ledger().in_flight))),
+            ledger().map(|(labels, l)| (labels, ConstGauge::new(l.in_flight))),
         )?;
         // The routing ledger: what this proxy counts against each worker right now.
         family(
             encoder,
             "switchyard_worker_prefills_pending",
             "Requests this proxy sent to the worker that have not produced a first token yet.",
-            workers().map(|(labels, w)| (labels, ConstGauge::new(w.ledger().prefills))),
+            ledger().map(|(labels, l)| (labels, ConstGauge::new(l.prefills))),
         )?;
         family(
             encoder,
             "switchyard_worker_prefill_tokens_pending",
             "Uncached prompt tokens of those requests.",
-            workers().map(|(labels, w)| (labels, ConstGauge::new(w.ledger().prefill_tokens))),
+            ledger().map(|(labels, l)| (labels, ConstGauge::new(l.prefill_tokens))),
         )?;
         family(
             encoder,
             "switchyard_worker_prefill_elapsed_seconds",
             "How long the worker has been on the oldest of those prefills (0 when none is pending).",
-            workers().map(|(labels, w)| {
-                let elapsed_us = w.ledger().prefill_elapsed_us;
-                (labels, ConstGauge::new(elapsed_us as f64 / 1e6))
-            }),
+            ledger()
+                .map(|(labels, l)| (labels, ConstGauge::new(l.prefill_elapsed_us as f64 / 1e6))),
         )?;
         family(
             encoder,
             "switchyard_worker_kv_blocks_reserved",
             "KV blocks this proxy's requests in flight to the worker are expected to hold.",
-            workers().map(|(labels, w)| (labels, ConstGauge::new(w.ledger().kv_blocks))),
+            ledger().map(|(labels, l)| (labels, ConstGauge::new(l.kv_blocks))),
         )?;
         family(
             encoder,
