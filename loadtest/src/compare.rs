@@ -207,12 +207,22 @@ pub struct RunConfig {
     pub peer_interval_ms: u64,
     /// A `vllm-router` executable, when one was found.
     pub vllm_router: Option<PathBuf>,
+    /// The share of conversations whose client asks for whole answers (`stream: false`),
+    /// spread evenly among the others ([`asks_whole`]).
+    pub whole_answers: f64,
+}
+
+/// Whether conversation `index` asks for whole answers when `share` of them do: every
+/// conversation where the running count of `share` per conversation reaches a new integer.
+pub fn asks_whole(index: usize, share: f64) -> bool {
+    ((index + 1) as f64 * share).floor() > (index as f64 * share).floor()
 }
 
 /// One finished request.
 #[derive(Debug, Clone, Copy)]
 struct Sample {
-    ttft: f64,
+    /// Client-side TTFT (none for a whole answer: its client sees no first token).
+    ttft: Option<f64>,
     e2e: f64,
     /// `usage.prompt_tokens`: the prompt as the worker counted it, chat template included.
     prompt_tokens: Option<u64>,
@@ -556,9 +566,10 @@ async fn start_router(
     ))
 }
 
-/// One streamed answer as the client saw it.
+/// One answer as the client saw it.
 struct Streamed {
-    ttft: Duration,
+    /// The first content chunk (none for a whole answer).
+    ttft: Option<Duration>,
     e2e: Duration,
     text: String,
     /// `usage.prompt_tokens` and `usage.completion_tokens` of the final chunk.
@@ -609,7 +620,7 @@ async fn stream_one(client: &reqwest::Client, url: &str, body: &Value) -> anyhow
     }
     let ttft = ttft.context("no content in the stream")?;
     Ok(Streamed {
-        ttft,
+        ttft: Some(ttft),
         e2e: start.elapsed(),
         text,
         prompt_tokens,
@@ -617,14 +628,49 @@ async fn stream_one(client: &reqwest::Client, url: &str, body: &Value) -> anyhow
     })
 }
 
+/// Send one chat request asking for the whole answer (the same request, `stream` false).
+async fn whole_one(client: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<Streamed> {
+    let mut body = body.clone();
+    if let Some(fields) = body.as_object_mut() {
+        fields.insert("stream".into(), Value::Bool(false));
+        fields.remove("stream_options");
+    }
+    let start = Instant::now();
+    let response = client
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await?;
+    if !response.status().is_success() {
+        bail!("status {}", response.status());
+    }
+    let answer: Value = response.json().await?;
+    let text = answer
+        .pointer("/choices/0/message/content")
+        .and_then(Value::as_str)
+        .context("no content in the answer")?
+        .to_owned();
+    Ok(Streamed {
+        ttft: None,
+        e2e: start.elapsed(),
+        text,
+        prompt_tokens: answer
+            .pointer("/usage/prompt_tokens")
+            .and_then(Value::as_u64),
+        output_tokens: answer
+            .pointer("/usage/completion_tokens")
+            .and_then(Value::as_u64),
+    })
+}
+
 /// Run a conversation's turns in order, the user thinking before each later turn; one sample
-/// per turn.
+/// per turn. `whole`: its client asks for whole answers.
 async fn run_conversation(
     client: &reqwest::Client,
     url: &str,
     model: &str,
     conversation: &Conversation,
-    scale: f64,
+    (scale, whole): (f64, bool),
     progress: &Progress,
 ) -> (Vec<Sample>, usize) {
     let mut answers = Vec::new();
@@ -636,10 +682,15 @@ async fn run_conversation(
             tokio::time::sleep(Duration::from_secs_f64(turn.think_s * scale)).await;
         }
         let body = conversation.request(model, index, &answers);
-        match stream_one(client, url, &body).await {
+        let answer = if whole {
+            whole_one(client, url, &body).await
+        } else {
+            stream_one(client, url, &body).await
+        };
+        match answer {
             Ok(streamed) => {
                 samples.push(Sample {
-                    ttft: streamed.ttft.as_secs_f64() / scale,
+                    ttft: streamed.ttft.map(|ttft| ttft.as_secs_f64() / scale),
                     e2e: streamed.e2e.as_secs_f64() / scale,
                     prompt_tokens: streamed.prompt_tokens,
                     output_tokens: streamed.output_tokens,
@@ -834,8 +885,13 @@ pub async fn run(
     match config.arrival {
         Arrival::Concurrency { clients } => {
             let queue = Arc::new(Mutex::new(
-                conversations.iter().cloned().collect::<VecDeque<_>>(),
+                conversations
+                    .iter()
+                    .cloned()
+                    .enumerate()
+                    .collect::<VecDeque<_>>(),
             ));
+            let share = config.whole_answers;
             for index in 0..clients.max(1) {
                 let (queue, client, url, model, progress) = (
                     queue.clone(),
@@ -847,7 +903,7 @@ pub async fn run(
                 tasks.push(tokio::spawn(async move {
                     let (mut samples, mut errors) = (Vec::new(), 0);
                     loop {
-                        let Some(conversation) = queue.lock().await.pop_front() else {
+                        let Some((number, conversation)) = queue.lock().await.pop_front() else {
                             break;
                         };
                         let (mut s, e) = run_conversation(
@@ -855,7 +911,7 @@ pub async fn run(
                             &url,
                             &model,
                             &conversation,
-                            scale,
+                            (scale, asks_whole(number, share)),
                             &progress,
                         )
                         .await;
@@ -878,9 +934,18 @@ pub async fn run(
                     sim.model.clone(),
                     progress.clone(),
                 );
+                let whole = asks_whole(index, config.whole_answers);
                 tasks.push(tokio::spawn(async move {
                     tokio::time::sleep_until(start.into()).await;
-                    run_conversation(&client, &url, &model, &conversation, scale, &progress).await
+                    run_conversation(
+                        &client,
+                        &url,
+                        &model,
+                        &conversation,
+                        (scale, whole),
+                        &progress,
+                    )
+                    .await
                 }));
             }
         }
@@ -892,7 +957,7 @@ pub async fn run(
         errors += e;
     }
     let model_seconds = started.elapsed().as_secs_f64() / scale;
-    let mut ttfts: Vec<f64> = samples.iter().map(|s| s.ttft).collect();
+    let mut ttfts: Vec<f64> = samples.iter().filter_map(|s| s.ttft).collect();
     let mut e2es: Vec<f64> = samples.iter().map(|s| s.e2e).collect();
     ttfts.sort_by(f64::total_cmp);
     e2es.sort_by(f64::total_cmp);
@@ -1210,6 +1275,18 @@ pub fn find_vllm_router(root: &Path) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn whole_answer_conversations_are_the_share_asked_for_spread_evenly() {
+        let whole = |share: f64| -> Vec<bool> { (0..8).map(|i| asks_whole(i, share)).collect() };
+        assert_eq!(whole(0.0), [false; 8]);
+        assert_eq!(whole(1.0), [true; 8]);
+        assert_eq!(
+            whole(0.5),
+            [false, true, false, true, false, true, false, true]
+        );
+        assert_eq!(whole(0.25).iter().filter(|w| **w).count(), 2);
+    }
 
     #[test]
     fn free_ports_are_distinct_and_avoid_the_ones_taken() {

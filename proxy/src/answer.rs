@@ -8,6 +8,7 @@ use bytes::{Bytes, BytesMut};
 use pingora_http::ResponseHeader;
 
 use crate::accounting::UsageTap;
+use crate::assemble::{self, Assembler};
 use crate::plan::Translation;
 use crate::translate::find_event_end;
 use crate::translate::{self, StreamTranslator};
@@ -84,6 +85,12 @@ enum Mode {
         pending: BytesMut,
         from: String,
     },
+    /// A stream the client asked for whole: assembled, and sent at its end (in the client's
+    /// API when `translate` is set).
+    Assemble {
+        assembler: Box<Assembler>,
+        translate: Option<AnswerFn>,
+    },
 }
 
 /// The state of an answer.
@@ -92,13 +99,17 @@ pub struct Answer {
     mode: Mode,
     /// Reads `usage` from the answer (and removes the usage chunk the proxy asked for).
     pub usage: UsageTap,
-    /// When the answer's first output (its first token, or its error) went to the client.
+    /// When the answer's first output (its first token, or its error) went to the client; of an
+    /// answer the gateway assembles, when the worker's first token reached the gateway.
     pub first_output: Option<Instant>,
     /// A native Responses API stream: it opens with events its server sends before the model
     /// has produced anything ([`OPENING_EVENTS`]), so its first output is the first other event.
     pub opens_with_events: bool,
     /// The stream names its events (`event:` lines): only they say where output starts.
     events_named: bool,
+    /// Why an answer the gateway assembles has no whole (the stream failed): the client's
+    /// connection is ended, its status being sent already.
+    pub failed: Option<String>,
 }
 
 /// The events a Responses API stream opens with: vLLM sends both as soon as it has accepted the
@@ -129,6 +140,7 @@ impl Answer {
             first_output: None,
             opens_with_events: false,
             events_named: false,
+            failed: None,
         }
     }
 
@@ -151,18 +163,38 @@ impl Answer {
 
 impl Answer {
     /// The upstream's response head (`status`), for a client of the other API when `translate`
-    /// says so. Answers name the model as the client did (`client_model`, its alias), whatever
-    /// the upstream served it as (`upstream_model`).
+    /// says so, or a whole answer assembled from a stream when `assemble` does. Answers name
+    /// the model as the client did (`client_model`, its alias), whatever the upstream served it
+    /// as (`upstream_model`).
+    #[allow(clippy::too_many_arguments)]
     pub fn head(
         &mut self,
         response: &mut ResponseHeader,
         translate: Translation,
+        assemble: Option<assemble::Kind>,
         stream: bool,
         client_model: &str,
         upstream_model: &str,
         model_within: Option<usize>,
     ) -> pingora_error::Result<()> {
         let status = response.status.as_u16();
+        if let Some(kind) = assemble
+            && status < 400
+        {
+            response.remove_header(&http::header::CONTENT_LENGTH);
+            response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
+            self.mode = Mode::Assemble {
+                assembler: Box::new(Assembler::new(kind)),
+                translate: match translate {
+                    Translation::MessagesToChat => Some(translate::chat_response_to_message),
+                    Translation::ResponsesToChat => {
+                        Some(translate_responses::chat_response_to_responses)
+                    }
+                    Translation::None | Translation::ChatToMessages => None,
+                },
+            };
+            return Ok(());
+        }
         if translate == Translation::None {
             if let Some(within) = model_within
                 && client_model != upstream_model
@@ -225,15 +257,40 @@ impl Answer {
     }
 
     /// A piece of the upstream's body, made the client's. Returns `true` when it carries the
-    /// answer's first output.
+    /// answer's first output (of an assembled answer: the worker's first token).
     pub fn body(
         &mut self,
         body: &mut Option<Bytes>,
         end_of_stream: bool,
         client_model: &str,
     ) -> bool {
+        let mut first = false;
         match &mut self.mode {
             Mode::PassThrough => {}
+            Mode::Assemble {
+                assembler,
+                translate,
+            } => {
+                if let Some(chunk) = body.take() {
+                    // The worker streams nothing before its first token.
+                    if self.first_output.is_none() && !chunk.is_empty() {
+                        self.first_output = Some(Instant::now());
+                        first = true;
+                    }
+                    assembler.feed(&chunk);
+                }
+                if end_of_stream {
+                    match assembler.answer(client_model) {
+                        Ok(answer) => {
+                            *body = Some(match translate {
+                                Some(translate) => translate(&answer, client_model),
+                                None => answer,
+                            });
+                        }
+                        Err(why) => self.failed = Some(why),
+                    }
+                }
+            }
             Mode::TranslateStream(translator) => {
                 let mut out = BytesMut::new();
                 if let Some(chunk) = body.take() {
@@ -305,7 +362,6 @@ impl Answer {
                 *body = (!out.is_empty()).then(|| out.freeze());
             }
         }
-        let mut first = false;
         if let Some(chunk) = body.take() {
             if self.first_output.is_none() && !chunk.is_empty() && self.carries_output(&chunk) {
                 self.first_output = Some(Instant::now());
@@ -389,9 +445,72 @@ fn renamed_event(event: &[u8], from: &str, to: &str) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     fn answer() -> Answer {
         Answer::new(UsageTap::new(false, false))
+    }
+
+    /// An answer the client asked for whole from a worker's stream (`translate`: into the
+    /// client's API), fed `pieces`: what the client got at each piece, and which piece was
+    /// taken for the first token.
+    fn assembled(
+        translate: Translation,
+        pieces: &[&str],
+    ) -> (Vec<Option<Value>>, Option<usize>, Option<String>) {
+        let mut answer = answer();
+        let mut response = ResponseHeader::build(200, None).unwrap();
+        response
+            .insert_header("content-type", "text/event-stream")
+            .unwrap();
+        answer
+            .head(
+                &mut response,
+                translate,
+                Some(assemble::Kind::Chat),
+                false,
+                "alias",
+                "org/served",
+                Some(ALIAS_HEAD_BYTES),
+            )
+            .unwrap();
+        assert_eq!(response.headers["content-type"], "application/json");
+        let (mut out, mut first) = (Vec::new(), None);
+        for (index, piece) in pieces.iter().enumerate() {
+            let mut body = Some(Bytes::from(piece.to_string()));
+            if answer.body(&mut body, index + 1 == pieces.len(), "alias") {
+                first.get_or_insert(index);
+            }
+            out.push(body.map(|b| serde_json::from_slice(&b).unwrap()));
+        }
+        (out, first, answer.failed)
+    }
+
+    #[test]
+    fn a_whole_answer_from_a_stream_shows_its_first_token_and_goes_out_at_the_end() {
+        let pieces = [
+            r#"data: {"id":"c","created":1,"model":"org/served","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#,
+            "\n\ndata: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":1,\"total_tokens\":6}}\n\ndata: [DONE]\n\n",
+        ];
+        let (out, first, failed) = assembled(Translation::None, &pieces);
+        assert_eq!(first, Some(0));
+        assert_eq!(failed, None);
+        assert_eq!(out[..2], [None, None]);
+        let whole = out[2].clone().unwrap();
+        assert_eq!(whole["model"], "alias");
+        assert_eq!(whole["choices"][0]["message"]["content"], "Hi");
+        assert_eq!(whole["usage"]["total_tokens"], 6);
+        // For an Anthropic client of a chat worker: the assembled answer, translated.
+        let (out, _, _) = assembled(Translation::MessagesToChat, &pieces);
+        let message = out[2].clone().unwrap();
+        assert_eq!(message["type"], "message");
+        assert_eq!(message["content"][0]["text"], "Hi");
+        assert_eq!(message["usage"]["output_tokens"], 1);
+        // Cut short: nothing goes out, and the exchange learns why.
+        let (out, first, failed) = assembled(Translation::None, &pieces[..2]);
+        assert_eq!((out, first), (vec![None, None], Some(0)));
+        assert!(failed.unwrap().contains("ended before"));
     }
 
     fn head(answer: &mut Answer, stream: bool) {
@@ -401,6 +520,7 @@ mod tests {
             .head(
                 &mut response,
                 Translation::None,
+                None,
                 stream,
                 "alias",
                 "org/served",
@@ -448,6 +568,7 @@ mod tests {
             .head(
                 &mut response,
                 Translation::None,
+                None,
                 true,
                 "m",
                 "m",

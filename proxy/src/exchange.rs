@@ -18,6 +18,7 @@ use switchyard_snapshot::snapshot::{Backend, LoadBalancing, ProviderFormat};
 use crate::accounting::{Usage, UsageTap};
 use crate::answer::{self, Answer};
 use crate::api::{ApiError, Endpoint, ErrorKind};
+use crate::assemble;
 use crate::background;
 use crate::calibration::{Coefficients, Observation};
 use crate::headers;
@@ -215,6 +216,12 @@ impl Exchange {
         self.client.parsed.stream
     }
 
+    /// The upstream streams its answer: the client asked for a stream, or for a whole answer
+    /// the gateway assembles (either way its first token shows).
+    pub fn upstream_streams(&self) -> bool {
+        self.stream() || self.plan.target.assemble
+    }
+
     /// The body the current target gets.
     pub fn upstream_body(&self) -> &Bytes {
         &self.plan.target.body
@@ -362,7 +369,7 @@ impl Exchange {
                 )
             });
         };
-        let stream = self.stream();
+        let stream = self.upstream_streams();
         let prompt = self.plan.target.prompt.clone();
         let attempt = &mut self.attempt;
         if reconnect.is_none() {
@@ -552,7 +559,7 @@ impl Exchange {
         if let Some(trace) = &self.plan.policy_explain {
             response.insert_header(POLICY_RESPONSE_HEADER, trace.as_str())?;
         }
-        if !self.stream() {
+        if !self.upstream_streams() {
             // A non-streamed answer arrives whole: its prefill is long over.
             self.attempt.pending = None;
         }
@@ -571,9 +578,14 @@ impl Exchange {
         self.answer.opens_with_events = stream
             && self.client.endpoint == Endpoint::Responses
             && target.translate == Translation::None;
+        let assemble = target.assemble.then_some(match self.client.endpoint {
+            Endpoint::Completions => assemble::Kind::Completion,
+            _ => assemble::Kind::Chat,
+        });
         self.answer.head(
             response,
             target.translate,
+            assemble,
             stream,
             &self.client.parsed.model,
             &target.upstream_model,
@@ -581,11 +593,21 @@ impl Exchange {
         )
     }
 
-    /// A piece of the upstream's body (`status`: the answer's), made the client's.
-    pub fn answer_body(&mut self, body: &mut Option<Bytes>, end_of_stream: bool, status: u16) {
+    /// A piece of the upstream's body (`status`: the answer's), made the client's. An error
+    /// when the answer cannot reach the client whole: a stream the gateway assembles failed
+    /// (its status is sent already: the client's connection is to be ended).
+    pub fn answer_body(
+        &mut self,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        status: u16,
+    ) -> Result<(), String> {
         let first = self
             .answer
             .body(body, end_of_stream, &self.client.parsed.model);
+        if let Some(why) = self.answer.failed.take() {
+            return Err(why);
+        }
         if let Some(id) = self.answer.usage.response_id.take()
             && status < 300
         {
@@ -598,7 +620,7 @@ impl Exchange {
             directory.forget(id);
         }
         if !first {
-            return;
+            return Ok(());
         }
         // The first token (vLLM streams nothing before it but a Responses stream's opening
         // events, which `answer` passes over): the prefill is done, and the worker's queue no
@@ -615,6 +637,7 @@ impl Exchange {
             Some(probe) if status < 400 => probe.first_token(),
             _ => self.attempt.ttft = None,
         }
+        Ok(())
     }
 
     /// Note who holds the stored response `id` this answer made: the worker (or provider) it

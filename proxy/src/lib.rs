@@ -9,6 +9,7 @@ pub mod accounting;
 pub mod admit;
 pub mod answer;
 pub mod api;
+pub mod assemble;
 pub mod background;
 pub mod calibration;
 pub mod config;

@@ -226,8 +226,13 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
     ) -> Result<Option<Duration>> {
         let status = ctx.status;
-        if let Some(exchange) = ctx.exchange() {
-            exchange.answer_body(body, end_of_stream, status);
+        if let Some(exchange) = ctx.exchange()
+            && let Err(why) = exchange.answer_body(body, end_of_stream, status)
+        {
+            // The worker's fault, though its connection ended cleanly (the reason is the
+            // worker's error message or the stream's state, never the prompt).
+            tracing::warn!(request_id = %ctx.request_id, reason = %why, "no whole answer from the worker's stream: the client's connection is cut");
+            return Err(Error::explain(ErrorType::ReadError, why).into_up());
         }
         Ok(None)
     }

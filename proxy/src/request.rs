@@ -35,6 +35,8 @@ pub struct ParsedRequest {
     cache_salt_span: Option<Range<usize>>,
     /// Byte range of the `"stream_options"` value (an object or `null`), when there is one.
     stream_options_span: Option<Range<usize>>,
+    /// Byte range of the `"stream"` value (`null` included), when there is one.
+    stream_span: Option<Range<usize>>,
     /// Where a new first field goes: just after the object's opening brace.
     object_start: usize,
 }
@@ -68,6 +70,7 @@ impl ParsedRequest {
             model_span: 0..0,
             cache_salt_span: None,
             stream_options_span: None,
+            stream_span: None,
             object_start: 0,
         }
     }
@@ -164,7 +167,7 @@ pub fn summarise(
         .map_or(0, |brace| brace + 1);
     Ok(ParsedRequest {
         model,
-        stream: head.stream.unwrap_or(false),
+        stream: head.stream().unwrap_or(false),
         max_tokens: match endpoint {
             Endpoint::Responses => responses.max_output_tokens,
             _ => head.max_tokens.or(head.max_completion_tokens),
@@ -179,6 +182,7 @@ pub fn summarise(
         stream_options_span: head
             .raw_stream_options
             .and_then(|raw| span_within(body, raw.get())),
+        stream_span: head.raw_stream.and_then(|raw| span_within(body, raw.get())),
         object_start,
     })
 }
@@ -206,24 +210,47 @@ fn span_within(whole: &[u8], part: &str) -> Option<Range<usize>> {
 
 /// The body with its `"model"` value replaced by `upstream_model` (no copy when unchanged).
 pub fn with_model(body: &Bytes, parsed: &ParsedRequest, upstream_model: &str) -> Bytes {
-    rewrite(body, parsed, upstream_model, None, false).map_or_else(|_| body.clone(), |(out, _)| out)
+    rewrite(body, parsed, upstream_model, None, Streaming::AsSent)
+        .map_or_else(|_| body.clone(), |(out, _)| out)
+}
+
+/// What the body sent upstream says about streaming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Streaming {
+    /// As the client sent it.
+    AsSent,
+    /// A streamed request, with `stream_options.include_usage` set (streamed OpenAI answers
+    /// carry usage only when asked).
+    AskUsage,
+    /// A request the client sent unstreamed, streamed with usage: the gateway assembles the
+    /// answer ([`crate::assemble`]).
+    Stream,
 }
 
 /// The body with its `"model"` value replaced by `upstream_model`; when `cache_salt` is given,
-/// its `"cache_salt"` set to it (replaced in place, or added as the first field); and with
-/// `ask_usage`, `stream_options.include_usage` set (streamed OpenAI answers carry usage only
-/// when asked). Every other byte stays as the client sent it; no copy when nothing changes.
-/// Returns the body and whether the gateway asked for usage on the client's behalf.
+/// its `"cache_salt"` set to it (replaced in place, or added as the first field); and its
+/// `"stream"` and `stream_options.include_usage` set as `streaming` says. Every other byte
+/// stays as the client sent it; no copy when nothing changes. Returns the body and whether the
+/// gateway asked for usage on the client's behalf.
 pub fn rewrite(
     body: &Bytes,
     parsed: &ParsedRequest,
     upstream_model: &str,
     cache_salt: Option<&str>,
-    ask_usage: bool,
+    streaming: Streaming,
 ) -> Result<(Bytes, bool), ApiError> {
     let mut edits: Vec<(Range<usize>, String)> = Vec::new();
     let mut asked = false;
-    if ask_usage && !parsed.asks_stream_usage {
+    if streaming == Streaming::Stream && !parsed.stream {
+        match &parsed.stream_span {
+            Some(span) => edits.push((span.clone(), "true".to_owned())),
+            None => edits.push((
+                parsed.object_start..parsed.object_start,
+                r#""stream":true,"#.to_owned(),
+            )),
+        }
+    }
+    if streaming != Streaming::AsSent && !parsed.asks_stream_usage {
         asked = true;
         match &parsed.stream_options_span {
             None => edits.push((
@@ -283,6 +310,16 @@ pub fn with_leading_cache_salt(body: Bytes, cache_salt: &str) -> Bytes {
     with_first_field(&body, format!("\"cache_salt\":{encoded}").as_bytes()).unwrap_or(body)
 }
 
+/// A translated body (a JSON object the gateway wrote, without `stream`) asking for a stream
+/// with usage, as the first fields: the answer the client asked for whole is assembled from it.
+pub fn with_leading_stream_usage(body: Bytes) -> Bytes {
+    with_first_field(
+        &body,
+        br#""stream":true,"stream_options":{"include_usage":true}"#,
+    )
+    .unwrap_or(body)
+}
+
 /// `body` with `field` (`"name":value`) added as the object's first member, every other byte
 /// untouched; `None` when `body` does not start with an object.
 fn with_first_field(body: &[u8], field: &[u8]) -> Option<Bytes> {
@@ -318,7 +355,14 @@ mod tests {
         );
         let parsed = chat(std::str::from_utf8(&body).unwrap()).unwrap();
         assert_eq!(parsed.cache_salt.as_deref(), Some("mine"));
-        let (out, _) = rewrite(&body, &parsed, "upstream/m", Some("c:mine"), false).unwrap();
+        let (out, _) = rewrite(
+            &body,
+            &parsed,
+            "upstream/m",
+            Some("c:mine"),
+            Streaming::AsSent,
+        )
+        .unwrap();
         assert_eq!(
             &out[..],
             br#" {"cache_salt":"c:mine","model":"upstream/m","messages":[{"role":"user","content":"x"}]}"#
@@ -328,12 +372,17 @@ mod tests {
             Bytes::from_static(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#);
         let parsed = chat(std::str::from_utf8(&body).unwrap()).unwrap();
         assert_eq!(parsed.cache_salt, None);
-        let (out, _) = rewrite(&body, &parsed, "m", Some("t:1"), false).unwrap();
+        let (out, _) = rewrite(&body, &parsed, "m", Some("t:1"), Streaming::AsSent).unwrap();
         assert_eq!(
             &out[..],
             br#"{"cache_salt":"t:1","model":"m","messages":[{"role":"user","content":"x"}]}"#
         );
-        assert_eq!(rewrite(&body, &parsed, "m", None, false).unwrap().0, body);
+        assert_eq!(
+            rewrite(&body, &parsed, "m", None, Streaming::AsSent)
+                .unwrap()
+                .0,
+            body
+        );
         // null is none; anything else but a non-empty string is refused, as vLLM does.
         let null = r#"{"model":"m","cache_salt":null,"messages":[{"role":"user"}]}"#;
         let parsed = chat(null).unwrap();
@@ -344,7 +393,7 @@ mod tests {
             &parsed,
             "m",
             Some("t:1"),
-            false,
+            Streaming::AsSent,
         )
         .unwrap();
         assert_eq!(
@@ -369,7 +418,7 @@ mod tests {
         let ask = |body: &'static str| {
             let bytes = Bytes::from_static(body.as_bytes());
             let parsed = chat(body).unwrap();
-            rewrite(&bytes, &parsed, "m", None, true)
+            rewrite(&bytes, &parsed, "m", None, Streaming::AskUsage)
         };
         const HI: &str = r#""messages":[{"role":"user","content":"hi"}]"#;
         let plain: &'static str =
@@ -420,7 +469,7 @@ mod tests {
             &parsed,
             "up",
             Some("s"),
-            true,
+            Streaming::AskUsage,
         )
         .unwrap();
         let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -429,6 +478,59 @@ mod tests {
             (Some("up"), Some("s"))
         );
         assert_eq!(value["stream_options"]["include_usage"], true);
+    }
+
+    #[test]
+    fn a_whole_answer_is_asked_for_as_a_stream_with_usage() {
+        const HI: &str = r#""messages":[{"role":"user","content":"hi"}]"#;
+        // `stream` false, null or absent: set true in place (or added), usage asked for, the
+        // rest byte-exact.
+        for (stream, expected) in [
+            (
+                r#""stream":false,"#,
+                r#"{"stream_options":{"include_usage":true},"model":"m","stream":true,"#,
+            ),
+            (
+                r#""stream":null,"#,
+                r#"{"stream_options":{"include_usage":true},"model":"m","stream":true,"#,
+            ),
+            (
+                "",
+                r#"{"stream":true,"stream_options":{"include_usage":true},"model":"m","#,
+            ),
+        ] {
+            let body = format!(r#"{{"model":"m",{stream}{HI}}}"#);
+            let parsed = chat(&body).unwrap();
+            assert!(!parsed.stream);
+            let (out, _) = rewrite(
+                &Bytes::from(body.clone()),
+                &parsed,
+                "m",
+                None,
+                Streaming::Stream,
+            )
+            .unwrap();
+            assert_eq!(String::from_utf8_lossy(&out), format!("{expected}{HI}}}"));
+        }
+        // What the worker would answer otherwise is not asked for as a stream.
+        for fields in [
+            r#""stream_options":{"include_usage":true},"#,
+            r#""use_beam_search":true,"#,
+            r#""prompt_logprobs":1,"#,
+        ] {
+            let body = format!(r#"{{"model":"m",{fields}{HI}}}"#);
+            assert!(
+                !wire::parse(body.as_bytes()).unwrap().assemblable(),
+                "{body}"
+            );
+        }
+        for fields in ["", r#""use_beam_search":false,"prompt_logprobs":null,"#] {
+            let body = format!(r#"{{"model":"m",{fields}{HI}}}"#);
+            assert!(
+                wire::parse(body.as_bytes()).unwrap().assemblable(),
+                "{body}"
+            );
+        }
     }
 
     #[test]

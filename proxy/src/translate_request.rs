@@ -56,7 +56,7 @@ pub fn messages_to_chat(
     if let Some(user) = request.metadata_user_id() {
         out.insert("user".into(), tree(user));
     }
-    if request.stream == Some(true) {
+    if request.stream() == Some(true) {
         out.insert("stream".into(), Value::Bool(true));
         // Anthropic's final event carries usage; ask the worker for it.
         out.insert("stream_options".into(), json!({"include_usage": true}));
@@ -381,7 +381,7 @@ pub fn chat_to_messages(
             out.insert(name.into(), tree(raw));
         }
     }
-    if let Some(stream) = request.stream {
+    if let Some(stream) = request.stream() {
         out.insert("stream".into(), Value::Bool(stream));
     }
     match request.stop.map(tree) {

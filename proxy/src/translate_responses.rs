@@ -76,7 +76,7 @@ pub fn responses_to_chat(
             out.insert(name.into(), tree(raw));
         }
     }
-    if request.stream == Some(true) {
+    if request.stream() == Some(true) {
         out.insert("stream".into(), Value::Bool(true));
         // The final event carries usage: ask for it.
         out.insert("stream_options".into(), json!({"include_usage": true}));

@@ -25,8 +25,15 @@ use crate::api::ApiError;
 pub struct RequestBody<'a> {
     #[serde(borrow, default)]
     pub model: Option<&'a RawValue>,
-    #[serde(default)]
-    pub stream: Option<bool>,
+    /// `stream` as sent (`null` included): read through [`RequestBody::stream`]; the gateway
+    /// rewrites it in place when it streams an answer the client asked for whole.
+    #[serde(
+        borrow,
+        default,
+        rename = "stream",
+        deserialize_with = "boolean_or_null"
+    )]
+    pub raw_stream: Option<&'a RawValue>,
     /// OpenAI's `stream_options` as sent: see [`RequestBody::stream_options`].
     #[serde(
         borrow,
@@ -121,12 +128,32 @@ pub struct RequestBody<'a> {
     /// Responses API: a conversation object of OpenAI's (state the gateway cannot translate).
     #[serde(borrow, default)]
     pub conversation: Option<&'a RawValue>,
+    /// vLLM's beam search and prompt logprobs: answers the gateway does not assemble from a
+    /// stream (see [`RequestBody::assemblable`]).
+    #[serde(borrow, default)]
+    pub use_beam_search: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub prompt_logprobs: Option<&'a RawValue>,
 }
 
 /// A field that is present, `null` included (serde's `Option` makes `null` absent): the
 /// gateway rewrites these in place, and a `null` left after an added field would win.
 fn present<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<&'de RawValue>, D::Error> {
     <&'de RawValue>::deserialize(deserializer).map(Some)
+}
+
+/// A field that is present (`null` included, as [`present`]) and a boolean or `null`.
+fn boolean_or_null<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<&'de RawValue>, D::Error> {
+    let raw = <&'de RawValue>::deserialize(deserializer)?;
+    match raw.get() {
+        "true" | "false" | "null" => Ok(Some(raw)),
+        _ => Err(serde::de::Error::invalid_type(
+            serde::de::Unexpected::Other("a value"),
+            &"a boolean",
+        )),
+    }
 }
 
 /// OpenAI's `stream_options` (`null` is taken as absent, as vLLM does).
@@ -358,6 +385,26 @@ impl<'a> RequestBody<'a> {
                     "'cache_salt' must be a non-empty string if provided",
                 )
             })
+    }
+
+    /// `stream`: `None` when absent or `null`.
+    pub fn stream(&self) -> Option<bool> {
+        match self.raw_stream.map(RawValue::get) {
+            Some("true") => Some(true),
+            Some("false") => Some(false),
+            _ => None,
+        }
+    }
+
+    /// Whether a worker's streamed answer to this request, assembled, is the answer it would
+    /// have given whole: not for beam search or prompt logprobs (vLLM streams neither as it
+    /// answers them whole), nor when the client sent `stream_options` without streaming (the
+    /// worker's to refuse).
+    pub fn assemblable(&self) -> bool {
+        let set = |raw: Option<&RawValue>| raw.is_some_and(|raw| raw.get() != "null");
+        !set(self.raw_stream_options)
+            && !set(self.prompt_logprobs)
+            && self.use_beam_search.is_none_or(|raw| raw.get() != "true")
     }
 
     /// `stream_options` (absent or `null`: the defaults).

@@ -185,7 +185,7 @@ proptest! {
         for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
             if let Ok(parsed) = request::parse(endpoint, &body) {
                 let bytes = Bytes::from(body.clone());
-                if let Ok((out, _)) = request::rewrite(&bytes, &parsed, "up", Some("salt"), true) {
+                if let Ok((out, _)) = request::rewrite(&bytes, &parsed, "up", Some("salt"), request::Streaming::AskUsage) {
                     prop_assert!(is_json(&out));
                 }
             }

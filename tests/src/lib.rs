@@ -99,8 +99,9 @@ pub fn key_sha256(key: &str) -> String {
     format!("{:x}", sha2::Sha256::digest(key.as_bytes()))
 }
 
-/// Which test upstream answered a chat request for `model` (the first word of its reply), or the
-/// failure with its status and body.
+/// Which test upstream answered a chat request for `model` (the first word of its reply: `name
+/// saw ...` whole, or `name-0 name-1 ...` when the gateway assembled it from the worker's stream),
+/// or the failure with its status and body.
 pub async fn served_by(
     http: &reqwest::Client,
     proxy_url: &str,
@@ -124,6 +125,7 @@ pub async fn served_by(
         .unwrap_or_default()
         .split(' ')
         .next()
+        .map(|word| word.strip_suffix("-0").unwrap_or(word))
         .unwrap_or_default()
         .to_owned())
 }

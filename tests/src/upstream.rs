@@ -45,6 +45,9 @@ pub struct UpstreamOptions {
     /// Break every stream after this many events (the connection is cut mid-answer, as when a
     /// worker crashes).
     pub break_after: Option<usize>,
+    /// End every chat or completions stream with vLLM's error event after this many content
+    /// chunks (the engine failed mid-answer; the connection ends cleanly).
+    pub error_after: Option<usize>,
 }
 
 /// What a public provider's answers carry besides the content: its own business, not a client's.
@@ -316,7 +319,11 @@ async fn answer(
                     format!("data: {}\n\n", json!({"id": "cmpl-test", "object": "chat.completion.chunk", "model": model, "choices": [choice]}))
                 })
                 .collect();
-            if request["stream_options"]["include_usage"].as_bool() == Some(true) {
+            if let Some(after) = shared.options.error_after {
+                events.truncate(after);
+                let error = json!({"error": {"message": "the engine failed", "type": "InternalServerError", "param": null, "code": 500}});
+                events.push(format!("data: {error}\n\n"));
+            } else if request["stream_options"]["include_usage"].as_bool() == Some(true) {
                 events.push(format!(
                     "data: {}\n\n",
                     json!({"id": "cmpl-test", "object": "chat.completion.chunk", "model": model, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": chunks, "total_tokens": 7 + chunks}})

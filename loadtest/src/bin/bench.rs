@@ -182,6 +182,11 @@ struct CompareArgs {
     /// replicas share no ledgers at all.
     #[arg(long)]
     peer_interval_ms: Option<u64>,
+    /// The share of conversations (0 to 1, spread evenly) whose client asks for whole answers
+    /// (`stream: false`): their requests count in the engine's TTFT and in e2e, not in the
+    /// client-side TTFT columns (a whole answer shows its client no first token).
+    #[arg(long, default_value_t = 0.0)]
+    whole_answers: f64,
     /// Results as JSON.
     #[arg(long, default_value = "bench-results/compare.json")]
     json: PathBuf,
@@ -483,6 +488,9 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
     if args.seeds.is_empty() {
         args.seeds = vec![1];
     }
+    if !(0.0..=1.0).contains(&args.whole_answers) {
+        bail!("--whole-answers is a share between 0 and 1");
+    }
     if !args.capacity.is_empty()
         && !matches!(args.capacity[..], [low, high] if 0.0 < low && low < high)
     {
@@ -587,6 +595,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                     .peer_interval_ms
                     .unwrap_or(((100.0 * args.time_scale).round() as u64).max(1)),
                 vllm_router: vllm_router.clone(),
+                whole_answers: args.whole_answers,
             };
             runs.push((config, conversations));
         }
@@ -617,9 +626,17 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
         let output_tokens_mean = weighted(|r| r.output_tokens_mean);
         compare::print_table(
             &format!(
-                "{} ({} requests, {arrival_text}, {} workers{}, seeds {seeds_text}; prompts {prompt_tokens_mean:.0} tokens on average with the chat template (usage.prompt_tokens), outputs {output_tokens_mean:.1})",
+                "{} ({} requests{}, {arrival_text}, {} workers{}, seeds {seeds_text}; prompts {prompt_tokens_mean:.0} tokens on average with the chat template (usage.prompt_tokens), outputs {output_tokens_mean:.1})",
                 kind.name(),
                 args.requests,
+                if args.whole_answers > 0.0 {
+                    format!(
+                        ", {:.0}% of conversations asking for whole answers (client TTFT: the streamed ones only)",
+                        args.whole_answers * 100.0
+                    )
+                } else {
+                    String::new()
+                },
                 args.workers,
                 match runs.first() {
                     Some((config, _)) if !config.worker_speed.is_empty() => {
@@ -702,6 +719,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
             json!({
                 "size": size,
                 "arrival": arrival,
+                "whole_answers": args.whole_answers,
                 "seeds": args.seeds,
                 "prompt_tokens_mean": prompt_tokens_mean,
                 "output_tokens_mean": output_tokens_mean,

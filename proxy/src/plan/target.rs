@@ -44,6 +44,9 @@ pub struct Target {
     pub body: Bytes,
     /// Remove the usage chunk the gateway asked for on the client's behalf.
     pub strip_usage: bool,
+    /// The client asked for a whole answer; the worker is asked for a stream, which the
+    /// gateway assembles ([`crate::assemble`]): so that it sees the first token.
+    pub assemble: bool,
     /// The prompt as the pool's workers tokenize it, when the planner already tokenized it
     /// (a policy read the pool's predicted TTFT).
     pub prompt: Option<Arc<PromptInfo>>,
@@ -174,10 +177,32 @@ pub(super) fn prepare_target(
         && matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions)
         && provider.is_none_or(|p| p.config.format == ProviderFormat::Openai);
     let ask_usage = parsed.stream && openai_upstream;
+    // A whole answer from a worker is asked for as a stream and assembled here: the gateway
+    // then sees its first token, when the worker's prefill is done (the ledger releases it,
+    // the TTFT model observes it), not only its last.
+    let assemble = !parsed.stream
+        && provider.is_none()
+        && typed.assemblable()
+        && match translate {
+            Translation::None => {
+                matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions)
+            }
+            Translation::MessagesToChat | Translation::ResponsesToChat => true,
+            Translation::ChatToMessages => false,
+        };
+    let streaming = match (ask_usage, assemble) {
+        (true, _) => request::Streaming::AskUsage,
+        (false, true) => request::Streaming::Stream,
+        (false, false) => request::Streaming::AsSent,
+    };
     let mut strip_usage = false;
     let upstream_body = match translate {
         Translation::MessagesToChat => {
-            let translated = translate_request::messages_to_chat(typed, &target.upstream_model)?;
+            let mut translated =
+                translate_request::messages_to_chat(typed, &target.upstream_model)?;
+            if assemble {
+                translated = request::with_leading_stream_usage(translated);
+            }
             match worker_salt {
                 Some(salt) => request::with_leading_cache_salt(translated, salt),
                 None => translated,
@@ -187,7 +212,11 @@ pub(super) fn prepare_target(
             translate_request::chat_to_messages(typed, &target.upstream_model)?
         }
         Translation::ResponsesToChat => {
-            let translated = translate_responses::responses_to_chat(typed, &target.upstream_model)?;
+            let mut translated =
+                translate_responses::responses_to_chat(typed, &target.upstream_model)?;
+            if assemble {
+                translated = request::with_leading_stream_usage(translated);
+            }
             match worker_salt {
                 Some(salt) => request::with_leading_cache_salt(translated, salt),
                 None => translated,
@@ -198,8 +227,9 @@ pub(super) fn prepare_target(
         }
         Translation::None => {
             let (rewritten, asked) =
-                request::rewrite(body, parsed, &target.upstream_model, worker_salt, ask_usage)?;
-            strip_usage = asked;
+                request::rewrite(body, parsed, &target.upstream_model, worker_salt, streaming)?;
+            // An assembled answer always carries its usage, as a whole answer does.
+            strip_usage = asked && !assemble;
             rewritten
         }
     };
@@ -215,6 +245,7 @@ pub(super) fn prepare_target(
         upstream_model: target.upstream_model.clone(),
         body: upstream_body,
         strip_usage,
+        assemble,
         prompt: None,
         pinned: None,
     })
@@ -306,6 +337,7 @@ pub fn stored_response_target(
         upstream_model: holder.upstream_model.clone(),
         body: Bytes::new(),
         strip_usage: false,
+        assemble: false,
         prompt: None,
         pinned: holder.worker.clone(),
     })

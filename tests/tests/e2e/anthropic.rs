@@ -89,11 +89,10 @@ async fn openai_only_pools_get_chat_completions_and_answers_come_back_as_message
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["type"], "message");
     assert_eq!(body["model"], "claude-compat");
-    assert!(
-        body["content"][0]["text"]
-            .as_str()
-            .unwrap()
-            .starts_with("openai-only saw")
+    // Streamed from the worker (so the gateway saw its first token), assembled, translated.
+    assert_eq!(
+        body["content"][0]["text"],
+        "openai-only-0 openai-only-1 openai-only-2 "
     );
     assert_eq!(body["stop_reason"], "end_turn");
     assert_eq!(body["usage"]["output_tokens"], 3);
@@ -102,6 +101,10 @@ async fn openai_only_pools_get_chat_completions_and_answers_come_back_as_message
     assert_eq!(received.path, "/v1/chat/completions");
     let sent = received.json();
     assert_eq!(sent["model"], "served");
+    assert_eq!(
+        (&sent["stream"], &sent["stream_options"]["include_usage"]),
+        (&json!(true), &json!(true))
+    );
     assert_eq!(
         sent["messages"][0],
         json!({"role": "system", "content": "terse"})

@@ -29,24 +29,26 @@ async fn non_streaming_chat_resolves_the_alias_and_rewrites_only_the_model() {
         response.headers()["x-switchyard-served-model"],
         "Qwen/Qwen3-27B"
     );
+    assert_eq!(response.headers()["content-type"], "application/json");
+    // The worker streamed it (so the gateway saw its first token) and the gateway assembled
+    // the whole answer the client asked for.
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["model"], "fast");
-    assert!(
-        body["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .starts_with("w1 saw")
-    );
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"][0]["message"]["content"], "w1-0 w1-1 w1-2 ");
+    assert_eq!(body["usage"]["total_tokens"], 10);
 
     let received = worker.received();
     assert_eq!(received.len(), 1);
     assert_eq!(received[0].path, "/v1/chat/completions");
     let mut expected = request.clone();
     expected["model"] = json!("Qwen/Qwen3-27B");
+    expected["stream"] = json!(true);
+    expected["stream_options"] = json!({"include_usage": true});
     assert_eq!(
         received[0].json(),
         expected,
-        "only the model name may change on the way"
+        "only the model name and the stream's fields may change on the way"
     );
     assert!(
         !received[0].headers.contains_key("authorization"),
@@ -69,13 +71,10 @@ async fn completions_endpoint_is_forwarded() {
         .unwrap();
     assert_eq!(response.status(), 200);
     let body: Value = response.json().await.unwrap();
-    assert!(
-        body["choices"][0]["text"]
-            .as_str()
-            .unwrap()
-            .starts_with("w1 saw")
-    );
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["choices"][0]["text"], "w1-0 w1-1 w1-2 ");
     assert_eq!(worker.received()[0].path, "/v1/completions");
+    assert_eq!(worker.received()[0].json()["stream"], true);
 }
 
 #[tokio::test]
@@ -135,6 +134,14 @@ async fn streaming_passes_each_chunk_through_before_the_next_exists() {
     assert!(!seen.contains("org/served-m"), "{seen}");
 }
 
+/// A whole-answer request's body as a worker gets it: asked to stream with usage (the gateway
+/// assembles the answer), those two fields added first and every other byte as sent.
+fn streamed_for_assembly(body: &[u8]) -> Vec<u8> {
+    let mut out = br#"{"stream":true,"stream_options":{"include_usage":true},"#.to_vec();
+    out.extend_from_slice(&body[1..]);
+    out
+}
+
 #[tokio::test]
 async fn multi_megabyte_body_arrives_upstream_byte_for_byte() {
     let (worker, proxy) = one_worker_proxy("w1", "served-name", &["alias"], &[]).await;
@@ -157,7 +164,7 @@ async fn multi_megabyte_body_arrives_upstream_byte_for_byte() {
         expected["model"] = json!("served-name");
         assert_eq!(
             received.body,
-            serde_json::to_vec(&expected).unwrap(),
+            streamed_for_assembly(&serde_json::to_vec(&expected).unwrap()),
             "size {size}"
         );
     }
@@ -183,10 +190,10 @@ async fn chunked_request_bodies_are_forwarded_with_a_content_length() {
         .unwrap();
     assert_eq!(response.status(), 200);
     let received = worker.received().pop().unwrap();
-    assert_eq!(received.body, body);
+    assert_eq!(received.body, streamed_for_assembly(&body));
     assert_eq!(
         received.headers["content-length"],
-        body.len().to_string().as_str()
+        received.body.len().to_string().as_str()
     );
     assert!(!received.headers.contains_key("transfer-encoding"));
 

@@ -3,7 +3,8 @@
 //! `..._requests_in_flight`, `..._kv_blocks_reserved` on `/metrics`). Prefill is counted until
 //! the first token and no longer; the request and its KV blocks until the end; and nothing is
 //! left behind on any path: success, a worker error, an unreachable worker, a fallback to a
-//! provider, a client that goes away, a worker that falls silent or breaks mid-stream.
+//! provider, a client that goes away, a worker that falls silent or breaks mid-stream. A whole
+//! answer is streamed from the worker and assembled, so it too shows its first token.
 
 use futures_util::StreamExt;
 use serde_json::json;
@@ -248,15 +249,65 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
     drop(chunks);
     wait_empty(&proxy, &worker).await;
 
-    // A non-streamed answer arrives whole: counted until then, nothing after.
-    let response = client
-        .post(&url)
-        .json(&body("gated", false))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    response.bytes().await.unwrap();
+    // A non-streamed request: the gateway asks the worker for a stream (with usage) and
+    // assembles the answer, so the prompt is pending prefill until the worker's first token,
+    // although the client sees nothing before the whole answer...
+    let whole = tokio::spawn({
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let response = client
+                .post(&url)
+                .json(&body("gated", false))
+                .send()
+                .await
+                .unwrap();
+            (
+                response.status(),
+                response.json::<serde_json::Value>().await.unwrap(),
+            )
+        }
+    });
+    wait_received(&gated, 3).await;
+    let sent = gated.received().last().unwrap().json();
+    assert_eq!(
+        (&sent["stream"], &sent["stream_options"]["include_usage"]),
+        (&json!(true), &json!(true))
+    );
+    let before = ledger(&proxy, &worker).await;
+    assert_eq!((before.prefills, before.in_flight), (1, 1), "{before:?}");
+    assert!(before.prefill_tokens > 100, "{before:?}");
+    gated.release(1);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let decoding = loop {
+        let now = ledger(&proxy, &worker).await;
+        if now.prefills == 0 || std::time::Instant::now() > deadline {
+            break now;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert_eq!(
+        (
+            decoding.prefills,
+            decoding.prefill_tokens,
+            decoding.in_flight
+        ),
+        (0, 0, 1),
+        "{decoding:?}"
+    );
+    assert_eq!(decoding.kv_blocks, before.kv_blocks);
+    assert!(!whole.is_finished());
+    // ...and gets it whole, in its own API's shape, named as it asked, with usage.
+    gated.release(4);
+    let (status, answer) = whole.await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["object"], "chat.completion");
+    assert_eq!(answer["model"], "gated");
+    assert_eq!(
+        answer["choices"][0]["message"]["content"],
+        "gated-0 gated-1 gated-2 "
+    );
+    assert_eq!(answer["choices"][0]["finish_reason"], "stop");
+    assert_eq!(answer["usage"]["completion_tokens"], 3);
     wait_empty(&proxy, &worker).await;
 
     // A worker answering 503 and one refusing connections, then the provider; and a retry
@@ -299,13 +350,24 @@ async fn a_worker_that_falls_silent_or_breaks_mid_stream_leaves_nothing_counted(
         },
     )
     .await;
+    let erring = Upstream::start_with(
+        "erring",
+        UpstreamOptions {
+            error_after: Some(1),
+            ..three_chunks_options(false)
+        },
+    )
+    .await;
     let config = format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: silent}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
          apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: breaking}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: erring}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
          apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: silent}}\nspec: {{modelName: silent, targets: [{{pool: silent}}]}}\n---\n\
-         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: breaking}}\nspec: {{modelName: breaking, targets: [{{pool: breaking}}]}}\n",
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: breaking}}\nspec: {{modelName: breaking, targets: [{{pool: breaking}}]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: erring}}\nspec: {{modelName: erring, targets: [{{pool: erring}}]}}\n",
         silent.endpoint(),
-        breaking.endpoint()
+        breaking.endpoint(),
+        erring.endpoint()
     );
     let proxy = Proxy::start(&config, &["--upstream-read-timeout-s", "1"]).await;
     let worker = silent.endpoint();
@@ -378,6 +440,28 @@ async fn a_worker_that_falls_silent_or_breaks_mid_stream_leaves_nothing_counted(
     assert_eq!(breaking.received().len(), 1);
     assert!(!String::from_utf8_lossy(&seen).contains("[DONE]"));
     wait_empty(&proxy, &breaking.endpoint()).await;
+
+    // A whole answer the gateway assembles from a stream that breaks, or that ends in vLLM's
+    // error event: no answer. An error when no status went out yet (a 502 in the client's
+    // format), else the client's connection is cut (as when a worker fails a whole answer
+    // half-sent); nothing counted either way.
+    for (upstream, model) in [(&breaking, "breaking"), (&erring, "erring")] {
+        let result = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            let response = client.post(&url).json(&body(model, false)).send().await?;
+            let status = response.status();
+            Ok::<_, reqwest::Error>((status, response.json::<serde_json::Value>().await?))
+        })
+        .await
+        .expect("a failed assembly ends");
+        if let Ok((status, answer)) = &result {
+            assert!(
+                status.is_server_error() && answer["error"]["message"].is_string(),
+                "{model}: {status} {answer}"
+            );
+        }
+        wait_empty(&proxy, &upstream.endpoint()).await;
+    }
+    assert_eq!(erring.received().len(), 1);
 }
 
 /// The routing figures `proxy` would use for `worker` now (`/debug/route`, nothing sent).

@@ -50,12 +50,13 @@ async fn token_totals_equal_the_usage_upstreams_reported() {
     .await;
     let proxy = Proxy::start(&config(&upstream, "", ""), &[]).await;
     let ask = |stream: bool| json!({"model": "chat", "stream": stream, "messages": [{"role": "user", "content": "hi"}]});
-    // Two whole answers (7 prompt + 3 completion tokens each) for team-a.
+    // Two whole answers (assembled from the worker's stream: 7 prompt + 4 completion tokens
+    // each) for team-a.
     for _ in 0..2 {
         let response = post(&proxy, KEY_A, ask(false)).await;
         assert_eq!(response.status(), 200);
         let body: Value = response.json().await.unwrap();
-        assert_eq!(body["usage"]["completion_tokens"], 3);
+        assert_eq!(body["usage"]["completion_tokens"], 4);
     }
     // Three streams (7 + 4 each): the client did not ask for usage and gets none.
     for _ in 0..3 {
@@ -72,14 +73,14 @@ async fn token_totals_equal_the_usage_upstreams_reported() {
     request["stream_options"] = json!({"include_usage": true});
     let text = post(&proxy, KEY_B, request).await.text().await.unwrap();
     assert_eq!(text.matches("\"usage\"").count(), 1, "{text}");
-    // Every stream was asked for usage upstream.
+    // Every request went upstream as a stream asking for usage, the whole answers too.
     let streamed: Vec<Value> = upstream
         .received()
         .iter()
         .map(|r| r.json())
         .filter(|b| b["stream"] == true)
         .collect();
-    assert_eq!(streamed.len(), 4);
+    assert_eq!(streamed.len(), 6);
     assert!(
         streamed
             .iter()
@@ -126,7 +127,7 @@ async fn token_totals_equal_the_usage_upstreams_reported() {
             "switchyard_tenant_completion_tokens_total",
             &labels("team-a")
         ),
-        2.0 * 3.0 + 3.0 * 4.0
+        5.0 * 4.0
     );
     assert_eq!(
         metric(
