@@ -93,6 +93,17 @@ enum Mode {
     },
 }
 
+/// How the client gets its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// Whole, as the upstream sends it.
+    Whole,
+    /// As a stream.
+    Stream,
+    /// Whole, assembled by the gateway from the upstream's stream ([`crate::assemble`]).
+    Assembled(assemble::Kind),
+}
+
 /// The state of an answer.
 #[derive(Debug)]
 pub struct Answer {
@@ -163,23 +174,28 @@ impl Answer {
 
 impl Answer {
     /// The upstream's response head (`status`), for a client of the other API when `translate`
-    /// says so, or a whole answer assembled from a stream when `assemble` does. Answers name
-    /// the model as the client did (`client_model`, its alias), whatever the upstream served it
-    /// as (`upstream_model`).
-    #[allow(clippy::too_many_arguments)]
+    /// says so, delivered as `delivery` says. Answers name the model as the client did
+    /// (`client_model`, its alias), whatever the upstream served it as (`upstream_model`).
     pub fn head(
         &mut self,
         response: &mut ResponseHeader,
         translate: Translation,
-        assemble: Option<assemble::Kind>,
-        stream: bool,
+        delivery: Delivery,
         client_model: &str,
         upstream_model: &str,
         model_within: Option<usize>,
     ) -> pingora_error::Result<()> {
         let status = response.status.as_u16();
-        if let Some(kind) = assemble
+        let stream = delivery == Delivery::Stream;
+        // A worker that answered whole after all (not a stream: another server, or a body the
+        // gateway could not rewrite) passes as a whole answer.
+        let streamed = response
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|value| value.as_bytes().starts_with(b"text/event-stream"));
+        if let Delivery::Assembled(kind) = delivery
             && status < 400
+            && streamed
         {
             response.remove_header(&http::header::CONTENT_LENGTH);
             response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
@@ -273,11 +289,10 @@ impl Answer {
             } => {
                 if let Some(chunk) = body.take() {
                     // The worker streams nothing before its first token.
-                    if self.first_output.is_none() && !chunk.is_empty() {
+                    if assembler.feed(&chunk) && self.first_output.is_none() {
                         self.first_output = Some(Instant::now());
                         first = true;
                     }
-                    assembler.feed(&chunk);
                 }
                 if end_of_stream {
                     match assembler.answer(client_model) {
@@ -467,8 +482,7 @@ mod tests {
             .head(
                 &mut response,
                 translate,
-                Some(assemble::Kind::Chat),
-                false,
+                Delivery::Assembled(assemble::Kind::Chat),
                 "alias",
                 "org/served",
                 Some(ALIAS_HEAD_BYTES),
@@ -488,29 +502,58 @@ mod tests {
 
     #[test]
     fn a_whole_answer_from_a_stream_shows_its_first_token_and_goes_out_at_the_end() {
+        // The first event is whole only with its second piece: that is the first token.
         let pieces = [
             r#"data: {"id":"c","created":1,"model":"org/served","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#,
-            "\n\ndata: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":\"stop\"}]}\n\n",
+            "\n\n",
+            "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":\"stop\"}]}\n\n",
             "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":1,\"total_tokens\":6}}\n\ndata: [DONE]\n\n",
         ];
         let (out, first, failed) = assembled(Translation::None, &pieces);
-        assert_eq!(first, Some(0));
+        assert_eq!(first, Some(1));
         assert_eq!(failed, None);
-        assert_eq!(out[..2], [None, None]);
-        let whole = out[2].clone().unwrap();
+        assert_eq!(out[..3], [None, None, None]);
+        let whole = out[3].clone().unwrap();
         assert_eq!(whole["model"], "alias");
         assert_eq!(whole["choices"][0]["message"]["content"], "Hi");
         assert_eq!(whole["usage"]["total_tokens"], 6);
         // For an Anthropic client of a chat worker: the assembled answer, translated.
         let (out, _, _) = assembled(Translation::MessagesToChat, &pieces);
-        let message = out[2].clone().unwrap();
+        let message = out[3].clone().unwrap();
         assert_eq!(message["type"], "message");
         assert_eq!(message["content"][0]["text"], "Hi");
         assert_eq!(message["usage"]["output_tokens"], 1);
         // Cut short: nothing goes out, and the exchange learns why.
-        let (out, first, failed) = assembled(Translation::None, &pieces[..2]);
-        assert_eq!((out, first), (vec![None, None], Some(0)));
+        let (out, first, failed) = assembled(Translation::None, &pieces[..3]);
+        assert_eq!((out, first), (vec![None, None, None], Some(1)));
         assert!(failed.unwrap().contains("ended before"));
+        // An error event is no first token.
+        let error = r#"data: {"error":{"message":"engine died","code":500}}"#;
+        let (_, first, failed) = assembled(Translation::None, &[error, "\n\ndata: [DONE]\n\n"]);
+        assert_eq!(first, None);
+        assert!(failed.unwrap().contains("engine died"));
+
+        // A worker that answered whole after all: its answer passes as it came.
+        let mut answer = answer();
+        let mut response = ResponseHeader::build(200, None).unwrap();
+        response
+            .insert_header("content-type", "application/json")
+            .unwrap();
+        answer
+            .head(
+                &mut response,
+                Translation::None,
+                Delivery::Assembled(assemble::Kind::Chat),
+                "m",
+                "m",
+                Some(ALIAS_HEAD_BYTES),
+            )
+            .unwrap();
+        let whole = r#"{"id":"c","model":"m","choices":[]}"#;
+        let mut body = Some(Bytes::from_static(whole.as_bytes()));
+        answer.body(&mut body, true, "m");
+        assert_eq!(body.as_deref(), Some(whole.as_bytes()));
+        assert_eq!(answer.failed, None);
     }
 
     fn head(answer: &mut Answer, stream: bool) {
@@ -520,8 +563,11 @@ mod tests {
             .head(
                 &mut response,
                 Translation::None,
-                None,
-                stream,
+                if stream {
+                    Delivery::Stream
+                } else {
+                    Delivery::Whole
+                },
                 "alias",
                 "org/served",
                 Some(ALIAS_HEAD_BYTES),
@@ -568,8 +614,7 @@ mod tests {
             .head(
                 &mut response,
                 Translation::None,
-                None,
-                true,
+                Delivery::Stream,
                 "m",
                 "m",
                 Some(ALIAS_HEAD_BYTES),

@@ -4,9 +4,12 @@
 //! the gateway asks the worker for a stream (with usage) and assembles it here. Only a stream
 //! shows the moment the first token comes, which is when the worker's prefill is done: the
 //! ledger releases the request's prefill then, not when the last token comes, and the pool's
-//! TTFT model observes it. The assembled answer is the one vLLM would have sent whole: the
+//! TTFT model observes it. The assembled answer has the shape of vLLM's whole answer: the
 //! choices' text (and every other text field of the deltas, such as `reasoning_content`)
-//! joined, tool calls joined by index, logprobs' arrays joined, the last chunk's usage.
+//! joined, tool calls joined by index, logprobs' arrays joined, the last chunk's usage, and
+//! the fields a whole answer names as null. What a stream carries otherwise than a whole
+//! answer (token ids, a chat's logprobs, KV transfer parameters...) is never asked for this
+//! way: see [`crate::wire::RequestBody::assemblable`].
 //!
 //! A stream that carries an error, or ends before every choice finished, has no whole answer:
 //! [`Assembler::answer`] says why, and the gateway ends the client's connection (its status
@@ -83,20 +86,23 @@ impl Assembler {
         }
     }
 
-    /// Take a piece of the worker's stream.
-    pub fn feed(&mut self, chunk: &[u8]) {
+    /// Take a piece of the worker's stream. Returns whether it carried output (an event with
+    /// choices: vLLM's first is its first token; an error event is not output).
+    pub fn feed(&mut self, chunk: &[u8]) -> bool {
         if self.failed.is_some() {
-            return;
+            return false;
         }
         self.pending.extend_from_slice(chunk);
+        let mut output = false;
         while let Some(data) = next_event_data(&mut self.pending) {
             if let Some(data) = data {
-                self.event(&data);
+                output |= self.event(&data);
             }
         }
         if self.pending.len() > MAX_PENDING {
             self.fail("the worker's stream sent an event too long to assemble");
         }
+        output && self.failed.is_none()
     }
 
     fn fail(&mut self, why: &str) {
@@ -106,15 +112,16 @@ impl Assembler {
         self.pending = BytesMut::new();
     }
 
-    fn event(&mut self, data: &str) {
+    /// Take one event's data; whether it carried choices.
+    fn event(&mut self, data: &str) -> bool {
         let data = data.trim();
         if data == "[DONE]" {
             self.done = true;
-            return;
+            return false;
         }
         let Ok(Value::Object(mut chunk)) = serde_json::from_str::<Value>(data) else {
             self.fail("the worker's stream sent an event that is not a JSON object");
-            return;
+            return false;
         };
         // vLLM's error event: `{"error": {...}}`, or (before 0.10) the error object itself.
         let error = match chunk.get("error") {
@@ -130,7 +137,7 @@ impl Assembler {
                 .unwrap_or("unknown error")
                 .to_owned();
             self.fail(&format!("the worker's stream ended in an error: {message}"));
-            return;
+            return false;
         }
         for field in ["id", "created", "system_fingerprint"] {
             if let Some(value) = chunk.remove(field).filter(|v| !v.is_null()) {
@@ -141,8 +148,9 @@ impl Assembler {
             self.usage = Some(usage);
         }
         let Some(Value::Array(choices)) = chunk.remove("choices") else {
-            return;
+            return false;
         };
+        let output = !choices.is_empty();
         for choice in choices {
             let Value::Object(mut choice) = choice else {
                 continue;
@@ -174,6 +182,7 @@ impl Assembler {
                 entry.stop_reason = Some(reason);
             }
         }
+        output
     }
 
     /// Why the stream has no whole answer, if it has none.
@@ -212,8 +221,16 @@ impl Assembler {
         answer.insert("model".into(), json!(model));
         answer.insert("choices".into(), Value::Array(choices));
         answer.insert("usage".into(), self.usage.take().unwrap_or(Value::Null));
-        if let Some(fingerprint) = self.head.remove("system_fingerprint") {
-            answer.insert("system_fingerprint".into(), fingerprint);
+        answer.insert(
+            "system_fingerprint".into(),
+            self.head
+                .remove("system_fingerprint")
+                .unwrap_or(Value::Null),
+        );
+        // What vLLM's whole answer carries as null unless asked for (requests that ask are
+        // not assembled: see `RequestBody::assemblable`).
+        for field in ["service_tier", "prompt_logprobs", "kv_transfer_params"] {
+            answer.insert(field.into(), Value::Null);
         }
         Ok(Bytes::from(Value::Object(answer).to_string()))
     }
@@ -294,6 +311,17 @@ impl Choice {
                     None => Value::Null,
                 };
                 message.insert("content".into(), content);
+                // vLLM's whole message names these even when null; a client reading
+                // `reasoning_content` of a model without reasoning finds it so.
+                for field in [
+                    "refusal",
+                    "annotations",
+                    "audio",
+                    "function_call",
+                    "reasoning_content",
+                ] {
+                    message.insert(field.into(), Value::Null);
+                }
                 message.extend(texts);
                 message.extend(self.others);
                 let calls: Vec<Value> = self
@@ -315,6 +343,9 @@ impl Choice {
                     "text".into(),
                     texts.remove("text").unwrap_or_else(|| json!("")),
                 );
+                for field in ["prompt_logprobs", "prompt_token_ids", "token_ids"] {
+                    out.insert(field.into(), Value::Null);
+                }
             }
         }
         out.insert("logprobs".into(), self.logprobs.unwrap_or(Value::Null));
@@ -391,17 +422,27 @@ mod tests {
             json!({"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14,
                    "prompt_tokens_details": {"cached_tokens": 8}}}),
         ]);
+        let nulls = json!({"refusal": null, "annotations": null, "audio": null, "function_call": null, "reasoning_content": null});
+        let message = |fields: Value| {
+            let mut message = nulls.clone();
+            message
+                .as_object_mut()
+                .unwrap()
+                .extend(fields.as_object().unwrap().clone());
+            message
+        };
         let expected = json!({
             "id": "chatcmpl-1", "object": "chat.completion", "created": 7, "model": "alias",
             "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "Hello", "reasoning_content": "think ", "tool_calls": []},
+                {"index": 0, "message": message(json!({"role": "assistant", "content": "Hello", "reasoning_content": "think ", "tool_calls": []})),
                  "logprobs": {"content": [{"token": "think", "logprob": -0.5}, {"token": "Hel", "logprob": -0.1}, {"token": "lo", "logprob": -0.2}]},
                  "finish_reason": "stop", "stop_reason": 42},
-                {"index": 1, "message": {"role": "assistant", "content": null, "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"index": 1, "message": message(json!({"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]})),
                  "logprobs": null, "finish_reason": "tool_calls", "stop_reason": null},
             ],
             "usage": {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14, "prompt_tokens_details": {"cached_tokens": 8}},
+            "system_fingerprint": null, "service_tier": null, "prompt_logprobs": null, "kv_transfer_params": null,
         });
         // Whole, byte by byte, and with CRLF separators: the same answer.
         for piece in [stream.len(), 1, 7] {
@@ -428,8 +469,10 @@ mod tests {
                 "choices": [{"index": 0, "text": "Hello",
                              "logprobs": {"tokens": ["Hel", "lo"], "token_logprobs": [-0.1, -0.2],
                                           "top_logprobs": [{"Hel": -0.1}, {"lo": -0.2}], "text_offset": [0, 3]},
-                             "finish_reason": "length", "stop_reason": null}],
+                             "finish_reason": "length", "stop_reason": null,
+                             "prompt_logprobs": null, "prompt_token_ids": null, "token_ids": null}],
                 "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+                "system_fingerprint": null, "service_tier": null, "prompt_logprobs": null, "kv_transfer_params": null,
             })
         );
     }
@@ -439,6 +482,12 @@ mod tests {
         let opening = json!({"id": "c", "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": null}]});
         let error = json!({"error": {"message": "engine died", "type": "InternalServerError", "code": 500}});
         let older = json!({"object": "error", "message": "engine died", "type": "InternalServerError", "code": 500});
+        // Output is an event with choices; an error event is none.
+        let mut assembler = Assembler::new(Kind::Chat);
+        assert!(!assembler.feed(format!("data: {error}\n\n").as_bytes()));
+        let mut assembler = Assembler::new(Kind::Chat);
+        assert!(assembler.feed(format!("data: {opening}\n\n").as_bytes()));
+        assert!(!assembler.feed(b"data: [DONE]\n\n"));
         for error in [error, older] {
             let errored = events(&[opening.clone(), error]);
             let why = assembled(Kind::Chat, &errored, 9).unwrap_err();

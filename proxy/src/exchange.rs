@@ -16,7 +16,7 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use switchyard_snapshot::snapshot::{Backend, LoadBalancing, ProviderFormat};
 
 use crate::accounting::{Usage, UsageTap};
-use crate::answer::{self, Answer};
+use crate::answer::{self, Answer, Delivery};
 use crate::api::{ApiError, Endpoint, ErrorKind};
 use crate::assemble;
 use crate::background;
@@ -578,15 +578,16 @@ impl Exchange {
         self.answer.opens_with_events = stream
             && self.client.endpoint == Endpoint::Responses
             && target.translate == Translation::None;
-        let assemble = target.assemble.then_some(match self.client.endpoint {
-            Endpoint::Completions => assemble::Kind::Completion,
-            _ => assemble::Kind::Chat,
-        });
+        let delivery = match (stream, target.assemble, self.client.endpoint) {
+            (true, _, _) => Delivery::Stream,
+            (false, true, Endpoint::Completions) => Delivery::Assembled(assemble::Kind::Completion),
+            (false, true, _) => Delivery::Assembled(assemble::Kind::Chat),
+            (false, false, _) => Delivery::Whole,
+        };
         self.answer.head(
             response,
             target.translate,
-            assemble,
-            stream,
+            delivery,
             &self.client.parsed.model,
             &target.upstream_model,
             model_within,

@@ -60,7 +60,12 @@ pub fn finished(metrics: &Metrics, error: Option<&Error>, ctx: &mut RequestCtx) 
         tracing::debug!(request_id = %ctx.request_id, route = %decision.explain(pool), "routing decision");
     }
     exchange.series.finished(&Finished {
-        status: ctx.status,
+        // An answer the worker failed after its status went out (a stream cut, a whole answer
+        // that could not be assembled) is the worker's error, not a success.
+        status: match (failure, ctx.status) {
+            (Some(Failure::Upstream), 200..=299) => 502,
+            (_, status) => status,
+        },
         usage: exchange.answer.usage.usage,
         ttft: exchange
             .answer

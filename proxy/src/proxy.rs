@@ -22,6 +22,9 @@ use crate::gateway::{Gateway, Phase, RequestCtx};
 use crate::observe;
 use crate::respond::{self, DEBUG_ROUTE_PREFIX};
 
+/// How much of a worker's error message a log line keeps.
+const MAX_LOGGED_REASON_CHARS: usize = 256;
+
 /// Request header asking for the routing explanation.
 const EXPLAIN_HEADER: &str = "x-switchyard-explain";
 
@@ -229,10 +232,12 @@ impl ProxyHttp for Gateway {
         if let Some(exchange) = ctx.exchange()
             && let Err(why) = exchange.answer_body(body, end_of_stream, status)
         {
-            // The worker's fault, though its connection ended cleanly (the reason is the
-            // worker's error message or the stream's state, never the prompt).
-            tracing::warn!(request_id = %ctx.request_id, reason = %why, "no whole answer from the worker's stream: the client's connection is cut");
-            return Err(Error::explain(ErrorType::ReadError, why).into_up());
+            // The worker's fault, though its connection ended cleanly. The reason is the
+            // stream's state or the worker's error message, which may quote the request (a
+            // schema, a pattern): bounded, like every client string in the logs.
+            let reason: String = why.chars().take(MAX_LOGGED_REASON_CHARS).collect();
+            tracing::warn!(request_id = %ctx.request_id, %reason, "no whole answer from the worker's stream: the client's connection is cut");
+            return Err(Error::explain(ErrorType::ReadError, reason).into_up());
         }
         Ok(None)
     }

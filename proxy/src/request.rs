@@ -517,6 +517,10 @@ mod tests {
             r#""stream_options":{"include_usage":true},"#,
             r#""use_beam_search":true,"#,
             r#""prompt_logprobs":1,"#,
+            r#""return_token_ids":true,"#,
+            r#""kv_transfer_params":{"do_remote_decode":true},"#,
+            r#""logprobs":true,"top_logprobs":2,"#,
+            r#""echo":true,"logprobs":2,"#,
         ] {
             let body = format!(r#"{{"model":"m",{fields}{HI}}}"#);
             assert!(
@@ -524,7 +528,13 @@ mod tests {
                 "{body}"
             );
         }
-        for fields in ["", r#""use_beam_search":false,"prompt_logprobs":null,"#] {
+        for fields in [
+            "",
+            r#""use_beam_search":false,"prompt_logprobs":null,"logprobs":false,"#,
+            // A completion's logprobs, or its prompt echoed without them.
+            r#""logprobs":2,"#,
+            r#""echo":true,"#,
+        ] {
             let body = format!(r#"{{"model":"m",{fields}{HI}}}"#);
             assert!(
                 wire::parse(body.as_bytes()).unwrap().assemblable(),

@@ -128,12 +128,26 @@ pub struct RequestBody<'a> {
     /// Responses API: a conversation object of OpenAI's (state the gateway cannot translate).
     #[serde(borrow, default)]
     pub conversation: Option<&'a RawValue>,
-    /// vLLM's beam search and prompt logprobs: answers the gateway does not assemble from a
-    /// stream (see [`RequestBody::assemblable`]).
+    /// Fields whose answer the gateway does not assemble from a stream (see
+    /// [`RequestBody::assemblable`]): vLLM's beam search,
     #[serde(borrow, default)]
     pub use_beam_search: Option<&'a RawValue>,
+    /// its prompt logprobs (refused with a stream),
     #[serde(borrow, default)]
     pub prompt_logprobs: Option<&'a RawValue>,
+    /// its token ids (a stream carries them otherwise than a whole answer),
+    #[serde(borrow, default)]
+    pub return_token_ids: Option<&'a RawValue>,
+    /// its disaggregated prefill's parameters (answered only whole),
+    #[serde(borrow, default)]
+    pub kv_transfer_params: Option<&'a RawValue>,
+    /// logprobs (a chat stream leaves out the tokens its tool and reasoning parsers hold
+    /// back; a completion's echoed prompt shifts a stream's text offsets),
+    #[serde(borrow, default)]
+    pub logprobs: Option<&'a RawValue>,
+    /// and the prompt echoed.
+    #[serde(borrow, default)]
+    pub echo: Option<&'a RawValue>,
 }
 
 /// A field that is present, `null` included (serde's `Option` makes `null` absent): the
@@ -396,15 +410,23 @@ impl<'a> RequestBody<'a> {
         }
     }
 
-    /// Whether a worker's streamed answer to this request, assembled, is the answer it would
-    /// have given whole: not for beam search or prompt logprobs (vLLM streams neither as it
-    /// answers them whole), nor when the client sent `stream_options` without streaming (the
-    /// worker's to refuse).
+    /// Whether a worker's streamed answer to this request, assembled, carries what its whole
+    /// answer would: not with beam search or prompt logprobs (vLLM answers them whole only),
+    /// token ids or KV transfer parameters (a stream carries them otherwise or not at all),
+    /// a chat's logprobs (its stream leaves out the tokens a tool or reasoning parser holds
+    /// back) or logprobs of an echoed prompt (a stream's text offsets start over), nor when
+    /// the client sent `stream_options` without streaming (the worker's to refuse).
     pub fn assemblable(&self) -> bool {
-        let set = |raw: Option<&RawValue>| raw.is_some_and(|raw| raw.get() != "null");
+        let set =
+            |raw: Option<&RawValue>| raw.is_some_and(|raw| !matches!(raw.get(), "null" | "false"));
+        let echoed_logprobs = set(self.echo) && set(self.logprobs);
         !set(self.raw_stream_options)
             && !set(self.prompt_logprobs)
-            && self.use_beam_search.is_none_or(|raw| raw.get() != "true")
+            && !set(self.use_beam_search)
+            && !set(self.return_token_ids)
+            && !set(self.kv_transfer_params)
+            && self.logprobs.is_none_or(|raw| raw.get() != "true")
+            && !echoed_logprobs
     }
 
     /// `stream_options` (absent or `null`: the defaults).

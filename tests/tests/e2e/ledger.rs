@@ -40,14 +40,13 @@ async fn ledger(proxy: &Proxy, worker: &str) -> Ledger {
     }
 }
 
-/// Wait until the worker's ledger is empty (the request's guards are dropped when its last byte
-/// is logged, just after the client saw it).
-async fn wait_empty(proxy: &Proxy, worker: &str) {
+/// Wait until the worker's ledger is as `wanted` (within 10 s); returns it.
+async fn wait_ledger(proxy: &Proxy, worker: &str, wanted: impl Fn(&Ledger) -> bool) -> Ledger {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
         let now = ledger(proxy, worker).await;
-        if now == Ledger::default() {
-            return;
+        if wanted(&now) {
+            return now;
         }
         assert!(
             std::time::Instant::now() < deadline,
@@ -55,6 +54,12 @@ async fn wait_empty(proxy: &Proxy, worker: &str) {
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+}
+
+/// Wait until the worker's ledger is empty (the request's guards are dropped when its last byte
+/// is logged, just after the client saw it).
+async fn wait_empty(proxy: &Proxy, worker: &str) {
+    wait_ledger(proxy, worker, |now| *now == Ledger::default()).await;
 }
 
 /// A test worker whose streamed answers are three chunks, let out one by one by
@@ -277,14 +282,7 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
     assert_eq!((before.prefills, before.in_flight), (1, 1), "{before:?}");
     assert!(before.prefill_tokens > 100, "{before:?}");
     gated.release(1);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let decoding = loop {
-        let now = ledger(&proxy, &worker).await;
-        if now.prefills == 0 || std::time::Instant::now() > deadline {
-            break now;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    };
+    let decoding = wait_ledger(&proxy, &worker, |now| now.prefills == 0).await;
     assert_eq!(
         (
             decoding.prefills,
