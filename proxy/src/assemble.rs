@@ -1,7 +1,9 @@
 //! Whole answers put together from a worker's stream.
 //!
-//! A client that asks a pool for a whole Chat Completions or Completions answer gets one, but
-//! the gateway asks the worker for a stream (with usage) and assembles it here. Only a stream
+//! A client that asks a pool for a whole Chat Completions, Completions, Responses or Anthropic
+//! Messages answer gets one, but the gateway asks the worker for a stream (with usage) and
+//! assembles it here (a Responses stream's last event carries the whole response; an
+//! Anthropic message is its `message_start` with the content blocks and `message_delta` after). Only a stream
 //! shows the moment the first token comes, which is when the worker's prefill is done: the
 //! ledger releases the request's prefill then, not when the last token comes, and the pool's
 //! TTFT model observes it. The assembled answer has the shape of vLLM's whole answer: the
@@ -29,7 +31,21 @@ pub enum Kind {
     Chat,
     /// `text_completion` from `text_completion` chunks.
     Completion,
+    /// A Responses API `response`: the one its stream's last event carries whole.
+    Response,
+    /// An Anthropic `message` from its events.
+    Message,
 }
+
+/// The Responses API events a stream opens with before any output (vLLM sends both as soon as
+/// it accepts the request).
+const OPENING_EVENTS: [&str; 2] = ["response.created", "response.in_progress"];
+/// The Responses API events that end a stream with the whole response.
+const FINAL_EVENTS: [&str; 3] = [
+    "response.completed",
+    "response.incomplete",
+    "response.failed",
+];
 
 /// One tool call, from its deltas.
 #[derive(Debug, Default)]
@@ -63,7 +79,12 @@ pub struct Assembler {
     head: Map<String, Value>,
     choices: BTreeMap<u64, Choice>,
     usage: Option<Value>,
-    /// The stream said `[DONE]`.
+    /// A Responses stream's whole response, from its final event; an Anthropic stream's
+    /// message, from `message_start` and `message_delta`.
+    response: Option<Map<String, Value>>,
+    /// An Anthropic stream's content blocks by index, and each tool call's input as sent.
+    blocks: BTreeMap<u64, (Map<String, Value>, String)>,
+    /// The stream said `[DONE]` (a Responses stream: sent its final event).
     done: bool,
     /// Why there is no whole answer, once there is none.
     failed: Option<String>,
@@ -81,6 +102,8 @@ impl Assembler {
             head: Map::new(),
             choices: BTreeMap::new(),
             usage: None,
+            response: None,
+            blocks: BTreeMap::new(),
             done: false,
             failed: None,
         }
@@ -139,6 +162,11 @@ impl Assembler {
             self.fail(&format!("the worker's stream ended in an error: {message}"));
             return false;
         }
+        match self.kind {
+            Kind::Response => return self.response_event(chunk),
+            Kind::Message => return self.message_event(chunk),
+            Kind::Chat | Kind::Completion => {}
+        }
         for field in ["id", "created", "system_fingerprint"] {
             if let Some(value) = chunk.remove(field).filter(|v| !v.is_null()) {
                 self.head.entry(field).or_insert(value);
@@ -163,7 +191,8 @@ impl Assembler {
                         entry.delta(delta);
                     }
                 }
-                Kind::Completion => {
+                // (Responses and Anthropic streams have no choices: see `response_event`.)
+                Kind::Completion | Kind::Response | Kind::Message => {
                     if let Some(text) = choice.remove("text") {
                         entry.text("text", text);
                     }
@@ -185,13 +214,125 @@ impl Assembler {
         output
     }
 
+    /// One event of a Responses stream (`type` names it): whether it is output (anything past
+    /// the opening events); the final one carries the whole response.
+    fn response_event(&mut self, mut event: Map<String, Value>) -> bool {
+        let kind = event.get("type").and_then(Value::as_str).unwrap_or("");
+        if kind == "error" {
+            let message = event
+                .get("message")
+                .and_then(Value::as_str)
+                .unwrap_or("unknown error")
+                .to_owned();
+            self.fail(&format!("the worker's stream ended in an error: {message}"));
+            return false;
+        }
+        if OPENING_EVENTS.contains(&kind) {
+            return false;
+        }
+        if FINAL_EVENTS.contains(&kind) {
+            match event.remove("response") {
+                Some(Value::Object(response)) => {
+                    self.response = Some(response);
+                    self.done = true;
+                }
+                _ => self.fail("the worker's stream ended without its response"),
+            }
+        }
+        true
+    }
+
+    /// One event of an Anthropic stream (`type` names it): whether it is output (a content
+    /// block or the message's end; not `message_start`, which a server may send before its
+    /// first token, nor `ping`).
+    fn message_event(&mut self, mut event: Map<String, Value>) -> bool {
+        let index = event.get("index").and_then(Value::as_u64).unwrap_or(0);
+        match event.get("type").and_then(Value::as_str).unwrap_or("") {
+            "message_start" => {
+                if let Some(Value::Object(message)) = event.remove("message") {
+                    self.response = Some(message);
+                }
+                false
+            }
+            "content_block_start" => {
+                if let Some(Value::Object(block)) = event.remove("content_block") {
+                    self.blocks.insert(index, (block, String::new()));
+                }
+                true
+            }
+            "content_block_delta" => {
+                let (Some(Value::Object(delta)), Some((block, input))) =
+                    (event.remove("delta"), self.blocks.get_mut(&index))
+                else {
+                    return true;
+                };
+                for (field, value) in delta {
+                    match (field.as_str(), value) {
+                        ("type", _) => {}
+                        // A tool call's input arrives as pieces of its JSON text.
+                        ("partial_json", Value::String(piece)) => input.push_str(&piece),
+                        (_, Value::String(piece)) => match block.get_mut(&field) {
+                            Some(Value::String(known)) => known.push_str(&piece),
+                            _ => {
+                                block.insert(field, Value::String(piece));
+                            }
+                        },
+                        _ => {}
+                    }
+                }
+                true
+            }
+            "message_delta" => {
+                if let Some(message) = &mut self.response {
+                    if let Some(Value::Object(delta)) = event.remove("delta") {
+                        message.extend(delta);
+                    }
+                    if let (Some(Value::Object(usage)), Some(Value::Object(known))) =
+                        (event.remove("usage"), message.get_mut("usage"))
+                    {
+                        known.extend(usage);
+                    }
+                }
+                true
+            }
+            "message_stop" => {
+                self.done = true;
+                true
+            }
+            // (`error` events carry an `error` object: see `event`.)
+            _ => false,
+        }
+    }
+
+    /// The assembled Anthropic message: its content blocks in order, each tool call's input
+    /// parsed from its pieces.
+    fn message(&mut self) -> Result<Map<String, Value>, String> {
+        let mut message = self.response.take().unwrap_or_default();
+        let mut content = Vec::with_capacity(self.blocks.len());
+        for (_, (mut block, input)) in std::mem::take(&mut self.blocks) {
+            if !input.is_empty() {
+                let parsed = serde_json::from_str::<Value>(&input)
+                    .map_err(|_| "a tool call's input in the worker's stream is not JSON")?;
+                block.insert("input".into(), parsed);
+            }
+            content.push(Value::Object(block));
+        }
+        message.insert("content".into(), Value::Array(content));
+        Ok(message)
+    }
+
     /// Why the stream has no whole answer, if it has none.
     fn incomplete(&self) -> Option<String> {
         if let Some(why) = &self.failed {
             return Some(why.clone());
         }
-        let unfinished = self.choices.values().any(|c| c.finish_reason.is_none());
-        (!self.done || self.choices.is_empty() || unfinished)
+        let unfinished = match self.kind {
+            Kind::Response | Kind::Message => self.response.is_none(),
+            Kind::Chat | Kind::Completion => {
+                self.choices.is_empty() || self.choices.values().any(|c| c.finish_reason.is_none())
+            }
+        };
+        (!self.done || unfinished)
             .then(|| "the worker's stream ended before its answer did".to_owned())
     }
 
@@ -203,6 +344,14 @@ impl Assembler {
         let object = match self.kind {
             Kind::Chat => "chat.completion",
             Kind::Completion => "text_completion",
+            Kind::Response | Kind::Message => {
+                let mut whole = match self.kind {
+                    Kind::Message => self.message()?,
+                    _ => self.response.take().unwrap_or_default(),
+                };
+                whole.insert("model".into(), json!(model));
+                return Ok(Bytes::from(Value::Object(whole).to_string()));
+            }
         };
         let choices: Vec<Value> = std::mem::take(&mut self.choices)
             .into_iter()
@@ -338,7 +487,7 @@ impl Choice {
                 message.insert("tool_calls".into(), Value::Array(calls));
                 out.insert("message".into(), Value::Object(message));
             }
-            Kind::Completion => {
+            Kind::Completion | Kind::Response | Kind::Message => {
                 out.insert(
                     "text".into(),
                     texts.remove("text").unwrap_or_else(|| json!("")),
@@ -475,6 +624,113 @@ mod tests {
                 "system_fingerprint": null, "service_tier": null, "prompt_logprobs": null, "kv_transfer_params": null,
             })
         );
+    }
+
+    #[test]
+    fn a_responses_stream_is_whole_in_its_last_event_and_output_starts_past_the_opening() {
+        let response = json!({"id": "resp_1", "object": "response", "model": "up", "status": "completed",
+                              "instructions": "terse", "output": [{"type": "message", "content": [{"type": "output_text", "text": "Hi"}]}],
+                              "usage": {"input_tokens": 5, "output_tokens": 1, "total_tokens": 6}});
+        let event = |kind: &str, data: Value| {
+            let mut data = data;
+            data["type"] = json!(kind);
+            format!("event: {kind}\ndata: {data}\n\n")
+        };
+        let opening = [
+            event(
+                "response.created",
+                json!({"response": {"id": "resp_1", "status": "in_progress"}}),
+            ),
+            event(
+                "response.in_progress",
+                json!({"response": {"id": "resp_1", "status": "in_progress"}}),
+            ),
+        ];
+        let delta = event("response.output_text.delta", json!({"delta": "Hi"}));
+        let mut assembler = Assembler::new(Kind::Response);
+        for piece in &opening {
+            assert!(!assembler.feed(piece.as_bytes()), "{piece}");
+        }
+        assert!(assembler.feed(delta.as_bytes()));
+        assert!(assembler.answer("alias").is_err(), "no final event yet");
+        for last in ["response.completed", "response.incomplete"] {
+            let stream = format!(
+                "{}{delta}{}",
+                opening.concat(),
+                event(last, json!({"response": response}))
+            );
+            let mut expected = response.clone();
+            expected["model"] = json!("alias");
+            assert_eq!(assembled(Kind::Response, &stream, 13).unwrap(), expected);
+        }
+        let failed = format!(
+            "{}{}",
+            opening.concat(),
+            event(
+                "error",
+                json!({"message": "engine died", "code": "server_error"})
+            )
+        );
+        let why = assembled(Kind::Response, &failed, 13).unwrap_err();
+        assert!(why.contains("engine died"), "{why}");
+    }
+
+    #[test]
+    fn an_anthropic_stream_becomes_its_message_with_thinking_text_and_a_tool_call() {
+        let event = |data: Value| {
+            format!(
+                "event: {}\ndata: {data}\n\n",
+                data["type"].as_str().unwrap()
+            )
+        };
+        let start = event(
+            json!({"type": "message_start", "message": {"id": "msg_1", "type": "message",
+            "role": "assistant", "model": "up", "content": [], "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": 9, "output_tokens": 1}}}),
+        );
+        let rest = [
+            json!({"type": "ping"}),
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "hm"}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "sig"}}),
+            json!({"type": "content_block_stop", "index": 0}),
+            json!({"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}}),
+            json!({"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "Hel"}}),
+            json!({"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "lo"}}),
+            json!({"type": "content_block_start", "index": 2, "content_block": {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}}),
+            json!({"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": "{\"city\": "}}),
+            json!({"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": "\"Paris\"}"}}),
+            json!({"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": null}, "usage": {"output_tokens": 12}}),
+            json!({"type": "message_stop"}),
+        ];
+        // `message_start` and `ping` are not output (a server may send them before any token).
+        let mut assembler = Assembler::new(Kind::Message);
+        assert!(!assembler.feed(start.as_bytes()));
+        assert!(!assembler.feed(event(rest[0].clone()).as_bytes()));
+        assert!(assembler.feed(event(rest[1].clone()).as_bytes()));
+        let stream: String = std::iter::once(start)
+            .chain(rest.iter().cloned().map(event))
+            .collect();
+        assert_eq!(
+            assembled(Kind::Message, &stream, 17).unwrap(),
+            json!({"id": "msg_1", "type": "message", "role": "assistant", "model": "alias",
+                   "content": [
+                       {"type": "thinking", "thinking": "hm", "signature": "sig"},
+                       {"type": "text", "text": "Hello"},
+                       {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                   ],
+                   "stop_reason": "tool_use", "stop_sequence": null,
+                   "usage": {"input_tokens": 9, "output_tokens": 12}})
+        );
+        let error = event(
+            json!({"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}),
+        );
+        let opened = stream.split_inclusive("\n\n").take(3).collect::<String>();
+        let why = assembled(Kind::Message, &format!("{opened}{error}"), 17).unwrap_err();
+        assert!(why.contains("busy"), "{why}");
+        // No `message_stop`: no whole message.
+        let cut = stream.rsplit_once("event: message_stop").unwrap().0;
+        assert!(assembled(Kind::Message, cut, 17).is_err());
     }
 
     #[test]

@@ -581,6 +581,12 @@ impl Exchange {
         let delivery = match (stream, target.assemble, self.client.endpoint) {
             (true, _, _) => Delivery::Stream,
             (false, true, Endpoint::Completions) => Delivery::Assembled(assemble::Kind::Completion),
+            (false, true, Endpoint::Responses) if target.translate == Translation::None => {
+                Delivery::Assembled(assemble::Kind::Response)
+            }
+            (false, true, Endpoint::Messages) if target.translate == Translation::None => {
+                Delivery::Assembled(assemble::Kind::Message)
+            }
             (false, true, _) => Delivery::Assembled(assemble::Kind::Chat),
             (false, false, _) => Delivery::Whole,
         };

@@ -222,9 +222,10 @@ pub enum Streaming {
     /// A streamed request, with `stream_options.include_usage` set (streamed OpenAI answers
     /// carry usage only when asked).
     AskUsage,
-    /// A request the client sent unstreamed, streamed with usage: the gateway assembles the
-    /// answer ([`crate::assemble`]).
-    Stream,
+    /// A request the client sent unstreamed, streamed (with `stream_options.include_usage`
+    /// when `usage`: a Responses stream's last event has it anyway): the gateway assembles
+    /// the answer ([`crate::assemble`]).
+    Stream { usage: bool },
 }
 
 /// The body with its `"model"` value replaced by `upstream_model`; when `cache_salt` is given,
@@ -241,7 +242,7 @@ pub fn rewrite(
 ) -> Result<(Bytes, bool), ApiError> {
     let mut edits: Vec<(Range<usize>, String)> = Vec::new();
     let mut asked = false;
-    if streaming == Streaming::Stream && !parsed.stream {
+    if matches!(streaming, Streaming::Stream { .. }) && !parsed.stream {
         match &parsed.stream_span {
             Some(span) => edits.push((span.clone(), "true".to_owned())),
             None => edits.push((
@@ -250,7 +251,11 @@ pub fn rewrite(
             )),
         }
     }
-    if streaming != Streaming::AsSent && !parsed.asks_stream_usage {
+    let usage = matches!(
+        streaming,
+        Streaming::AskUsage | Streaming::Stream { usage: true }
+    );
+    if usage && !parsed.asks_stream_usage {
         asked = true;
         match &parsed.stream_options_span {
             None => edits.push((
@@ -507,7 +512,7 @@ mod tests {
                 &parsed,
                 "m",
                 None,
-                Streaming::Stream,
+                Streaming::Stream { usage: true },
             )
             .unwrap();
             assert_eq!(String::from_utf8_lossy(&out), format!("{expected}{HI}}}"));

@@ -91,7 +91,10 @@ def main(base: str) -> None:
     message = an.messages.create(
         model="chat-model", max_tokens=8, messages=[{"role": "user", "content": "hello"}]
     )
-    assert message.content[0].text.startswith("native saw"), message
+    # Streamed from the worker and assembled by the gateway into the message the SDK expects.
+    assert message.content[0].text == "native-0 native-1 native-2 ", message
+    assert message.stop_reason == "end_turn" and message.usage.output_tokens == 3, message
+    assert message.model == "chat-model", message
     print("ok: anthropic native")
 
     with an.messages.stream(

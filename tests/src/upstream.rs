@@ -202,6 +202,19 @@ fn sse_opening(events: Vec<String>, opening: usize, shared: Arc<Shared>) -> Resp
         .expect("sse response")
 }
 
+/// A whole Responses API answer: the request's `instructions` echoed before the model, as
+/// vLLM's answer does.
+fn whole_response(id: &str, request: &Value, model: &str, text: &str) -> Value {
+    json!({
+        "id": id, "created_at": 0,
+        "instructions": request["instructions"], "model": model, "object": "response",
+        "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+        "status": "completed",
+        "usage": {"input_tokens": 12, "input_tokens_details": {"cached_tokens": 8}, "output_tokens": 3, "total_tokens": 15},
+    })
+}
+
 async fn handle(
     State(shared): State<Arc<Shared>>,
     method: Method,
@@ -352,23 +365,21 @@ async fn answer(
                     json!({"output_index": 0, "content_index": 0, "delta": format!("{name}-{i} ")}),
                 )
             }));
-            events.push(event(
-                "response.completed",
-                json!({"response": {"id": id, "object": "response", "model": model, "status": "completed", "output": [],
-                       "usage": {"input_tokens": 12, "output_tokens": chunks, "total_tokens": 12 + chunks}}}),
-            ));
+            // The last event carries the whole response, as the non-streamed answer below.
+            let text: String = (0..chunks).map(|i| format!("{name}-{i} ")).collect();
+            let mut whole = whole_response(&id, &request, &model, &text);
+            whole["usage"]["output_tokens"] = json!(chunks);
+            events.push(event("response.completed", json!({"response": whole})));
             sse_opening(events, 2, shared)
         }
         // The Responses API (whole answers): the request's `instructions` echoed before the
         // model, as vLLM's answer does.
-        "/v1/responses" => axum::Json(json!({
-            "id": format!("resp_{name}_{}", body.len()), "created_at": 0,
-            "instructions": request["instructions"], "model": model, "object": "response",
-            "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
-                        "content": [{"type": "output_text", "text": reply, "annotations": []}]}],
-            "status": "completed",
-            "usage": {"input_tokens": 12, "input_tokens_details": {"cached_tokens": 8}, "output_tokens": 3, "total_tokens": 15},
-        }))
+        "/v1/responses" => axum::Json(whole_response(
+            &format!("resp_{name}_{}", body.len()),
+            &request,
+            &model,
+            &reply,
+        ))
         .into_response(),
         // Pooling models, in vLLM's shapes: one small vector per input, scores, a ranking.
         "/v1/embeddings" | "/pooling" => {

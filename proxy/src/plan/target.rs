@@ -184,15 +184,23 @@ pub(super) fn prepare_target(
         && provider.is_none()
         && typed.assemblable()
         && match translate {
-            Translation::None => {
-                matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions)
-            }
+            Translation::None => match endpoint {
+                Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => true,
+                // A response made in the background is answered at once, not at its end.
+                Endpoint::Responses => typed
+                    .responses_fields()
+                    .is_ok_and(|fields| !fields.background),
+                _ => false,
+            },
             Translation::MessagesToChat | Translation::ResponsesToChat => true,
             Translation::ChatToMessages => false,
         };
     let streaming = match (ask_usage, assemble) {
         (true, _) => request::Streaming::AskUsage,
-        (false, true) => request::Streaming::Stream,
+        // Only OpenAI's streams carry usage only when asked.
+        (false, true) => request::Streaming::Stream {
+            usage: matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions),
+        },
         (false, false) => request::Streaming::AsSent,
     };
     let mut strip_usage = false;

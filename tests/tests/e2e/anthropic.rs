@@ -20,7 +20,7 @@ fn events(text: &str) -> Vec<(String, Value)> {
 }
 
 #[tokio::test]
-async fn native_pools_receive_messages_unchanged_but_for_the_model() {
+async fn native_pools_receive_messages_unchanged_but_for_the_model_and_the_stream() {
     let worker = Upstream::start_with(
         "native",
         UpstreamOptions {
@@ -44,12 +44,25 @@ async fn native_pools_receive_messages_unchanged_but_for_the_model() {
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
+    // Asked for whole: streamed from the worker (so the gateway sees its first token) and
+    // assembled into the message the client asked for, named as it asked.
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["type"], "message");
+    assert_eq!(body["model"], "claude-local");
+    assert_eq!(
+        body["content"],
+        json!([{"type": "text", "text": "native-0 native-1 native-2 "}])
+    );
+    assert_eq!(body["stop_reason"], "end_turn");
+    assert_eq!(
+        body["usage"],
+        json!({"input_tokens": 7, "output_tokens": 3})
+    );
     let received = worker.received().pop().unwrap();
     assert_eq!(received.path, "/v1/messages");
     let mut expected = request;
     expected["model"] = json!("served");
+    expected["stream"] = json!(true);
     assert_eq!(received.json(), expected);
     assert!(!received.headers.contains_key("x-api-key"));
 }

@@ -94,8 +94,8 @@ async fn responses_translate_to_chat_completions() {
     );
 }
 
-/// What a Responses request carries passes byte-exact (but the model), the answer names the
-/// client's alias even after long instructions, and a stored response is reached only by the
+/// What a Responses request carries passes byte-exact (but the model, and the stream the
+/// gateway asks for to assemble the whole answer), the answer names the client's alias, and a stored response is reached only by the
 /// tenant that made it, on the worker that made it; a deleted one is forgotten.
 #[tokio::test]
 async fn responses_pass_through_and_stay_with_their_tenant() {
@@ -161,10 +161,18 @@ async fn responses_pass_through_and_stay_with_their_tenant() {
     };
     let received = maker.received().pop().unwrap();
     assert_eq!(received.path, "/v1/responses");
+    // Asked for whole: streamed from the worker (so the gateway sees its first token) and
+    // assembled from the stream's last event, which carries the whole response.
     assert_eq!(
         String::from_utf8(received.body.to_vec()).unwrap(),
-        sent.replace(r#""model":"chat""#, r#""model":"org/chat""#),
-        "everything but the model passes byte-exact"
+        sent.replace(r#""model":"chat""#, r#""model":"org/chat""#)
+            .replacen('{', r#"{"stream":true,"#, 1),
+        "everything but the model and the stream passes byte-exact"
+    );
+    assert_eq!(answer["instructions"], json!(instructions));
+    assert_eq!(
+        answer["output"][0]["content"][0]["text"],
+        format!("{0}-0 {0}-1 {0}-2 ", maker.name())
     );
 
     // Round-robin would send the next request to the other worker; the stored one goes back.
