@@ -1,28 +1,29 @@
 //! Whole answers put together from a worker's stream.
 //!
 //! A client that asks a pool for a whole Chat Completions, Completions, Responses or Anthropic
-//! Messages answer gets one, but the gateway asks the worker for a stream (with usage) and
-//! assembles it here (a Responses stream's last event carries the whole response; an
-//! Anthropic message is its `message_start` with the content blocks and `message_delta` after). Only a stream
-//! shows the moment the first token comes, which is when the worker's prefill is done: the
-//! ledger releases the request's prefill then, not when the last token comes, and the pool's
-//! TTFT model observes it. The assembled answer has the shape of vLLM's whole answer: the
-//! choices' text (and every other text field of the deltas, such as `reasoning_content`)
-//! joined, tool calls joined by index, logprobs' arrays joined, the last chunk's usage, and
-//! the fields a whole answer names as null. What a stream carries otherwise than a whole
-//! answer (token ids, a chat's logprobs, KV transfer parameters...) is never asked for this
-//! way: see [`crate::wire::RequestBody::assemblable`].
+//! Messages answer gets one, but the gateway asks the worker for a stream (OpenAI's with
+//! usage) and assembles it here: a Responses stream's last event carries the whole response;
+//! an Anthropic message is its `message_start`, its content blocks and `message_delta`. Only a
+//! stream shows the moment the first token comes, which is when the worker's prefill is done:
+//! the ledger releases the request's prefill then, not when the last token comes, and the
+//! pool's TTFT model observes it. The assembled answer has the shape of vLLM's whole answer:
+//! the choices' text (and every other text field of the deltas, such as `reasoning_content`)
+//! joined, tool calls joined by index, logprobs' arrays joined, the last chunk's usage, and the
+//! fields a whole answer names as null. What a stream carries otherwise than a whole answer
+//! (token ids, a chat's logprobs, KV transfer parameters...) is never asked for this way: see
+//! [`crate::wire::RequestBody::assemblable`].
 //!
-//! A stream that carries an error, or ends before every choice finished, has no whole answer:
-//! [`Assembler::answer`] says why, and the gateway ends the client's connection (its status
-//! is sent already), as it would had the worker's connection failed.
+//! A stream that carries an error, or ends before its answer did (a choice unfinished, no
+//! final event or `message_stop`), has no whole answer: [`Assembler::answer`] says why, and
+//! the gateway ends the client's connection (its status is sent already), as it would had the
+//! worker's connection failed.
 
 use std::collections::BTreeMap;
 
 use bytes::{Bytes, BytesMut};
 use serde_json::{Map, Value, json};
 
-use crate::translate::next_event_data;
+use crate::translate::{event_data, find_event_end};
 
 /// The answer's API.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,15 +85,21 @@ pub struct Assembler {
     response: Option<Map<String, Value>>,
     /// An Anthropic stream's content blocks by index, and each tool call's input as sent.
     blocks: BTreeMap<u64, (Map<String, Value>, String)>,
-    /// The stream said `[DONE]` (a Responses stream: sent its final event).
+    /// How far into `pending` no event's end was found (a long event, such as a Responses
+    /// stream's final one, is not searched again from its start with every piece).
+    searched: usize,
+    /// The stream said `[DONE]` (a Responses stream: sent its final event; an Anthropic one:
+    /// `message_stop`).
     done: bool,
     /// Why there is no whole answer, once there is none.
     failed: Option<String>,
 }
 
-/// The most text an assembled answer keeps pending between events (a stream's event is one
-/// token's delta: this much without an event's end is not vLLM's stream).
-const MAX_PENDING: usize = 8 << 20;
+/// The most an assembled answer keeps pending between events: a chat, completions or
+/// Anthropic event is one token's delta, but a Responses stream's final event is the whole
+/// response (its instructions, tools and output, with logprobs when asked: about 1.5 kB per
+/// token), so this is far past any answer vLLM gives whole.
+const MAX_PENDING: usize = 64 << 20;
 
 impl Assembler {
     pub fn new(kind: Kind) -> Assembler {
@@ -104,21 +111,30 @@ impl Assembler {
             usage: None,
             response: None,
             blocks: BTreeMap::new(),
+            searched: 0,
             done: false,
             failed: None,
         }
     }
 
-    /// Take a piece of the worker's stream. Returns whether it carried output (an event with
-    /// choices: vLLM's first is its first token; an error event is not output).
+    /// Take a piece of the worker's stream. Returns whether it carried output (vLLM's first
+    /// is its first token; an error event is not output).
     pub fn feed(&mut self, chunk: &[u8]) -> bool {
         if self.failed.is_some() {
             return false;
         }
         self.pending.extend_from_slice(chunk);
         let mut output = false;
-        while let Some(data) = next_event_data(&mut self.pending) {
-            if let Some(data) = data {
+        loop {
+            // A separator may straddle the last piece's end: look from a little before it.
+            let from = self.searched.saturating_sub(3);
+            let Some((end, separator)) = self.pending.get(from..).and_then(find_event_end) else {
+                self.searched = self.pending.len();
+                break;
+            };
+            let event = self.pending.split_to(from + end + separator);
+            self.searched = 0;
+            if let Some(data) = event_data(event.get(..from + end).unwrap_or_default()) {
                 output |= self.event(&data);
             }
         }
@@ -133,6 +149,7 @@ impl Assembler {
             self.failed = Some(why.to_owned());
         }
         self.pending = BytesMut::new();
+        self.searched = 0;
     }
 
     /// Take one event's data; whether it carried choices.
@@ -242,9 +259,9 @@ impl Assembler {
         true
     }
 
-    /// One event of an Anthropic stream (`type` names it): whether it is output (a content
-    /// block or the message's end; not `message_start`, which a server may send before its
-    /// first token, nor `ping`).
+    /// One event of an Anthropic stream (`type` names it): whether it is output (anything but
+    /// `ping`: vLLM sends `message_start` with its first chat chunk, at the first token, and a
+    /// reasoning or tool-calling model's first block may come several tokens later).
     fn message_event(&mut self, mut event: Map<String, Value>) -> bool {
         let index = event.get("index").and_then(Value::as_u64).unwrap_or(0);
         match event.get("type").and_then(Value::as_str).unwrap_or("") {
@@ -252,7 +269,7 @@ impl Assembler {
                 if let Some(Value::Object(message)) = event.remove("message") {
                     self.response = Some(message);
                 }
-                false
+                true
             }
             "content_block_start" => {
                 if let Some(Value::Object(block)) = event.remove("content_block") {
@@ -261,9 +278,11 @@ impl Assembler {
                 true
             }
             "content_block_delta" => {
-                let (Some(Value::Object(delta)), Some((block, input))) =
-                    (event.remove("delta"), self.blocks.get_mut(&index))
-                else {
+                let Some((block, input)) = self.blocks.get_mut(&index) else {
+                    self.fail("the worker's stream added to a content block it never started");
+                    return false;
+                };
+                let Some(Value::Object(delta)) = event.remove("delta") else {
                     return true;
                 };
                 for (field, value) in delta {
@@ -287,10 +306,13 @@ impl Assembler {
                     if let Some(Value::Object(delta)) = event.remove("delta") {
                         message.extend(delta);
                     }
-                    if let (Some(Value::Object(usage)), Some(Value::Object(known))) =
-                        (event.remove("usage"), message.get_mut("usage"))
-                    {
-                        known.extend(usage);
+                    if let Some(Value::Object(usage)) = event.remove("usage") {
+                        match message.get_mut("usage") {
+                            Some(Value::Object(known)) => known.extend(usage),
+                            _ => {
+                                message.insert("usage".into(), Value::Object(usage));
+                            }
+                        }
                     }
                 }
                 true
@@ -308,6 +330,10 @@ impl Assembler {
     /// parsed from its pieces.
     fn message(&mut self) -> Result<Map<String, Value>, String> {
         let mut message = self.response.take().unwrap_or_default();
+        // vLLM's `message_start` leaves out what is only a default there; its whole message
+        // names both.
+        message.entry("type").or_insert_with(|| json!("message"));
+        message.entry("role").or_insert_with(|| json!("assistant"));
         let mut content = Vec::with_capacity(self.blocks.len());
         for (_, (mut block, input)) in std::mem::take(&mut self.blocks) {
             if !input.is_empty() {
@@ -683,10 +709,10 @@ mod tests {
                 data["type"].as_str().unwrap()
             )
         };
+        // vLLM's `message_start` names no `type` or `role` (defaults there, left out).
         let start = event(
-            json!({"type": "message_start", "message": {"id": "msg_1", "type": "message",
-            "role": "assistant", "model": "up", "content": [], "stop_reason": null, "stop_sequence": null,
-            "usage": {"input_tokens": 9, "output_tokens": 1}}}),
+            json!({"type": "message_start", "message": {"id": "msg_1", "model": "up",
+            "content": [], "usage": {"input_tokens": 9, "output_tokens": 1}}}),
         );
         let rest = [
             json!({"type": "ping"}),
@@ -703,11 +729,10 @@ mod tests {
             json!({"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": null}, "usage": {"output_tokens": 12}}),
             json!({"type": "message_stop"}),
         ];
-        // `message_start` and `ping` are not output (a server may send them before any token).
+        // vLLM sends `message_start` at the first token; `ping` is no output.
         let mut assembler = Assembler::new(Kind::Message);
-        assert!(!assembler.feed(start.as_bytes()));
         assert!(!assembler.feed(event(rest[0].clone()).as_bytes()));
-        assert!(assembler.feed(event(rest[1].clone()).as_bytes()));
+        assert!(assembler.feed(start.as_bytes()));
         let stream: String = std::iter::once(start)
             .chain(rest.iter().cloned().map(event))
             .collect();
@@ -722,6 +747,13 @@ mod tests {
                    "stop_reason": "tool_use", "stop_sequence": null,
                    "usage": {"input_tokens": 9, "output_tokens": 12}})
         );
+        // A delta to a block that never started: no whole message.
+        let orphan = event(
+            json!({"type": "content_block_delta", "index": 7, "delta": {"type": "text_delta", "text": "x"}}),
+        );
+        let opened = stream.split_inclusive("\n\n").next().unwrap();
+        let why = assembled(Kind::Message, &format!("{opened}{orphan}"), 17).unwrap_err();
+        assert!(why.contains("never started"), "{why}");
         let error = event(
             json!({"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}),
         );

@@ -223,8 +223,9 @@ pub enum Streaming {
     /// carry usage only when asked).
     AskUsage,
     /// A request the client sent unstreamed, streamed (with `stream_options.include_usage`
-    /// when `usage`: a Responses stream's last event has it anyway): the gateway assembles
-    /// the answer ([`crate::assemble`]).
+    /// when `usage`: OpenAI's Chat Completions and Completions streams carry usage only when
+    /// asked, Responses and Anthropic streams always): the gateway assembles the answer
+    /// ([`crate::assemble`]).
     Stream { usage: bool },
 }
 

@@ -314,13 +314,19 @@ fn emit(out: &mut String, event: &str, data: &Value) {
 pub(crate) fn next_event_data(pending: &mut BytesMut) -> Option<Option<String>> {
     let (end, separator) = find_event_end(pending)?;
     let event = pending.split_to(end + separator);
-    let text = String::from_utf8_lossy(event.get(..end).unwrap_or_default()).into_owned();
+    Some(event_data(event.get(..end).unwrap_or_default()))
+}
+
+/// An SSE event's `data:` lines joined (`None` when it has none); `event` without its
+/// separator.
+pub(crate) fn event_data(event: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(event);
     let data: Vec<&str> = text
         .lines()
         .filter_map(|line| line.strip_prefix("data:"))
         .map(str::trim_start)
         .collect();
-    Some((!data.is_empty()).then(|| data.join("\n")))
+    (!data.is_empty()).then(|| data.join("\n"))
 }
 
 /// End of the first complete SSE event in `buffer` and the length of its separator.

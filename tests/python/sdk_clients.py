@@ -94,7 +94,7 @@ def main(base: str) -> None:
     # Streamed from the worker and assembled by the gateway into the message the SDK expects.
     assert message.content[0].text == "native-0 native-1 native-2 ", message
     assert message.stop_reason == "end_turn" and message.usage.output_tokens == 3, message
-    assert message.model == "chat-model", message
+    assert message.model == "chat-model" and message.role == "assistant", message
     print("ok: anthropic native")
 
     with an.messages.stream(

@@ -428,10 +428,12 @@ async fn answer(
             "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
         }))
         .into_response(),
+        // vLLM's Anthropic stream: `message_start` leaves out what is only a default there
+        // (`type`, `role`, the null stop fields).
         "/v1/messages" if shared.options.anthropic_native && stream => {
             let mut events = vec![format!(
                 "event: message_start\ndata: {}\n\n",
-                json!({"type": "message_start", "message": {"id": "msg_test", "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 7, "output_tokens": 0}}})
+                json!({"type": "message_start", "message": {"id": "msg_test", "model": model, "content": [], "usage": {"input_tokens": 7, "output_tokens": 0}}})
             )];
             events.push(format!("event: content_block_start\ndata: {}\n\n", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})));
             for i in 0..chunks {

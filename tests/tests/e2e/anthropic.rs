@@ -48,6 +48,7 @@ async fn native_pools_receive_messages_unchanged_but_for_the_model_and_the_strea
     // assembled into the message the client asked for, named as it asked.
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["type"], "message");
+    assert_eq!(body["role"], "assistant");
     assert_eq!(body["model"], "claude-local");
     assert_eq!(
         body["content"],

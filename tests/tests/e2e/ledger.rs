@@ -216,6 +216,44 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
     }
     wait_empty(&proxy, &worker).await;
 
+    // The same answer asked for whole: streamed from the worker and assembled, so the prompt
+    // is pending prefill through the opening events and not from the first delta on, while
+    // the client still waits for the whole response.
+    let whole = tokio::spawn({
+        let (client, url) = (client.clone(), format!("{}/v1/responses", proxy.url()));
+        let input = input.clone();
+        async move {
+            let response = client
+                .post(&url)
+                .json(&json!({"model": "gated", "max_output_tokens": 64, "input": input}))
+                .send()
+                .await
+                .unwrap();
+            (
+                response.status(),
+                response.json::<serde_json::Value>().await.unwrap(),
+            )
+        }
+    });
+    wait_received(&gated, 2).await;
+    // (the opening events go out ungated: give them time to arrive)
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let opened = ledger(&proxy, &worker).await;
+    assert_eq!((opened.prefills, opened.in_flight), (1, 1), "{opened:?}");
+    gated.release(1);
+    let decoding = wait_ledger(&proxy, &worker, |now| now.prefills == 0).await;
+    assert_eq!((decoding.prefill_tokens, decoding.in_flight), (0, 1));
+    assert!(!whole.is_finished());
+    gated.release(3);
+    let (status, answer) = whole.await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["model"], "gated");
+    assert_eq!(
+        answer["output"][0]["content"][0]["text"],
+        "gated-0 gated-1 gated-2 "
+    );
+    wait_empty(&proxy, &worker).await;
+
     // A streamed request: before its first token the prompt is pending prefill...
     let response = client
         .post(&url)
@@ -272,7 +310,7 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
             )
         }
     });
-    wait_received(&gated, 3).await;
+    wait_received(&gated, 4).await;
     let sent = gated.received().last().unwrap().json();
     assert_eq!(
         (&sent["stream"], &sent["stream_options"]["include_usage"]),

@@ -95,7 +95,8 @@ async fn responses_translate_to_chat_completions() {
 }
 
 /// What a Responses request carries passes byte-exact (but the model, and the stream the
-/// gateway asks for to assemble the whole answer), the answer names the client's alias, and a stored response is reached only by the
+/// gateway asks for to assemble the whole answer), the answer names the client's alias (also
+/// when it passes whole, after long instructions), and a stored response is reached only by the
 /// tenant that made it, on the worker that made it; a deleted one is forgotten.
 #[tokio::test]
 async fn responses_pass_through_and_stay_with_their_tenant() {
@@ -147,12 +148,7 @@ async fn responses_pass_through_and_stay_with_their_tenant() {
     )
     .await;
     assert_eq!(status, 200, "{answer}");
-    assert_eq!(
-        answer["model"],
-        "chat",
-        "the client's alias, past {} bytes of instructions",
-        instructions.len()
-    );
+    assert_eq!(answer["model"], "chat", "the client's alias");
     let id = answer["id"].as_str().unwrap().to_owned();
     let (maker, other) = if first.received().is_empty() {
         (&second, &first)
@@ -258,4 +254,23 @@ async fn responses_pass_through_and_stay_with_their_tenant() {
     .await;
     assert_eq!(status, 404, "a deleted response is forgotten");
     assert!(other.received().is_empty());
+
+    // A whole answer that passes as the worker sent it (not assembled: vLLM answers
+    // `kv_transfer_params` whole only) names the client's alias too, past the long
+    // instructions it echoes before the model.
+    let whole = sent.replacen(
+        '{',
+        r#"{"kv_transfer_params":{"do_remote_decode":false},"#,
+        1,
+    );
+    let (status, answer) = call(reqwest::Method::POST, "/v1/responses", "key-a", Some(whole)).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        answer["model"],
+        "chat",
+        "the client's alias, past {} bytes of instructions",
+        instructions.len()
+    );
+    let text = answer["output"][0]["content"][0]["text"].as_str().unwrap();
+    assert!(text.contains(" saw "), "answered whole: {text}");
 }
