@@ -182,7 +182,7 @@ struct CompareArgs {
     /// replicas share no ledgers at all.
     #[arg(long)]
     peer_interval_ms: Option<u64>,
-    /// The share of conversations (0 to 1, spread evenly) whose client asks for whole answers
+    /// The share of conversations (0 up to 1, spread evenly) whose client asks for whole answers
     /// (`stream: false`): their requests count in the engine's TTFT and in e2e, not in the
     /// client-side TTFT columns (a whole answer shows its client no first token).
     #[arg(long, default_value_t = 0.0)]
@@ -488,8 +488,10 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
     if args.seeds.is_empty() {
         args.seeds = vec![1];
     }
-    if !(0.0..=1.0).contains(&args.whole_answers) {
-        bail!("--whole-answers is a share between 0 and 1");
+    if !(0.0..1.0).contains(&args.whole_answers) {
+        bail!(
+            "--whole-answers is a share from 0 up to (not including) 1: the client TTFT columns need some conversations that stream"
+        );
     }
     if !args.capacity.is_empty()
         && !matches!(args.capacity[..], [low, high] if 0.0 < low && low < high)
