@@ -272,6 +272,11 @@ impl Answer {
         Ok(())
     }
 
+    /// Whether the answer is being assembled from a stream (the worker did stream it).
+    pub fn assembling(&self) -> bool {
+        matches!(self.mode, Mode::Assemble { .. })
+    }
+
     /// A piece of the upstream's body, made the client's. Returns `true` when it carries the
     /// answer's first output (of an assembled answer: the worker's first token).
     pub fn body(
@@ -551,6 +556,7 @@ mod tests {
             .unwrap();
         let whole = r#"{"id":"c","model":"m","choices":[]}"#;
         let mut body = Some(Bytes::from_static(whole.as_bytes()));
+        assert!(!answer.assembling());
         answer.body(&mut body, true, "m");
         assert_eq!(body.as_deref(), Some(whole.as_bytes()));
         assert_eq!(answer.failed, None);

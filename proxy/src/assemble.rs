@@ -152,7 +152,8 @@ impl Assembler {
         self.searched = 0;
     }
 
-    /// Take one event's data; whether it carried choices.
+    /// Take one event's data; whether it carried output (choices; for the Responses and
+    /// Anthropic streams see `response_event` and `message_event`).
     fn event(&mut self, data: &str) -> bool {
         let data = data.trim();
         if data == "[DONE]" {

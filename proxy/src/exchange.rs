@@ -597,7 +597,17 @@ impl Exchange {
             &self.client.parsed.model,
             &target.upstream_model,
             model_within,
-        )
+        )?;
+        if matches!(delivery, Delivery::Assembled(_))
+            && response.status.as_u16() < 400
+            && !self.answer.assembling()
+        {
+            // Asked for a stream, the worker answered whole after all: as for any whole
+            // answer, its prefill is over, and its time to the first byte is no first token.
+            self.attempt.pending = None;
+            self.attempt.ttft = None;
+        }
+        Ok(())
     }
 
     /// A piece of the upstream's body (`status`: the answer's), made the client's. An error
