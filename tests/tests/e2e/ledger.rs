@@ -121,6 +121,19 @@ fn body(model: &str, stream: bool) -> serde_json::Value {
            "messages": [{"role": "user", "content": content}]})
 }
 
+/// Send `request` (asking for a whole answer) in the background: its status and answer.
+fn ask_whole(
+    client: &reqwest::Client,
+    url: String,
+    request: serde_json::Value,
+) -> tokio::task::JoinHandle<(reqwest::StatusCode, serde_json::Value)> {
+    let client = client.clone();
+    tokio::spawn(async move {
+        let response = client.post(&url).json(&request).send().await.unwrap();
+        (response.status(), response.json().await.unwrap())
+    })
+}
+
 #[tokio::test]
 async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_every_path() {
     let gated = three_chunks("gated", true).await;
@@ -219,22 +232,11 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
     // The same answer asked for whole: streamed from the worker and assembled, so the prompt
     // is pending prefill through the opening events and not from the first delta on, while
     // the client still waits for the whole response.
-    let whole = tokio::spawn({
-        let (client, url) = (client.clone(), format!("{}/v1/responses", proxy.url()));
-        let input = input.clone();
-        async move {
-            let response = client
-                .post(&url)
-                .json(&json!({"model": "gated", "max_output_tokens": 64, "input": input}))
-                .send()
-                .await
-                .unwrap();
-            (
-                response.status(),
-                response.json::<serde_json::Value>().await.unwrap(),
-            )
-        }
-    });
+    let whole = ask_whole(
+        &client,
+        format!("{}/v1/responses", proxy.url()),
+        json!({"model": "gated", "max_output_tokens": 64, "input": input}),
+    );
     wait_received(&gated, 2).await;
     // (the opening events go out ungated: give them time to arrive)
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
@@ -295,21 +297,7 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
     // A non-streamed request: the gateway asks the worker for a stream (with usage) and
     // assembles the answer, so the prompt is pending prefill until the worker's first token,
     // although the client sees nothing before the whole answer...
-    let whole = tokio::spawn({
-        let (client, url) = (client.clone(), url.clone());
-        async move {
-            let response = client
-                .post(&url)
-                .json(&body("gated", false))
-                .send()
-                .await
-                .unwrap();
-            (
-                response.status(),
-                response.json::<serde_json::Value>().await.unwrap(),
-            )
-        }
-    });
+    let whole = ask_whole(&client, url.clone(), body("gated", false));
     wait_received(&gated, 4).await;
     let sent = gated.received().last().unwrap().json();
     assert_eq!(
