@@ -486,6 +486,18 @@ async fn a_worker_that_falls_silent_or_breaks_mid_stream_leaves_nothing_counted(
         wait_empty(&proxy, &upstream.endpoint()).await;
     }
     assert_eq!(erring.received().len(), 1);
+    // The answer the worker failed after its 200 counts as the worker's error, not a success.
+    let metrics = proxy.metrics().await;
+    let counted = |outcome: &str| {
+        metrics.lines().any(|line| {
+            line.starts_with("switchyard_tenant_requests_total{")
+                && line.contains("model=\"erring\"")
+                && line.contains(&format!("outcome=\"{outcome}\""))
+                && line.ends_with(" 1")
+        })
+    };
+    assert!(counted("upstream_error"), "{metrics}");
+    assert!(!counted("success"), "{metrics}");
 }
 
 /// The routing figures `proxy` would use for `worker` now (`/debug/route`, nothing sent).
