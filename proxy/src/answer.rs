@@ -93,6 +93,25 @@ enum Mode {
     },
 }
 
+/// What translates a whole answer, and a whole error, into the client's API (`translate` is
+/// not [`Translation::None`]).
+fn whole_translation(translate: Translation) -> (AnswerFn, ErrorFn) {
+    match translate {
+        Translation::ChatToMessages => (
+            translate_openai::message_response_to_chat,
+            translate_openai::error_to_openai,
+        ),
+        Translation::ResponsesToChat => (
+            translate_responses::chat_response_to_responses,
+            translate_openai::error_to_openai,
+        ),
+        Translation::MessagesToChat | Translation::None => (
+            translate::chat_response_to_message,
+            translate::error_to_anthropic,
+        ),
+    }
+}
+
 /// How the client gets its answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Delivery {
@@ -114,7 +133,8 @@ pub struct Answer {
     /// answer the gateway assembles, when the worker's first token reached the gateway.
     pub first_output: Option<Instant>,
     /// A native Responses API stream: it opens with events its server sends before the model
-    /// has produced anything ([`OPENING_EVENTS`]), so its first output is the first other event.
+    /// has produced anything ([`assemble::OPENING_EVENTS`]), so its first output is the first
+    /// other event.
     pub opens_with_events: bool,
     /// The stream names its events (`event:` lines): only they say where output starts.
     events_named: bool,
@@ -122,10 +142,6 @@ pub struct Answer {
     /// connection is ended, its status being sent already.
     pub failed: Option<String>,
 }
-
-/// The events a Responses API stream opens with: vLLM sends both as soon as it has accepted the
-/// request, before its engine yields a token (`responses_stream_generator`).
-const OPENING_EVENTS: [&[u8]; 2] = [b"response.created", b"response.in_progress"];
 
 /// What a piece of a Responses API stream says by its `event:` lines: `None` when it names no
 /// event, else whether it names one past the opening ones (output, the end, an error).
@@ -135,7 +151,11 @@ fn names_output(chunk: &[u8]) -> Option<bool> {
         let Some(name) = line.strip_prefix(b"event:") else {
             continue;
         };
-        if !OPENING_EVENTS.contains(&name.trim_ascii()) {
+        let name = name.trim_ascii();
+        if !assemble::OPENING_EVENTS
+            .iter()
+            .any(|event| event.as_bytes() == name)
+        {
             return Some(true);
         }
         named = Some(false);
@@ -201,13 +221,7 @@ impl Answer {
             response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
             self.mode = Mode::Assemble {
                 assembler: Box::new(Assembler::new(kind)),
-                translate: match translate {
-                    Translation::MessagesToChat => Some(translate::chat_response_to_message),
-                    Translation::ResponsesToChat => {
-                        Some(translate_responses::chat_response_to_responses)
-                    }
-                    Translation::None | Translation::ChatToMessages => None,
-                },
+                translate: (translate != Translation::None).then(|| whole_translation(translate).0),
             };
             return Ok(());
         }
@@ -248,20 +262,7 @@ impl Answer {
             })
         } else {
             response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
-            let (answer, error): (AnswerFn, ErrorFn) = match translate {
-                Translation::ChatToMessages => (
-                    translate_openai::message_response_to_chat,
-                    translate_openai::error_to_openai,
-                ),
-                Translation::ResponsesToChat => (
-                    translate_responses::chat_response_to_responses,
-                    translate_openai::error_to_openai,
-                ),
-                _ => (
-                    translate::chat_response_to_message,
-                    translate::error_to_anthropic,
-                ),
-            };
+            let (answer, error) = whole_translation(translate);
             Mode::TranslateWhole {
                 buffer: BytesMut::new(),
                 status,

@@ -38,9 +38,9 @@ pub enum Kind {
     Message,
 }
 
-/// The Responses API events a stream opens with before any output (vLLM sends both as soon as
-/// it accepts the request).
-const OPENING_EVENTS: [&str; 2] = ["response.created", "response.in_progress"];
+/// The events a Responses API stream opens with before any output: vLLM sends both as soon as
+/// it has accepted the request, before its engine yields a token (`responses_stream_generator`).
+pub const OPENING_EVENTS: [&str; 2] = ["response.created", "response.in_progress"];
 /// The Responses API events that end a stream with the whole response.
 const FINAL_EVENTS: [&str; 3] = [
     "response.completed",
@@ -164,11 +164,13 @@ impl Assembler {
             self.fail("the worker's stream sent an event that is not a JSON object");
             return false;
         };
-        // vLLM's error event: `{"error": {...}}`, or (before 0.10) the error object itself.
+        // vLLM's error event: `{"error": {...}}` (Anthropic's `{"type": "error", "error":
+        // {...}}` too), or the error itself: `"object": "error"` before vLLM 0.10, a Responses
+        // stream's `"type": "error"`.
+        let names_error = |field: &str| chunk.get(field).and_then(Value::as_str) == Some("error");
         let error = match chunk.get("error") {
             Some(error) => Some(error),
-            None => (chunk.get("object").and_then(Value::as_str) == Some("error"))
-                .then_some(&Value::Null),
+            None => (names_error("object") || names_error("type")).then_some(&Value::Null),
         };
         if let Some(error) = error {
             let message = error
@@ -203,18 +205,12 @@ impl Assembler {
             };
             let index = choice.get("index").and_then(Value::as_u64).unwrap_or(0);
             let entry = self.choices.entry(index).or_default();
-            match self.kind {
-                Kind::Chat => {
-                    if let Some(Value::Object(delta)) = choice.remove("delta") {
-                        entry.delta(delta);
-                    }
+            if self.kind == Kind::Chat {
+                if let Some(Value::Object(delta)) = choice.remove("delta") {
+                    entry.delta(delta);
                 }
-                // (Responses and Anthropic streams have no choices: see `response_event`.)
-                Kind::Completion | Kind::Response | Kind::Message => {
-                    if let Some(text) = choice.remove("text") {
-                        entry.text("text", text);
-                    }
-                }
+            } else if let Some(text) = choice.remove("text") {
+                entry.text("text", text);
             }
             if let Some(logprobs) = choice.remove("logprobs").filter(|v| !v.is_null()) {
                 match &mut entry.logprobs {
@@ -235,16 +231,8 @@ impl Assembler {
     /// One event of a Responses stream (`type` names it): whether it is output (anything past
     /// the opening events); the final one carries the whole response.
     fn response_event(&mut self, mut event: Map<String, Value>) -> bool {
+        // (`error` events: see `event`.)
         let kind = event.get("type").and_then(Value::as_str).unwrap_or("");
-        if kind == "error" {
-            let message = event
-                .get("message")
-                .and_then(Value::as_str)
-                .unwrap_or("unknown error")
-                .to_owned();
-            self.fail(&format!("the worker's stream ended in an error: {message}"));
-            return false;
-        }
         if OPENING_EVENTS.contains(&kind) {
             return false;
         }
@@ -322,7 +310,7 @@ impl Assembler {
                 self.done = true;
                 true
             }
-            // (`error` events carry an `error` object: see `event`.)
+            // (`error` events: see `event`.)
             _ => false,
         }
     }
@@ -368,33 +356,39 @@ impl Assembler {
         if let Some(why) = self.incomplete() {
             return Err(why);
         }
-        let object = match self.kind {
-            Kind::Chat => "chat.completion",
-            Kind::Completion => "text_completion",
-            Kind::Response | Kind::Message => {
-                let mut whole = match self.kind {
-                    Kind::Message => self.message()?,
-                    _ => self.response.take().unwrap_or_default(),
-                };
-                whole.insert("model".into(), json!(model));
-                return Ok(Bytes::from(Value::Object(whole).to_string()));
-            }
+        let mut whole = match self.kind {
+            Kind::Chat | Kind::Completion => self.choices_answer(),
+            Kind::Response => self.response.take().unwrap_or_default(),
+            Kind::Message => self.message()?,
         };
+        whole.insert("model".into(), json!(model));
+        Ok(Bytes::from(Value::Object(whole).to_string()))
+    }
+
+    /// The assembled Chat Completions or Completions answer (its `model` set by `answer`).
+    fn choices_answer(&mut self) -> Map<String, Value> {
+        let chat = self.kind == Kind::Chat;
         let choices: Vec<Value> = std::mem::take(&mut self.choices)
             .into_iter()
-            .map(|(index, choice)| choice.into_json(index, self.kind))
+            .map(|(index, choice)| choice.into_json(index, chat))
             .collect();
         let mut answer = Map::new();
         answer.insert(
             "id".into(),
             self.head.remove("id").unwrap_or_else(|| json!("")),
         );
-        answer.insert("object".into(), json!(object));
+        answer.insert(
+            "object".into(),
+            json!(if chat {
+                "chat.completion"
+            } else {
+                "text_completion"
+            }),
+        );
         answer.insert(
             "created".into(),
             self.head.remove("created").unwrap_or_else(|| json!(0)),
         );
-        answer.insert("model".into(), json!(model));
         answer.insert("choices".into(), Value::Array(choices));
         answer.insert("usage".into(), self.usage.take().unwrap_or(Value::Null));
         answer.insert(
@@ -408,7 +402,7 @@ impl Assembler {
         for field in ["service_tier", "prompt_logprobs", "kv_transfer_params"] {
             answer.insert(field.into(), Value::Null);
         }
-        Ok(Bytes::from(Value::Object(answer).to_string()))
+        answer
     }
 }
 
@@ -465,63 +459,61 @@ impl Choice {
         }
     }
 
-    fn into_json(self, index: u64, kind: Kind) -> Value {
+    /// The choice as a whole answer's: a chat message (`chat`), or a completion's text.
+    fn into_json(self, index: u64, chat: bool) -> Value {
         let mut out = Map::new();
         out.insert("index".into(), json!(index));
         let mut texts = self.texts;
-        match kind {
-            Kind::Chat => {
-                let mut message = Map::new();
-                message.insert(
-                    "role".into(),
-                    self.role.unwrap_or_else(|| json!("assistant")),
-                );
-                // `content` null when the model only called tools (its stream opens with an
-                // empty one all the same), else a string.
-                let content = match texts.remove("content") {
-                    Some(Value::String(text)) if text.is_empty() && !self.tool_calls.is_empty() => {
-                        Value::Null
-                    }
-                    Some(content) => content,
-                    None if self.tool_calls.is_empty() => json!(""),
-                    None => Value::Null,
-                };
-                message.insert("content".into(), content);
-                // vLLM's whole message names these even when null; a client reading
-                // `reasoning_content` of a model without reasoning finds it so.
-                for field in [
-                    "refusal",
-                    "annotations",
-                    "audio",
-                    "function_call",
-                    "reasoning_content",
-                ] {
-                    message.insert(field.into(), Value::Null);
+        if chat {
+            let mut message = Map::new();
+            message.insert(
+                "role".into(),
+                self.role.unwrap_or_else(|| json!("assistant")),
+            );
+            // `content` null when the model only called tools (its stream opens with an
+            // empty one all the same), else a string.
+            let content = match texts.remove("content") {
+                Some(Value::String(text)) if text.is_empty() && !self.tool_calls.is_empty() => {
+                    Value::Null
                 }
-                message.extend(texts);
-                message.extend(self.others);
-                let calls: Vec<Value> = self
-                    .tool_calls
-                    .into_values()
-                    .map(|call| {
-                        json!({
-                            "id": call.id.unwrap_or(Value::Null),
-                            "type": call.kind.unwrap_or_else(|| json!("function")),
-                            "function": {"name": call.name, "arguments": call.arguments},
-                        })
-                    })
-                    .collect();
-                message.insert("tool_calls".into(), Value::Array(calls));
-                out.insert("message".into(), Value::Object(message));
+                Some(content) => content,
+                None if self.tool_calls.is_empty() => json!(""),
+                None => Value::Null,
+            };
+            message.insert("content".into(), content);
+            // vLLM's whole message names these even when null; a client reading
+            // `reasoning_content` of a model without reasoning finds it so.
+            for field in [
+                "refusal",
+                "annotations",
+                "audio",
+                "function_call",
+                "reasoning_content",
+            ] {
+                message.insert(field.into(), Value::Null);
             }
-            Kind::Completion | Kind::Response | Kind::Message => {
-                out.insert(
-                    "text".into(),
-                    texts.remove("text").unwrap_or_else(|| json!("")),
-                );
-                for field in ["prompt_logprobs", "prompt_token_ids", "token_ids"] {
-                    out.insert(field.into(), Value::Null);
-                }
+            message.extend(texts);
+            message.extend(self.others);
+            let calls: Vec<Value> = self
+                .tool_calls
+                .into_values()
+                .map(|call| {
+                    json!({
+                        "id": call.id.unwrap_or(Value::Null),
+                        "type": call.kind.unwrap_or_else(|| json!("function")),
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    })
+                })
+                .collect();
+            message.insert("tool_calls".into(), Value::Array(calls));
+            out.insert("message".into(), Value::Object(message));
+        } else {
+            out.insert(
+                "text".into(),
+                texts.remove("text").unwrap_or_else(|| json!("")),
+            );
+            for field in ["prompt_logprobs", "prompt_token_ids", "token_ids"] {
+                out.insert(field.into(), Value::Null);
             }
         }
         out.insert("logprobs".into(), self.logprobs.unwrap_or(Value::Null));

@@ -18,7 +18,6 @@ use switchyard_snapshot::snapshot::{Backend, LoadBalancing, ProviderFormat};
 use crate::accounting::{Usage, UsageTap};
 use crate::answer::{self, Answer, Delivery};
 use crate::api::{ApiError, Endpoint, ErrorKind};
-use crate::assemble;
 use crate::background;
 use crate::calibration::{Coefficients, Observation};
 use crate::headers;
@@ -219,7 +218,7 @@ impl Exchange {
     /// The upstream streams its answer: the client asked for a stream, or for a whole answer
     /// the gateway assembles (either way its first token shows).
     pub fn upstream_streams(&self) -> bool {
-        self.stream() || self.plan.target.assemble
+        self.stream() || self.plan.target.assemble.is_some()
     }
 
     /// The body the current target gets.
@@ -578,17 +577,10 @@ impl Exchange {
         self.answer.opens_with_events = stream
             && self.client.endpoint == Endpoint::Responses
             && target.translate == Translation::None;
-        let delivery = match (stream, target.assemble, self.client.endpoint) {
-            (true, _, _) => Delivery::Stream,
-            (false, true, Endpoint::Completions) => Delivery::Assembled(assemble::Kind::Completion),
-            (false, true, Endpoint::Responses) if target.translate == Translation::None => {
-                Delivery::Assembled(assemble::Kind::Response)
-            }
-            (false, true, Endpoint::Messages) if target.translate == Translation::None => {
-                Delivery::Assembled(assemble::Kind::Message)
-            }
-            (false, true, _) => Delivery::Assembled(assemble::Kind::Chat),
-            (false, false, _) => Delivery::Whole,
+        let delivery = match (stream, target.assemble) {
+            (true, _) => Delivery::Stream,
+            (false, Some(kind)) => Delivery::Assembled(kind),
+            (false, None) => Delivery::Whole,
         };
         self.answer.head(
             response,

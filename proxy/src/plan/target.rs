@@ -9,6 +9,7 @@ use switchyard_snapshot::snapshot::{AnthropicMessages, PoolTask, ProviderFormat,
 
 use super::ClientRequest;
 use crate::api::{ApiError, Endpoint, ErrorKind};
+use crate::assemble;
 use crate::multipart;
 use crate::prompt::PromptInfo;
 use crate::request;
@@ -44,9 +45,9 @@ pub struct Target {
     pub body: Bytes,
     /// Remove the usage chunk the gateway asked for on the client's behalf.
     pub strip_usage: bool,
-    /// The client asked for a whole answer; the worker is asked for a stream, which the
-    /// gateway assembles ([`crate::assemble`]): so that it sees the first token.
-    pub assemble: bool,
+    /// The client asked for a whole answer; the worker is asked for a stream of this kind,
+    /// which the gateway assembles ([`crate::assemble`]): so that it sees the first token.
+    pub assemble: Option<assemble::Kind>,
     /// The prompt as the pool's workers tokenize it, when the planner already tokenized it
     /// (a policy read the pool's predicted TTFT).
     pub prompt: Option<Arc<PromptInfo>>,
@@ -180,35 +181,36 @@ pub(super) fn prepare_target(
     // A whole answer from a worker is asked for as a stream and assembled here: the gateway
     // then sees its first token, when the worker's prefill is done (the ledger releases it,
     // the TTFT model observes it), not only its last.
-    let assemble = !parsed.stream
-        && provider.is_none()
-        && typed.assemblable()
-        && match translate {
-            Translation::None => match endpoint {
-                Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Messages => true,
-                // A response made in the background is answered at once, not at its end.
-                Endpoint::Responses => typed
-                    .responses_fields()
-                    .is_ok_and(|fields| !fields.background),
-                _ => false,
-            },
-            Translation::MessagesToChat | Translation::ResponsesToChat => true,
-            Translation::ChatToMessages => false,
-        };
+    let assemble = match translate {
+        _ if parsed.stream || provider.is_some() || !typed.assemblable() => None,
+        Translation::None => match endpoint {
+            Endpoint::ChatCompletions => Some(assemble::Kind::Chat),
+            Endpoint::Completions => Some(assemble::Kind::Completion),
+            Endpoint::Messages => Some(assemble::Kind::Message),
+            // A response made in the background is answered at once, not at its end.
+            Endpoint::Responses => typed
+                .responses_fields()
+                .is_ok_and(|fields| !fields.background)
+                .then_some(assemble::Kind::Response),
+            _ => None,
+        },
+        Translation::MessagesToChat | Translation::ResponsesToChat => Some(assemble::Kind::Chat),
+        Translation::ChatToMessages => None,
+    };
     let streaming = match (ask_usage, assemble) {
         (true, _) => request::Streaming::AskUsage,
         // Only OpenAI's streams carry usage only when asked.
-        (false, true) => request::Streaming::Stream {
-            usage: matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions),
+        (false, Some(kind)) => request::Streaming::Stream {
+            usage: matches!(kind, assemble::Kind::Chat | assemble::Kind::Completion),
         },
-        (false, false) => request::Streaming::AsSent,
+        (false, None) => request::Streaming::AsSent,
     };
     let mut strip_usage = false;
     let upstream_body = match translate {
         Translation::MessagesToChat => {
             let mut translated =
                 translate_request::messages_to_chat(typed, &target.upstream_model)?;
-            if assemble {
+            if assemble.is_some() {
                 translated = request::with_leading_stream_usage(translated);
             }
             match worker_salt {
@@ -222,7 +224,7 @@ pub(super) fn prepare_target(
         Translation::ResponsesToChat => {
             let mut translated =
                 translate_responses::responses_to_chat(typed, &target.upstream_model)?;
-            if assemble {
+            if assemble.is_some() {
                 translated = request::with_leading_stream_usage(translated);
             }
             match worker_salt {
@@ -237,7 +239,7 @@ pub(super) fn prepare_target(
             let (rewritten, asked) =
                 request::rewrite(body, parsed, &target.upstream_model, worker_salt, streaming)?;
             // An assembled answer always carries its usage, as a whole answer does.
-            strip_usage = asked && !assemble;
+            strip_usage = asked && assemble.is_none();
             rewritten
         }
     };
@@ -345,7 +347,7 @@ pub fn stored_response_target(
         upstream_model: holder.upstream_model.clone(),
         body: Bytes::new(),
         strip_usage: false,
-        assemble: false,
+        assemble: None,
         prompt: None,
         pinned: holder.worker.clone(),
     })
