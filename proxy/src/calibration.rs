@@ -106,15 +106,62 @@ pub fn median_ratio(speeds: impl Iterator<Item = Speed>) -> Option<f64> {
     ratios.get(ratios.len() / 2).copied()
 }
 
-/// One worker's calibration.
+/// Speeds of one worker learned from different answers (several gateway replicas' each) as
+/// one: the geometric mean of their ratios, each weighing as its observations (at most as many
+/// as its average remembers, `1 / LEARNING_RATE`), the observations summed; the first's last
+/// request. `None` only when given none.
+pub fn combined(speeds: impl IntoIterator<Item = Speed>) -> Option<Speed> {
+    let memory = (1.0 / LEARNING_RATE).round() as u64;
+    let mut first: Option<Speed> = None;
+    let (mut weighted, mut weights, mut observations) = (0.0, 0.0, 0u64);
+    for speed in speeds {
+        first.get_or_insert(speed);
+        if speed.observations == 0 || !(speed.ratio.is_finite() && speed.ratio > 0.0) {
+            continue;
+        }
+        let weight = speed.observations.min(memory) as f64;
+        weighted += weight * speed.ratio.clamp(0.05, 20.0).ln();
+        weights += weight;
+        observations = observations.saturating_add(speed.observations);
+    }
+    let first = first?;
+    if weights == 0.0 {
+        return Some(first);
+    }
+    Some(Speed {
+        ratio: (weighted / weights).exp(),
+        observations,
+        last: first.last,
+    })
+}
+
+/// One worker's calibration: what this replica learned from its answers, and what the other
+/// gateway replicas learned from theirs ([`crate::peers`]).
 #[derive(Debug, Default)]
 pub struct TtftCalibration {
     speed: Mutex<Speed>,
+    peers: Mutex<Option<Speed>>,
 }
 
 impl TtftCalibration {
+    /// The worker's speed from every replica's answers: with two replicas each sees half of
+    /// them, and alone would take twice as long to learn a slow worker.
     pub fn speed(&self) -> Speed {
+        let own = self.own();
+        match *crate::lock(&self.peers) {
+            Some(peers) => combined([own, peers]).unwrap_or(own),
+            None => own,
+        }
+    }
+
+    /// What this replica learned from its own answers (what it tells the others).
+    pub fn own(&self) -> Speed {
         *crate::lock(&self.speed)
+    }
+
+    /// What the other replicas learned, combined (`None`: nothing, or no replicas).
+    pub(crate) fn set_peers(&self, peers: Option<Speed>) {
+        *crate::lock(&self.peers) = peers.filter(|p| p.observations > 0);
     }
 
     /// Learn from one streamed request: the formula said `predicted_s`, the first token came
@@ -408,6 +455,50 @@ mod tests {
         let speed = calibration.speed();
         assert_eq!((speed.ratio, speed.observations), (1.0, 0));
         assert_eq!(speed.relative_to(Some(2.0)), 1.0);
+    }
+
+    #[test]
+    fn a_replica_learns_a_worker_from_the_other_replicas_answers_too() {
+        // Each of two replicas sees three of a worker 1.5x slower than predicted: neither
+        // knows it alone (five observations are needed), together they do.
+        let (one, two) = (TtftCalibration::default(), TtftCalibration::default());
+        for _ in 0..3 {
+            one.observe(0.5, 0.75);
+            two.observe(1.0, 1.5);
+        }
+        assert!(!one.speed().known());
+        one.set_peers(Some(two.own()));
+        let speed = one.speed();
+        assert!(speed.known());
+        assert!((speed.ratio - 1.5).abs() < 1e-9, "{}", speed.ratio);
+        assert_eq!(
+            speed.last,
+            Some((0.5, 0.75)),
+            "this replica's own last request"
+        );
+        // What it tells the others is its own alone (no echo of theirs).
+        assert_eq!(one.own().observations, 3);
+
+        // Weighed by observations, each at most as many as an average remembers (ten).
+        let ratio = |ratio, observations| Speed {
+            ratio,
+            observations,
+            last: None,
+        };
+        let both = combined([ratio(2.0, 30), ratio(1.0, 10)]).unwrap();
+        assert!((both.ratio - 2f64.sqrt()).abs() < 1e-9, "{}", both.ratio);
+        assert_eq!(both.observations, 40);
+        let skewed = combined([ratio(2.0, 5), ratio(1.0, 10)]).unwrap();
+        assert!((skewed.ratio - 2f64.powf(1.0 / 3.0)).abs() < 1e-9);
+        // Nothing learned, or nonsense from a peer, changes nothing.
+        assert_eq!(
+            combined([ratio(1.2, 6), ratio(f64::NAN, 9)]).unwrap().ratio,
+            1.2
+        );
+        assert_eq!(combined([ratio(1.0, 0)]).unwrap().observations, 0);
+        assert_eq!(combined([]), None);
+        one.set_peers(None);
+        assert_eq!(one.speed(), one.own());
     }
 
     #[test]

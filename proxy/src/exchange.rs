@@ -131,6 +131,15 @@ impl Attempt {
         self.prediction = None;
         self.unfinished = None;
     }
+
+    /// The worker is past the prompt's prefill: its queue no longer holds it, and its KV
+    /// events (not this replica's prediction) tell the other replicas where its blocks are.
+    fn prefilled(&mut self) {
+        if let Some(prediction) = &self.prediction {
+            prediction.prefilled();
+        }
+        self.pending = None;
+    }
 }
 
 /// A planned request, from its first attempt to its last byte.
@@ -390,7 +399,6 @@ impl Exchange {
         });
         attempt.pending = Some(PendingPrefill::start(&worker, uncached));
         attempt.kv = score.map(|score| KvReservation::start(&worker, score.kv_blocks_needed));
-        crate::worker::ledger_changed();
         attempt.prediction = match (prompt, pool.slots.get(index)) {
             (Some(prompt), Some(slot)) => {
                 let unfinished = prompt
@@ -398,11 +406,20 @@ impl Exchange {
                     .clone()
                     .filter(|_| attempt.tried.len() == 1);
                 let prediction = pool.kv.predictions.add(*slot, prompt);
-                attempt.unfinished = unfinished;
+                match unfinished {
+                    // The other replicas know the prompt only as far as this one tells them:
+                    // while it is prefilled, the whole of it.
+                    Some(unfinished) if crate::peers::sharing() => {
+                        finish_prompt(&pool, &prediction, unfinished, Duration::ZERO);
+                    }
+                    unfinished => attempt.unfinished = unfinished,
+                }
                 Some(prediction)
             }
             _ => None,
         };
+        // The decision is complete (prefill, KV blocks, prediction): the peers may see it.
+        crate::worker::ledger_changed();
         let mut peer = HttpPeer::new(socket, false, String::new());
         peer.options.connection_timeout =
             Some(Duration::from_millis(pool.config.connect_timeout_ms));
@@ -560,7 +577,7 @@ impl Exchange {
         }
         if !self.upstream_streams() {
             // A non-streamed answer arrives whole: its prefill is long over.
-            self.attempt.pending = None;
+            self.attempt.prefilled();
         }
         let target = &self.plan.target;
         // The client's alias names the model in answers; the header says what served it.
@@ -596,7 +613,7 @@ impl Exchange {
         {
             // Asked for a stream, the worker answered whole after all: as for any whole
             // answer, its prefill is over, and its time to the first byte is no first token.
-            self.attempt.pending = None;
+            self.attempt.prefilled();
             self.attempt.ttft = None;
         }
         Ok(())
@@ -634,13 +651,13 @@ impl Exchange {
         // The first token (vLLM streams nothing before it but a Responses stream's opening
         // events, which `answer` passes over): the prefill is done, and the worker's queue no
         // longer holds it (decoding is counted by `current`).
-        self.attempt.pending = None;
+        self.attempt.prefilled();
         if let (Some(unfinished), Some(prediction), Some(pool)) = (
             self.attempt.unfinished.take(),
             self.attempt.prediction.as_ref(),
             self.plan.target.pool(),
         ) {
-            finish_prompt(pool, prediction, unfinished);
+            finish_prompt(pool, prediction, unfinished, WHOLE_AFTER_FIRST_TOKEN);
         }
         match self.attempt.ttft.as_mut() {
             Some(probe) if status < 400 => probe.first_token(),
@@ -717,12 +734,20 @@ const WHOLE_AFTER_FIRST_TOKEN: Duration = Duration::from_millis(5);
 /// shares, is never used.
 /// Bounded: when the background queue is full, a prompt keeps its head's prediction.
 ///
-/// It starts [`WHOLE_AFTER_FIRST_TOKEN`] after the first token, once that token is on its way
-/// to the client: started at once, it delayed the token at the client by about 2 ms on this
-/// project's two-core machine (measured: a shared 1,000-token system prompt and a unique
-/// question, sequential requests, p50 79.6 ms against 77.6 ms with no whole tokenized and
-/// 77.1 ms through round-robin), niceness 19 notwithstanding.
-fn finish_prompt(pool: &Arc<PoolRuntime>, prediction: &Prediction, unfinished: Arc<Unfinished>) {
+/// It starts `after` a delay, [`WHOLE_AFTER_FIRST_TOKEN`] after the first token, once that
+/// token is on its way to the client: started at once, it delayed the token at the client by
+/// about 2 ms on this project's two-core machine (measured: a shared 1,000-token system prompt
+/// and a unique question, sequential requests, p50 79.6 ms against 77.6 ms with no whole
+/// tokenized and 77.1 ms through round-robin), niceness 19 notwithstanding. A replica with
+/// peers starts at once when the prompt is routed: the others learn of its blocks from it alone
+/// until the worker's KV events store them, and a prefix they know only by its head they
+/// would copy to another worker.
+fn finish_prompt(
+    pool: &Arc<PoolRuntime>,
+    prediction: &Prediction,
+    unfinished: Arc<Unfinished>,
+    after: Duration,
+) {
     let (Some(tokenizer), Some(background)) = (pool.tokenizer.clone(), background::prompts())
     else {
         return;
@@ -735,12 +760,13 @@ fn finish_prompt(pool: &Arc<PoolRuntime>, prediction: &Prediction, unfinished: A
             && let Some(whole) = prompt::finish(&tokenizer, &kv.prompts, &unfinished)
         {
             predictions.finish(id, whole);
+            crate::worker::ledger_changed();
         }
     };
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             runtime.spawn(async move {
-                tokio::time::sleep(WHOLE_AFTER_FIRST_TOKEN).await;
+                tokio::time::sleep(after).await;
                 background.try_run(whole);
             });
         }

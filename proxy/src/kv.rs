@@ -40,9 +40,28 @@ pub struct DecisionStats {
 /// instead of all being spread before the first one's events arrive.
 #[derive(Debug, Default)]
 pub struct Predictions {
-    entries: Mutex<Vec<(u64, WorkerId, Arc<crate::prompt::PromptInfo>)>>,
+    entries: Mutex<Vec<Predicted>>,
     next_id: AtomicU64,
 }
+
+/// One prompt in flight to a worker.
+#[derive(Debug)]
+struct Predicted {
+    id: u64,
+    worker: WorkerId,
+    prompt: Arc<crate::prompt::PromptInfo>,
+    /// Before the prompt's first token: the worker's KV events have not stored its blocks yet,
+    /// so the other replicas can learn of them only from this one ([`Predictions::prefilling`]).
+    prefilling: bool,
+}
+
+/// A replica tells the others every this many blocks of a prompt it is having prefilled (and
+/// its last): the hash of a block stands for the whole prefix before it, so a sample of them
+/// places a shared prefix to within this many blocks at a quarter of the bytes.
+pub const PEER_SAMPLE_BLOCKS: usize = 4;
+
+/// Sampled hashes a replica tells the others per worker at most, the shortest prefixes first.
+const MAX_PEER_HASHES: usize = 256;
 
 impl Predictions {
     /// Predict that `worker` will hold `prompt`'s blocks until the guard drops.
@@ -52,7 +71,12 @@ impl Predictions {
         prompt: Arc<crate::prompt::PromptInfo>,
     ) -> Prediction {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        lock(&self.entries).push((id, worker, prompt));
+        lock(&self.entries).push(Predicted {
+            id,
+            worker,
+            prompt,
+            prefilling: true,
+        });
         Prediction {
             predictions: self.clone(),
             id,
@@ -61,14 +85,14 @@ impl Predictions {
 
     /// Whether prediction `id` is still held (its request has not ended).
     pub fn contains(&self, id: u64) -> bool {
-        lock(&self.entries).iter().any(|(e, _, _)| *e == id)
+        lock(&self.entries).iter().any(|e| e.id == id)
     }
 
     /// Replace the prompt of prediction `id` by the whole of it (it was predicted from its head
     /// only); nothing when that request has ended.
     pub fn finish(&self, id: u64, prompt: Arc<crate::prompt::PromptInfo>) {
-        if let Some(entry) = lock(&self.entries).iter_mut().find(|(e, _, _)| *e == id) {
-            entry.2 = prompt;
+        if let Some(entry) = lock(&self.entries).iter_mut().find(|e| e.id == id) {
+            entry.prompt = prompt;
         }
     }
 
@@ -83,11 +107,11 @@ impl Predictions {
     ) {
         let wanted: Vec<(u64, Arc<crate::prompt::Unfinished>)> = lock(&self.entries)
             .iter()
-            .filter_map(|(id, _, prompt)| {
-                let unfinished = prompt.unfinished.as_ref()?;
-                let head = &prompt.hashes;
+            .filter_map(|entry| {
+                let unfinished = entry.prompt.unfinished.as_ref()?;
+                let head = &entry.prompt.hashes;
                 (head.len() < request.len() && request.starts_with(head))
-                    .then(|| (*id, unfinished.clone()))
+                    .then(|| (entry.id, unfinished.clone()))
             })
             .collect();
         let mut done: Vec<(&crate::prompt::Unfinished, Arc<crate::prompt::PromptInfo>)> =
@@ -111,17 +135,58 @@ impl Predictions {
         request: &[switchyard_kv::hash::SequenceHash],
         overlap: &mut switchyard_kv::index::Overlap,
     ) {
-        for (_, worker, prompt) in lock(&self.entries).iter() {
-            let common = prompt
+        for entry in lock(&self.entries).iter() {
+            let common = entry
+                .prompt
                 .hashes
                 .iter()
                 .zip(request)
                 .take_while(|(a, b)| a == b)
                 .count();
             if common > 0 {
-                overlap.raise(*worker, common as u32);
+                overlap.raise(entry.worker, common as u32);
             }
         }
+    }
+
+    /// Prediction `id`'s prompt has its first token: its worker's KV events tell every replica
+    /// where its blocks are from now on.
+    pub fn prefilled(&self, id: u64) {
+        if let Some(entry) = lock(&self.entries).iter_mut().find(|e| e.id == id) {
+            entry.prefilling = false;
+        }
+    }
+
+    /// What the other replicas need to know of the prompts this one is having prefilled, per
+    /// worker: the hash of every [`PEER_SAMPLE_BLOCKS`]-th block of each and of its last,
+    /// without repeats, the shortest prefixes first, at most [`MAX_PEER_HASHES`].
+    pub fn prefilling(&self) -> Vec<(WorkerId, Vec<switchyard_kv::hash::SequenceHash>)> {
+        let mut sampled: HashMap<WorkerId, Vec<(usize, switchyard_kv::hash::SequenceHash)>> =
+            HashMap::new();
+        for entry in lock(&self.entries).iter().filter(|e| e.prefilling) {
+            let hashes = &entry.prompt.hashes;
+            let samples = sampled.entry(entry.worker).or_default();
+            for (at, hash) in hashes.iter().enumerate() {
+                let blocks = at + 1;
+                if blocks % PEER_SAMPLE_BLOCKS == 0 || blocks == hashes.len() {
+                    samples.push((blocks, *hash));
+                }
+            }
+        }
+        sampled
+            .into_iter()
+            .map(|(worker, mut samples)| {
+                samples.sort_unstable();
+                let mut seen = std::collections::HashSet::new();
+                let hashes = samples
+                    .into_iter()
+                    .map(|(_, hash)| hash)
+                    .filter(|hash| seen.insert(*hash))
+                    .take(MAX_PEER_HASHES)
+                    .collect();
+                (worker, hashes)
+            })
+            .collect()
     }
 
     pub fn len(&self) -> usize {
@@ -130,6 +195,51 @@ impl Predictions {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// The prompts the other gateway replicas are having prefilled: block hashes sampled from them
+/// ([`Predictions::prefilling`]), by the workers that will hold them.
+#[derive(Debug, Default)]
+pub struct PeerPrefixes {
+    by_hash: HashMap<switchyard_kv::hash::SequenceHash, Vec<WorkerId>>,
+}
+
+impl PeerPrefixes {
+    pub fn new(by_worker: &[(WorkerId, Vec<switchyard_kv::hash::SequenceHash>)]) -> PeerPrefixes {
+        let mut by_hash: HashMap<switchyard_kv::hash::SequenceHash, Vec<WorkerId>> = HashMap::new();
+        for (worker, hashes) in by_worker {
+            for hash in hashes {
+                let workers = by_hash.entry(*hash).or_default();
+                if !workers.contains(worker) {
+                    workers.push(*worker);
+                }
+            }
+        }
+        PeerPrefixes { by_hash }
+    }
+
+    /// Raise each worker's depth in `overlap` to the longest prefix of `request` another
+    /// replica sent it (as far as the samples tell: up to [`PEER_SAMPLE_BLOCKS`] − 1 blocks
+    /// short); the deepest such prefix of any worker.
+    fn raise(
+        &self,
+        request: &[switchyard_kv::hash::SequenceHash],
+        overlap: &mut switchyard_kv::index::Overlap,
+    ) -> usize {
+        let mut deepest = 0;
+        if self.by_hash.is_empty() {
+            return deepest;
+        }
+        for (at, hash) in request.iter().enumerate() {
+            if let Some(workers) = self.by_hash.get(hash) {
+                for worker in workers {
+                    overlap.raise(*worker, (at + 1) as u32);
+                }
+                deepest = at + 1;
+            }
+        }
+        deepest
     }
 }
 
@@ -145,11 +255,16 @@ impl Prediction {
     pub fn handle(&self) -> (Arc<Predictions>, u64) {
         (self.predictions.clone(), self.id)
     }
+
+    /// Its prompt has its first token (see [`Predictions::prefilled`]).
+    pub fn prefilled(&self) {
+        self.predictions.prefilled(self.id);
+    }
 }
 
 impl Drop for Prediction {
     fn drop(&mut self) {
-        lock(&self.predictions.entries).retain(|(id, _, _)| *id != self.id);
+        lock(&self.predictions.entries).retain(|e| e.id != self.id);
     }
 }
 
@@ -165,6 +280,8 @@ pub struct PoolKv {
     pub prompts: crate::prompt::PromptCache,
     /// Prompts in flight, not yet confirmed by KV events.
     pub predictions: Arc<Predictions>,
+    /// Prompts the other replicas are having prefilled ([`crate::peers`]).
+    peer_prefixes: Mutex<Arc<PeerPrefixes>>,
     /// Running average of the prefill work (uncached prompt tokens) of routed requests:
     /// estimates the work behind each request a worker reports as waiting.
     prefill_tokens_average: RunningAverage,
@@ -193,6 +310,7 @@ impl PoolKv {
             decisions: DecisionStats::default(),
             prompts: crate::prompt::PromptCache::default(),
             predictions: Arc::default(),
+            peer_prefixes: Mutex::default(),
             prefill_tokens_average: RunningAverage::default(),
             last_arrival_us: AtomicU64::new(0),
             arrival_interval_s: RunningAverage::default(),
@@ -216,21 +334,40 @@ impl PoolKv {
         WorkerId(candidate)
     }
 
-    /// How deep each worker holds `hashes`: in the index, or by a request in flight to it.
+    /// How deep each worker holds `hashes`: in the index, or by a request in flight to it
+    /// (from this replica or another).
     pub fn overlap(
         &self,
         hashes: &[switchyard_kv::hash::SequenceHash],
     ) -> switchyard_kv::index::Overlap {
+        self.overlap_and_peers(hashes).0
+    }
+
+    /// [`Self::overlap`], and the deepest prefix of `hashes` another replica is having
+    /// prefilled somewhere.
+    fn overlap_and_peers(
+        &self,
+        hashes: &[switchyard_kv::hash::SequenceHash],
+    ) -> (switchyard_kv::index::Overlap, usize) {
         let mut overlap = switchyard_kv::index::Overlap::default();
         self.index
             .overlap_into(hashes, self.slot_count(), &mut overlap);
         self.predictions.raise(hashes, &mut overlap);
-        overlap
+        let peers = lock(&self.peer_prefixes).clone();
+        let peer_depth = peers.raise(hashes, &mut overlap);
+        (overlap, peer_depth)
+    }
+
+    /// The prompts the other replicas are having prefilled, by worker (replacing the last).
+    pub(crate) fn set_peer_prefixes(&self, prefixes: PeerPrefixes) {
+        *lock(&self.peer_prefixes) = Arc::new(prefixes);
     }
 
     /// Whether some worker holds (or is being sent) every one of `hashes`. A request in flight
     /// known only by its head, which `hashes` share and run past, is tokenized whole first
-    /// (see [`Predictions::finish_under`]): it may hold more of them.
+    /// (see [`Predictions::finish_under`]): it may hold more of them. Another replica's prompt
+    /// is known by a sample of its blocks: one that reaches within a sample of the end counts
+    /// (the prompt is then tokenized further, and placed by what it shares).
     pub fn holds_all(
         &self,
         hashes: &[switchyard_kv::hash::SequenceHash],
@@ -242,7 +379,9 @@ impl PoolKv {
         self.predictions.finish_under(hashes, |unfinished| {
             crate::prompt::finish(tokenizer, &self.prompts, unfinished)
         });
-        self.overlap(hashes).deepest() as usize >= hashes.len()
+        let (overlap, peer_depth) = self.overlap_and_peers(hashes);
+        overlap.deepest() as usize >= hashes.len()
+            || (peer_depth > 0 && peer_depth + PEER_SAMPLE_BLOCKS > hashes.len())
     }
 
     /// One past the highest slot in use (the size of an overlap buffer).
@@ -672,6 +811,76 @@ pub(crate) fn label_value<'a>(line: &'a str, name: &str) -> Option<&'a str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn prompt(hashes: std::ops::Range<u64>) -> Arc<crate::prompt::PromptInfo> {
+        Arc::new(crate::prompt::PromptInfo {
+            tokens: hashes.clone().count() * 16,
+            hashes: hashes.map(switchyard_kv::hash::SequenceHash).collect(),
+            unfinished: None,
+        })
+    }
+
+    #[test]
+    fn prompts_in_prefill_are_told_by_every_fourth_block_and_their_last() {
+        use switchyard_kv::hash::SequenceHash;
+        let predictions = Arc::new(Predictions::default());
+        // Two prompts with the same 8-block prefix on worker 0, one of 3 blocks on worker 1.
+        let a = predictions.add(WorkerId(0), prompt(0..10));
+        let b = predictions.add(WorkerId(0), prompt(0..8));
+        let _c = predictions.add(WorkerId(1), prompt(100..103));
+        let mut told = predictions.prefilling();
+        told.sort();
+        let hashes = |h: &[u64]| h.iter().copied().map(SequenceHash).collect::<Vec<_>>();
+        assert_eq!(
+            told,
+            vec![
+                (WorkerId(0), hashes(&[3, 7, 9])),
+                (WorkerId(1), hashes(&[102])),
+            ]
+        );
+        // Past its first token a prompt is the KV events' to tell.
+        a.prefilled();
+        b.prefilled();
+        assert_eq!(
+            predictions.prefilling(),
+            vec![(WorkerId(1), hashes(&[102]))]
+        );
+        // At most MAX_PEER_HASHES per worker, the shortest prefixes first.
+        let _long = predictions.add(WorkerId(1), prompt(1_000..3_000));
+        let told = predictions.prefilling();
+        let (_, long) = told.iter().find(|(w, _)| *w == WorkerId(1)).unwrap();
+        assert_eq!(long.len(), MAX_PEER_HASHES);
+        assert_eq!(long.first(), Some(&SequenceHash(102)));
+        assert_eq!(long.get(1), Some(&SequenceHash(1_003)));
+    }
+
+    #[test]
+    fn another_replicas_samples_place_a_shared_prefix_to_within_a_sample() {
+        use switchyard_kv::hash::SequenceHash;
+        let kv = KvRegistry::default().pool(&PoolId::new("ns", "p"), 16);
+        let sender = Arc::new(Predictions::default());
+        let _sent = sender.add(WorkerId(1), prompt(0..10));
+        kv.set_peer_prefixes(PeerPrefixes::new(&sender.prefilling()));
+        let request = |blocks: std::ops::Range<u64>| -> Vec<SequenceHash> {
+            blocks.map(SequenceHash).collect()
+        };
+        // Sharing 6 of its 10 blocks: sampled at 4.
+        let shares_six = [request(0..6), request(50..60)].concat();
+        assert_eq!(kv.overlap(&shares_six).depth(WorkerId(1)), 4);
+        // Sharing all 10 (the last block is always told), and running past them.
+        let longer = request(0..14);
+        assert_eq!(kv.overlap(&longer).depth(WorkerId(1)), 10);
+        assert_eq!(kv.overlap(&longer).depth(WorkerId(0)), 0);
+        // A head that the sample reaches to within a sample counts as held: it is tokenized
+        // further (and then placed by what it shares).
+        let tokenizer = PromptTokenizer::shipped().unwrap();
+        assert!(kv.holds_all(&request(0..7), &tokenizer));
+        assert!(!kv.holds_all(&request(0..14), &tokenizer));
+        assert!(!kv.holds_all(&request(20..22), &tokenizer));
+        // A replica that stops telling (its prompt past its prefill) leaves nothing behind.
+        kv.set_peer_prefixes(PeerPrefixes::new(&[]));
+        assert_eq!(kv.overlap(&longer).deepest(), 0);
+    }
 
     #[test]
     fn metrics_parsing_sums_engines_and_ignores_comments() {

@@ -10,7 +10,12 @@
 //! counts theirs like its own; the workers' gauges then only add what no replica explains.
 //! Their arrival rates are added to this one's: the scorer's fleet charge ([`crate::scorer`]) is
 //! about every request that will arrive behind a choice, not only those that come through this
-//! replica.
+//! replica. And the prompts each is having prefilled, as a sample of their block hashes per
+//! worker: until the worker's KV events store a prompt's blocks (after its prefill) only the
+//! replica that sent it knows where they will be, and a request sharing the prefix that arrives
+//! at another replica meanwhile would be sent to prefill it a second time elsewhere. And how
+//! fast each worker answers as the replica learned it ([`crate::calibration`]): each replica
+//! sees only its share of the answers, and alone would learn a slow worker that much later.
 //!
 //! Why pushed, and why datagrams: a ledger read every interval is an interval late, and two
 //! replicas deciding within it both take the same best worker; one pushed at each change is
@@ -25,6 +30,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -34,8 +40,12 @@ use pingora_core::services::background::BackgroundService;
 use serde::{Deserialize, Serialize};
 use tokio::net::UdpSocket;
 
+use switchyard_kv::hash::SequenceHash;
+
+use crate::calibration::{Speed, combined};
 use crate::config::ConfigStore;
 pub use crate::kv::PeerLedger;
+use crate::kv::PeerPrefixes;
 use crate::routing::RoutingTable;
 use crate::worker::LEDGER_CHANGED;
 
@@ -43,6 +53,15 @@ use crate::worker::LEDGER_CHANGED;
 pub fn instance_id() -> &'static str {
     static ID: OnceLock<String> = OnceLock::new();
     ID.get_or_init(|| format!("{:016x}", rand::random::<u64>()))
+}
+
+/// Whether this process sends its ledger to other replicas (its peer service runs).
+static SHARING: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process shares its ledger with other replicas: then a prompt routed by its head
+/// alone is tokenized whole at once, for the others to learn where its blocks will be.
+pub fn sharing() -> bool {
+    SHARING.load(Ordering::Relaxed)
 }
 
 /// Intervals (the sender's) without a datagram after which a replica counts for nothing (it
@@ -65,6 +84,12 @@ pub struct ReplicaLedger {
     pub workers: HashMap<String, PeerLedger>,
     /// Requests per second the replica routes into each pool (by pool id, `namespace/name`).
     pub arrival_rates: HashMap<String, f64>,
+    /// The prompts the replica is having prefilled, per worker address: block hashes sampled
+    /// from them ([`crate::kv::Predictions::prefilling`]).
+    pub prefixes: HashMap<String, Vec<u64>>,
+    /// How fast each worker answers against the TTFT formula, as the replica learned it from
+    /// its own answers: `(ratio, observations)`, one per replica once summed.
+    pub speeds: HashMap<String, Vec<(f64, u64)>>,
 }
 
 impl ReplicaLedger {
@@ -74,6 +99,18 @@ impl ReplicaLedger {
         }
         for (pool, rate) in &other.arrival_rates {
             *self.arrival_rates.entry(pool.clone()).or_default() += rate;
+        }
+        for (worker, hashes) in &other.prefixes {
+            self.prefixes
+                .entry(worker.clone())
+                .or_default()
+                .extend_from_slice(hashes);
+        }
+        for (worker, speeds) in &other.speeds {
+            self.speeds
+                .entry(worker.clone())
+                .or_default()
+                .extend_from_slice(speeds);
         }
     }
 
@@ -89,6 +126,26 @@ impl ReplicaLedger {
                 let ledger = worker.ledger();
                 if ledger != PeerLedger::default() {
                     own.workers.insert(worker.address.clone(), ledger);
+                }
+                let speed = worker.ttft.own();
+                if speed.observations > 0 {
+                    own.speeds
+                        .entry(worker.address.clone())
+                        .or_default()
+                        .push((speed.ratio, speed.observations));
+                }
+            }
+            for (slot, hashes) in pool.kv.predictions.prefilling() {
+                let worker = pool
+                    .slots
+                    .iter()
+                    .position(|s| *s == slot)
+                    .and_then(|position| pool.workers.get(position));
+                if let Some(worker) = worker {
+                    own.prefixes
+                        .entry(worker.address.clone())
+                        .or_default()
+                        .extend(hashes.iter().map(|h| h.0));
                 }
             }
         }
@@ -108,10 +165,18 @@ struct Datagram {
     /// `[address, prefills, prefill tokens, in flight, KV blocks, prefill elapsed µs]`.
     workers: Vec<(String, u64, u64, u64, u64, u64)>,
     arrival_rates: HashMap<String, f64>,
+    /// `[address, sampled block hashes of the prompts being prefilled there]` (absent from
+    /// replicas that predate it: they share none).
+    #[serde(default)]
+    prefixes: Vec<(String, Vec<u64>)>,
+    /// `[address, speed ratio, observations]` of the workers the sender has learned.
+    #[serde(default)]
+    speeds: Vec<(String, f64, u64)>,
 }
 
 impl Datagram {
-    /// The ledger as one datagram's bytes, its busiest workers first when it must be cut.
+    /// The ledger as one datagram's bytes. When it must be cut, the prompts' samples go first
+    /// (their longest prefixes, half at a time), then the least busy workers.
     fn encode(ledger: &ReplicaLedger, seq: u64, interval: Duration) -> Vec<u8> {
         let mut workers: Vec<_> = ledger
             .workers
@@ -128,6 +193,23 @@ impl Datagram {
             })
             .collect();
         workers.sort_by(|a, b| (b.2, b.3, &a.0).cmp(&(a.2, a.3, &b.0)));
+        let mut prefixes: Vec<(String, Vec<u64>)> = ledger
+            .prefixes
+            .iter()
+            .filter(|(_, hashes)| !hashes.is_empty())
+            .map(|(address, hashes)| (address.clone(), hashes.clone()))
+            .collect();
+        prefixes.sort();
+        let mut speeds: Vec<(String, f64, u64)> = ledger
+            .speeds
+            .iter()
+            .flat_map(|(address, learned)| {
+                learned
+                    .iter()
+                    .map(|(ratio, observations)| (address.clone(), *ratio, *observations))
+            })
+            .collect();
+        speeds.sort_by(|a, b| (b.2, &a.0).cmp(&(a.2, &b.0)));
         let mut datagram = Datagram {
             v: VERSION,
             instance: instance_id().to_owned(),
@@ -135,11 +217,25 @@ impl Datagram {
             interval_ms: interval.as_millis() as u64,
             workers,
             arrival_rates: ledger.arrival_rates.clone(),
+            prefixes,
+            speeds,
         };
         loop {
             let bytes = serde_json::to_vec(&datagram).unwrap_or_default();
             if bytes.len() <= MAX_DATAGRAM || datagram.workers.is_empty() {
                 return bytes;
+            }
+            if !datagram.prefixes.is_empty() {
+                for (_, hashes) in &mut datagram.prefixes {
+                    hashes.truncate(hashes.len() / 2);
+                }
+                datagram.prefixes.retain(|(_, hashes)| !hashes.is_empty());
+                continue;
+            }
+            if !datagram.speeds.is_empty() {
+                // The workers learned from the fewest answers go first.
+                datagram.speeds.truncate(datagram.speeds.len() / 2);
+                continue;
             }
             static WARNED: OnceLock<()> = OnceLock::new();
             WARNED.get_or_init(|| {
@@ -184,9 +280,21 @@ impl Datagram {
             .filter(|(_, rate)| rate.is_finite() && **rate > 0.0)
             .map(|(pool, rate)| (pool.clone(), *rate))
             .collect();
+        let prefixes = self.prefixes.iter().cloned().collect();
+        let mut speeds: HashMap<String, Vec<(f64, u64)>> = HashMap::new();
+        for (address, ratio, observations) in &self.speeds {
+            if ratio.is_finite() && *ratio > 0.0 && *observations > 0 {
+                speeds
+                    .entry(address.clone())
+                    .or_default()
+                    .push((*ratio, *observations));
+            }
+        }
         ReplicaLedger {
             workers,
             arrival_rates,
+            prefixes,
+            speeds,
         }
     }
 }
@@ -323,14 +431,28 @@ impl PeerService {
         for pool in table.pools() {
             let rate = peers.arrival_rates.get(&pool.config.id.0).copied();
             pool.kv.set_peer_arrival_rate(rate.unwrap_or(0.0));
-            for worker in &pool.workers {
+            let mut prefixes = Vec::new();
+            for (worker, slot) in pool.workers.iter().zip(&pool.slots) {
                 let ledger = peers
                     .workers
                     .get(&worker.address)
                     .copied()
                     .unwrap_or_default();
                 worker.load.set_peers(ledger);
+                let learned = peers.speeds.get(&worker.address).into_iter().flatten();
+                worker
+                    .ttft
+                    .set_peers(combined(learned.map(|(ratio, observations)| Speed {
+                        ratio: *ratio,
+                        observations: *observations,
+                        last: None,
+                    })));
+                if let Some(hashes) = peers.prefixes.get(&worker.address) {
+                    let hashes = hashes.iter().map(|h| SequenceHash(*h)).collect();
+                    prefixes.push((*slot, hashes));
+                }
             }
+            pool.kv.set_peer_prefixes(PeerPrefixes::new(&prefixes));
         }
     }
 
@@ -426,6 +548,7 @@ impl BackgroundService for PeerService {
             }
         };
         let shared = Shared::default();
+        SHARING.store(true, Ordering::Relaxed);
         self.resolve(&shared).await;
         if let Ok(local) = socket.local_addr()
             && local.ip().is_loopback()
@@ -483,6 +606,8 @@ mod tests {
                 ),
             ]),
             arrival_rates: HashMap::from([("default/a".to_owned(), 12.5)]),
+            prefixes: HashMap::from([("10.0.0.1:8000".to_owned(), vec![u64::MAX, 7, 11])]),
+            speeds: HashMap::from([("10.0.0.2:8000".to_owned(), vec![(1.5, 12)])]),
         };
         let bytes = Datagram::encode(&replica, 7, Duration::from_millis(100));
         assert_eq!(Datagram::decode(&bytes), None, "this process's own");
@@ -497,6 +622,35 @@ mod tests {
             .replace("\"v\":1", "\"v\":2");
         assert_eq!(Datagram::decode(newer.as_bytes()), None);
         assert_eq!(Datagram::decode(b"GET / HTTP/1.1"), None);
+        // A replica that shares no prompts (one that predates them) is still heard.
+        let older =
+            br#"{"v":1,"instance":"old","seq":3,"workers":[["w",1,2,3,4,5]],"arrival_rates":{}}"#;
+        let decoded = Datagram::decode(older).unwrap().ledger();
+        assert_eq!(decoded.workers["w"].kv_blocks, 4);
+        assert!(decoded.prefixes.is_empty());
+    }
+
+    #[test]
+    fn a_ledger_too_long_for_one_datagram_gives_up_prompt_samples_before_workers() {
+        let replica = ReplicaLedger {
+            workers: HashMap::from([("w".to_owned(), ledger(5, 0))]),
+            prefixes: HashMap::from([
+                ("w".to_owned(), (0..4_000).map(|i| u64::MAX - i).collect()),
+                ("v".to_owned(), (10_000..10_010).collect()),
+            ]),
+            ..Default::default()
+        };
+        let bytes = Datagram::encode(&replica, 1, Duration::from_millis(100));
+        assert!(bytes.len() <= MAX_DATAGRAM);
+        let kept: Datagram = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(kept.workers.len(), 1);
+        let kept = kept.ledger().prefixes;
+        // Each halved: the shortest prefixes (first) stay.
+        let w = &kept["w"];
+        assert!(w.len() > 1_000 && w.len() < 4_000, "{}", w.len());
+        let first: Vec<u64> = (0..w.len() as u64).map(|i| u64::MAX - i).collect();
+        assert_eq!(w, &first);
+        assert_eq!(kept["v"].first(), Some(&10_000));
     }
 
     #[test]
@@ -525,6 +679,8 @@ mod tests {
         let replica = |tokens: u64, elapsed_us: u64, rate: f64| ReplicaLedger {
             workers: HashMap::from([("w".to_owned(), ledger(tokens, elapsed_us))]),
             arrival_rates: HashMap::from([("default/a".to_owned(), rate)]),
+            prefixes: HashMap::from([("w".to_owned(), vec![tokens])]),
+            speeds: HashMap::from([("w".to_owned(), vec![(rate, 5)])]),
         };
         let start = Instant::now();
         let mut replicas = Replicas::default();
@@ -543,6 +699,13 @@ mod tests {
         );
         // The longest time on the oldest prefill, grown by the time since it was reported.
         assert_eq!(w.prefill_elapsed_us, 40_000);
+        // Both replicas' prompts in prefill there.
+        let mut prefixes = total.prefixes["w"].clone();
+        prefixes.sort();
+        assert_eq!(prefixes, [50, 100]);
+        let mut speeds = total.speeds["w"].clone();
+        speeds.sort_by(|a, b| a.0.total_cmp(&b.0));
+        assert_eq!(speeds, [(2.0, 5), (3.5, 5)]);
 
         // r2 goes on reporting; r1 (interval 100 ms) falls silent for more than ten of its
         // intervals and is forgotten, whatever this replica's own interval.

@@ -620,6 +620,80 @@ mod tests {
     }
 
     #[test]
+    fn another_replicas_prompt_in_prefill_is_placed_from_its_sampled_blocks() {
+        use crate::kv::{KvRegistry, PEER_SAMPLE_BLOCKS, PeerPrefixes};
+        use switchyard_kv::index::WorkerId;
+        let tokenizer = PromptTokenizer::shipped().unwrap();
+        let pool = switchyard_snapshot::snapshot::PoolId::new("ns", "p");
+        // Two replicas in front of the same pool.
+        let (sender, receiver) = (
+            KvRegistry::default().pool(&pool, 16),
+            KvRegistry::default().pool(&pool, 16),
+        );
+        let system: String = (0..800)
+            .map(|i| format!("river{i} mountain garden "))
+            .collect();
+        let chat = |question: &str| {
+            serde_json::json!({"model": "m", "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question}]})
+            .to_string()
+        };
+        let analysed = |kv: &crate::kv::PoolKv, body: &str| {
+            let parsed = crate::wire::parse(body.as_bytes()).unwrap();
+            let held = |hashes: &[SequenceHash]| kv.holds_all(hashes, &tokenizer);
+            analyse_chat(&tokenizer, &kv.prompts, &parsed, 16, &held)
+        };
+        // The first replica sends a prompt nobody holds to worker 2, and (as a replica with
+        // peers does) tokenizes it whole while the worker prefills it.
+        let first = analysed(&sender, &chat("What is first?"));
+        let whole = finish(
+            &tokenizer,
+            &sender.prompts,
+            first.unfinished.as_ref().unwrap(),
+        )
+        .unwrap();
+        let prediction = sender.predictions.add(WorkerId(2), first);
+        let (predictions, id) = prediction.handle();
+        predictions.finish(id, whole.clone());
+        let told = sender.predictions.prefilling();
+        let [(worker, sampled)] = told.as_slice() else {
+            panic!("{told:?}")
+        };
+        assert_eq!(*worker, WorkerId(2));
+        assert_eq!(
+            sampled.len(),
+            whole.hashes.len().div_ceil(PEER_SAMPLE_BLOCKS)
+        );
+
+        // Before it hears of it, the other replica knows the prompt by its head only, and no
+        // worker holds it.
+        let second = chat("And what is second?");
+        let before = analysed(&receiver, &second);
+        assert!(before.unfinished.is_some());
+        assert_eq!(receiver.overlap(&before.hashes).deepest(), 0);
+        // Told, it tokenizes its own prompt as far as the first's reaches, and places it on
+        // worker 2 with the whole system prompt (to within a sample).
+        receiver.set_peer_prefixes(PeerPrefixes::new(&told));
+        let after = analysed(&receiver, &second);
+        let system_blocks = tokenizer.encode(&system).unwrap().len() / 16;
+        let depth = receiver.overlap(&after.hashes).depth(WorkerId(2)) as usize;
+        assert!(
+            depth + PEER_SAMPLE_BLOCKS > system_blocks && depth < after.hashes.len(),
+            "{depth} of {system_blocks}"
+        );
+        assert_eq!(receiver.overlap(&after.hashes).depth(WorkerId(1)), 0);
+
+        // Past its first token the worker's KV events say where the prompt is: the first
+        // replica stops telling; once its request ends, it holds no prediction either.
+        prediction.prefilled();
+        assert!(sender.predictions.prefilling().is_empty());
+        assert_eq!(sender.predictions.len(), 1);
+        drop(prediction);
+        assert!(sender.predictions.is_empty());
+    }
+
+    #[test]
     fn a_held_head_grows_through_text_seen_before_and_one_piece_past_it() {
         let tokenizer = PromptTokenizer::shipped().unwrap();
         let cache = PromptCache::default();

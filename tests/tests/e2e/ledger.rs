@@ -599,3 +599,111 @@ async fn a_replica_counts_another_replicas_requests_like_its_own() {
     wait_scored(&second, &worker, |seen| seen == (0, 0)).await;
     assert_eq!(ledger(&second, &worker).await, Ledger::default());
 }
+
+/// How many leading blocks of `body`'s prompt `proxy` takes `worker` to hold (`/debug/route`).
+async fn matched_at(proxy: &Proxy, body: &serde_json::Value, worker: &str) -> u64 {
+    let explained = proxy.debug_route(None, body).await;
+    explained["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["worker"] == worker)
+        .and_then(|s| s["matched_blocks"].as_u64())
+        .unwrap_or_else(|| panic!("{worker} not scored: {explained}"))
+}
+
+#[tokio::test]
+async fn a_replica_follows_a_prefix_another_replica_is_having_prefilled() {
+    // Two workers that publish no KV events: what one replica sent where, the other can learn
+    // only from that replica.
+    let (one, two) = (
+        three_chunks("one", true).await,
+        three_chunks("two", true).await,
+    );
+    let config = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: pair}}\nspec: {{model: m, blockSize: 16, endpoints: [\"{}\", \"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: pair}}\nspec: {{modelName: pair, targets: [{{pool: pair}}]}}\n",
+        one.endpoint(),
+        two.endpoint()
+    );
+    let minute = "60000";
+    let first = Proxy::start(
+        &config,
+        &["--peers", "127.0.0.1:1", "--peer-interval-ms", minute],
+    )
+    .await;
+    let peers = format!(
+        "{},127.0.0.1:1",
+        first.admin_url().trim_start_matches("http://")
+    );
+    let second = Proxy::start(&config, &["--peers", &peers, "--peer-interval-ms", minute]).await;
+    // A system prompt of about a thousand tokens, far longer than the head a prompt nobody
+    // holds is first known by.
+    let system = "Answer as the handbook of the switchyard says, citing the numbers of its rules. "
+        .repeat(70);
+    let chat = |question: &str| {
+        json!({"model": "pair", "stream": true, "max_tokens": 8, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question}]})
+    };
+    let probe = chat("What does rule 7 say?");
+    for worker in [one.endpoint(), two.endpoint()] {
+        assert_eq!(matched_at(&second, &probe, &worker).await, 0);
+    }
+
+    // A request through the first replica, before its first token...
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", first.url()))
+        .json(&chat("What does rule 1 say?"))
+        .send()
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while one.received().len() + two.received().len() == 0 {
+        assert!(std::time::Instant::now() < deadline, "nothing sent");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let (holder, other) = if one.received().is_empty() {
+        (&two, &one)
+    } else {
+        (&one, &two)
+    };
+    // ...the second replica knows where its whole system prompt will be, not only its head
+    // (16 blocks), to within a sample of four blocks, and that the other worker holds none of it.
+    let system_blocks = switchyard_kv::tokenize::PromptTokenizer::shipped()
+        .unwrap()
+        .encode(&system)
+        .unwrap()
+        .len() as u64
+        / 16;
+    assert!(system_blocks > 40, "{system_blocks}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let matched = matched_at(&second, &probe, &holder.endpoint()).await;
+        if matched + 4 > system_blocks {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second replica places {matched} blocks at {}",
+            holder.endpoint()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(matched_at(&second, &probe, &other.endpoint()).await, 0);
+
+    // Past the first token the worker's own KV events tell where the prompt is (these workers
+    // publish none): the first replica stops telling.
+    let mut chunks = response.bytes_stream();
+    holder.release(1);
+    chunks.next().await.unwrap().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while matched_at(&second, &probe, &holder.endpoint()).await > 0 {
+        assert!(std::time::Instant::now() < deadline, "still told");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    holder.release(16);
+    while let Some(chunk) = chunks.next().await {
+        chunk.unwrap();
+    }
+}
