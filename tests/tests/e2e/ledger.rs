@@ -529,6 +529,26 @@ async fn wait_scored(proxy: &Proxy, worker: &str, wanted: impl Fn((u64, u64)) ->
     }
 }
 
+/// Two replicas with `config`, peers of each other. They push their ledgers at every change;
+/// the interval (a minute here) only repeats an unchanged one, so whatever a test sees of the
+/// other replica came through pushes. The first names no replica that runs, only their host: it
+/// learns of the second's port from the datagram the second sends when it starts, to the
+/// first's operator port (and to a port nobody listens on).
+async fn two_replicas(config: &str) -> (Proxy, Proxy) {
+    let minute = "60000";
+    let first = Proxy::start(
+        config,
+        &["--peers", "127.0.0.1:1", "--peer-interval-ms", minute],
+    )
+    .await;
+    let peers = format!(
+        "{},127.0.0.1:1",
+        first.admin_url().trim_start_matches("http://")
+    );
+    let second = Proxy::start(config, &["--peers", &peers, "--peer-interval-ms", minute]).await;
+    (first, second)
+}
+
 #[tokio::test]
 async fn a_replica_counts_another_replicas_requests_like_its_own() {
     let gated = Upstream::start_with(
@@ -547,23 +567,7 @@ async fn a_replica_counts_another_replicas_requests_like_its_own() {
          apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: gated}}\nspec: {{modelName: gated, targets: [{{pool: gated}}]}}\n",
         gated.endpoint()
     );
-    // Replicas push their ledgers to each other at every change; the interval (a minute here)
-    // only repeats an unchanged one, so everything below is seen through pushes. The first
-    // names no replica that runs, only their host: it learns of the second's port from the
-    // datagram the second sends when it starts, to the first's operator port (and to a port
-    // nobody listens on).
-    let minute = "60000";
-    let first = Proxy::start(
-        &config,
-        &["--peers", "127.0.0.1:1", "--peer-interval-ms", minute],
-    )
-    .await;
-    let peers = format!(
-        "{},{}",
-        first.admin_url().trim_start_matches("http://"),
-        "127.0.0.1:1"
-    );
-    let second = Proxy::start(&config, &["--peers", &peers, "--peer-interval-ms", minute]).await;
+    let (first, second) = two_replicas(&config).await;
     let worker = gated.endpoint();
     assert_eq!(scored(&second, &worker).await, (0, 0));
 
@@ -626,17 +630,7 @@ async fn a_replica_follows_a_prefix_another_replica_is_having_prefilled() {
         one.endpoint(),
         two.endpoint()
     );
-    let minute = "60000";
-    let first = Proxy::start(
-        &config,
-        &["--peers", "127.0.0.1:1", "--peer-interval-ms", minute],
-    )
-    .await;
-    let peers = format!(
-        "{},127.0.0.1:1",
-        first.admin_url().trim_start_matches("http://")
-    );
-    let second = Proxy::start(&config, &["--peers", &peers, "--peer-interval-ms", minute]).await;
+    let (first, second) = two_replicas(&config).await;
     // A system prompt of about a thousand tokens, far longer than the head a prompt nobody
     // holds is first known by.
     let system = "Answer as the handbook of the switchyard says, citing the numbers of its rules. "
