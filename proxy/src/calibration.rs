@@ -140,7 +140,8 @@ pub fn combined(speeds: impl IntoIterator<Item = Speed>) -> Option<Speed> {
 #[derive(Debug, Default)]
 pub struct TtftCalibration {
     speed: Mutex<Speed>,
-    peers: Mutex<Option<Speed>>,
+    /// One per other replica that has learned the worker.
+    peers: Mutex<Vec<Speed>>,
 }
 
 impl TtftCalibration {
@@ -148,10 +149,11 @@ impl TtftCalibration {
     /// them, and alone would take twice as long to learn a slow worker.
     pub fn speed(&self) -> Speed {
         let own = self.own();
-        match *crate::lock(&self.peers) {
-            Some(peers) => combined([own, peers]).unwrap_or(own),
-            None => own,
+        let peers = crate::lock(&self.peers);
+        if peers.is_empty() {
+            return own;
         }
+        combined(std::iter::once(own).chain(peers.iter().copied())).unwrap_or(own)
     }
 
     /// What this replica learned from its own answers (what it tells the others).
@@ -159,9 +161,10 @@ impl TtftCalibration {
         *crate::lock(&self.speed)
     }
 
-    /// What the other replicas learned, combined (`None`: nothing, or no replicas).
-    pub(crate) fn set_peers(&self, peers: Option<Speed>) {
-        *crate::lock(&self.peers) = peers.filter(|p| p.observations > 0);
+    /// What each of the other replicas learned (replacing what they said before).
+    pub(crate) fn set_peers(&self, mut peers: Vec<Speed>) {
+        peers.retain(|p| p.observations > 0);
+        *crate::lock(&self.peers) = peers;
     }
 
     /// Learn from one streamed request: the formula said `predicted_s`, the first token came
@@ -467,7 +470,7 @@ mod tests {
             two.observe(1.0, 1.5);
         }
         assert!(!one.speed().known());
-        one.set_peers(Some(two.own()));
+        one.set_peers(vec![two.own()]);
         let speed = one.speed();
         assert!(speed.known());
         assert!((speed.ratio - 1.5).abs() < 1e-9, "{}", speed.ratio);
@@ -497,7 +500,15 @@ mod tests {
         );
         assert_eq!(combined([ratio(1.0, 0)]).unwrap().observations, 0);
         assert_eq!(combined([]), None);
-        one.set_peers(None);
+        // A third replica: each weighs as its own observations, not the others' summed.
+        let three = TtftCalibration::default();
+        for _ in 0..10 {
+            three.observe(1.0, 1.0);
+        }
+        one.set_peers(vec![two.own(), three.own()]);
+        let expected = (1.5f64.ln() * 6.0 / 16.0).exp();
+        assert!((one.speed().ratio - expected).abs() < 1e-9);
+        one.set_peers(Vec::new());
         assert_eq!(one.speed(), one.own());
     }
 

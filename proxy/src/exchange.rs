@@ -125,11 +125,12 @@ impl TtftProbe {
 impl Attempt {
     /// Release what the attempt counts against its worker.
     fn release(&mut self) {
+        // The prediction first: the guards after it announce the change to the other replicas.
+        self.prediction = None;
+        self.unfinished = None;
         self.current = None;
         self.pending = None;
         self.kv = None;
-        self.prediction = None;
-        self.unfinished = None;
     }
 
     /// The worker is past the prompt's prefill: its queue no longer holds it, and its KV
@@ -405,15 +406,17 @@ impl Exchange {
                     .unfinished
                     .clone()
                     .filter(|_| attempt.tried.len() == 1);
-                let prediction = pool.kv.predictions.add(*slot, prompt);
-                match unfinished {
-                    // The other replicas know the prompt only as far as this one tells them:
-                    // while it is prefilled, the whole of it.
-                    Some(unfinished) if crate::peers::sharing() => {
-                        finish_prompt(&pool, &prediction, unfinished, Duration::ZERO);
-                    }
-                    unfinished => attempt.unfinished = unfinished,
+                let known = score.map_or(0, |score| score.matched_blocks as usize);
+                let prediction = pool.kv.predictions.add(*slot, prompt, known);
+                // The other replicas know the prompt only as far as this one tells them: while
+                // it is prefilled, the whole of it. (If the background queue refuses it now,
+                // the first token tries again.)
+                if let Some(unfinished) = &unfinished
+                    && crate::peers::sharing()
+                {
+                    finish_prompt(&pool, &prediction, unfinished.clone(), Duration::ZERO);
                 }
+                attempt.unfinished = unfinished;
                 Some(prediction)
             }
             _ => None,
@@ -755,8 +758,8 @@ fn finish_prompt(
     let kv = pool.kv.clone();
     let (predictions, id) = prediction.handle();
     let whole = move || {
-        // The request may be over already: then nobody needs the whole.
-        if predictions.contains(id)
+        // The request may be over already, or its prompt finished: then nobody needs the whole.
+        if predictions.is_head(id)
             && let Some(whole) = prompt::finish(&tokenizer, &kv.prompts, &unfinished)
         {
             predictions.finish(id, whole);

@@ -50,9 +50,29 @@ struct Predicted {
     id: u64,
     worker: WorkerId,
     prompt: Arc<crate::prompt::PromptInfo>,
-    /// Before the prompt's first token: the worker's KV events have not stored its blocks yet,
-    /// so the other replicas can learn of them only from this one ([`Predictions::prefilling`]).
-    prefilling: bool,
+    /// Leading blocks the worker was known to hold (or be sent) when the prompt was routed: the
+    /// other replicas know them already, from the KV events or from whoever sent them.
+    known: usize,
+    /// While the prompt is prefilled, what the other replicas are told of it
+    /// ([`Predictions::prefilling`]): before its first token the worker's KV events have not
+    /// stored its blocks, so they can learn of them only from this replica. `None` after.
+    told: Option<Samples>,
+}
+
+/// Sampled `(blocks, hash)` of a prompt past what was known of it ([`sample_blocks`]).
+type Samples = Arc<[(usize, switchyard_kv::hash::SequenceHash)]>;
+
+/// The hash of every [`PEER_SAMPLE_BLOCKS`]-th block of `hashes` and of its last, past the
+/// first `known` blocks, with the blocks each stands for.
+fn sample_blocks(hashes: &[switchyard_kv::hash::SequenceHash], known: usize) -> Samples {
+    hashes
+        .iter()
+        .enumerate()
+        .map(|(at, hash)| (at + 1, *hash))
+        .filter(|(blocks, _)| {
+            *blocks > known && (blocks % PEER_SAMPLE_BLOCKS == 0 || *blocks == hashes.len())
+        })
+        .collect()
 }
 
 /// A replica tells the others every this many blocks of a prompt it is having prefilled (and
@@ -64,18 +84,22 @@ pub const PEER_SAMPLE_BLOCKS: usize = 4;
 const MAX_PEER_HASHES: usize = 256;
 
 impl Predictions {
-    /// Predict that `worker` will hold `prompt`'s blocks until the guard drops.
+    /// Predict that `worker` will hold `prompt`'s blocks until the guard drops; it was known to
+    /// hold (or be sent) the first `known` of them already.
     pub fn add(
         self: &Arc<Self>,
         worker: WorkerId,
         prompt: Arc<crate::prompt::PromptInfo>,
+        known: usize,
     ) -> Prediction {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let told = Some(sample_blocks(&prompt.hashes, known));
         lock(&self.entries).push(Predicted {
             id,
             worker,
             prompt,
-            prefilling: true,
+            known,
+            told,
         });
         Prediction {
             predictions: self.clone(),
@@ -83,17 +107,28 @@ impl Predictions {
         }
     }
 
-    /// Whether prediction `id` is still held (its request has not ended).
-    pub fn contains(&self, id: u64) -> bool {
-        lock(&self.entries).iter().any(|e| e.id == id)
-    }
-
     /// Replace the prompt of prediction `id` by the whole of it (it was predicted from its head
     /// only); nothing when that request has ended.
     pub fn finish(&self, id: u64, prompt: Arc<crate::prompt::PromptInfo>) {
+        let known = lock(&self.entries)
+            .iter()
+            .find(|e| e.id == id)
+            .map(|e| e.known);
+        // Sampled without the lock (a prompt can be thousands of blocks).
+        let told = known.map(|known| sample_blocks(&prompt.hashes, known));
         if let Some(entry) = lock(&self.entries).iter_mut().find(|e| e.id == id) {
             entry.prompt = prompt;
+            if entry.told.is_some() {
+                entry.told = told;
+            }
         }
+    }
+
+    /// Whether prediction `id` is held and known by its prompt's head only.
+    pub fn is_head(&self, id: u64) -> bool {
+        lock(&self.entries)
+            .iter()
+            .any(|e| e.id == id && e.prompt.unfinished.is_some())
     }
 
     /// Finish, with `whole`, every prediction known only by its head when `request` runs past
@@ -153,25 +188,26 @@ impl Predictions {
     /// where its blocks are from now on.
     pub fn prefilled(&self, id: u64) {
         if let Some(entry) = lock(&self.entries).iter_mut().find(|e| e.id == id) {
-            entry.prefilling = false;
+            entry.told = None;
         }
     }
 
     /// What the other replicas need to know of the prompts this one is having prefilled, per
-    /// worker: the hash of every [`PEER_SAMPLE_BLOCKS`]-th block of each and of its last,
-    /// without repeats, the shortest prefixes first, at most [`MAX_PEER_HASHES`].
+    /// worker: the hash of every [`PEER_SAMPLE_BLOCKS`]-th block of each and of its last, past
+    /// the blocks the worker was known to hold when it was routed (the part only this replica
+    /// knows), without repeats, the shortest prefixes first, at most [`MAX_PEER_HASHES`].
     pub fn prefilling(&self) -> Vec<(WorkerId, Vec<switchyard_kv::hash::SequenceHash>)> {
+        let told: Vec<(WorkerId, Samples)> = lock(&self.entries)
+            .iter()
+            .filter_map(|e| Some((e.worker, e.told.clone()?)))
+            .collect();
         let mut sampled: HashMap<WorkerId, Vec<(usize, switchyard_kv::hash::SequenceHash)>> =
             HashMap::new();
-        for entry in lock(&self.entries).iter().filter(|e| e.prefilling) {
-            let hashes = &entry.prompt.hashes;
-            let samples = sampled.entry(entry.worker).or_default();
-            for (at, hash) in hashes.iter().enumerate() {
-                let blocks = at + 1;
-                if blocks % PEER_SAMPLE_BLOCKS == 0 || blocks == hashes.len() {
-                    samples.push((blocks, *hash));
-                }
-            }
+        for (worker, samples) in told {
+            sampled
+                .entry(worker)
+                .or_default()
+                .extend_from_slice(&samples);
         }
         sampled
             .into_iter()
@@ -825,9 +861,11 @@ mod tests {
         use switchyard_kv::hash::SequenceHash;
         let predictions = Arc::new(Predictions::default());
         // Two prompts with the same 8-block prefix on worker 0, one of 3 blocks on worker 1.
-        let a = predictions.add(WorkerId(0), prompt(0..10));
-        let b = predictions.add(WorkerId(0), prompt(0..8));
-        let _c = predictions.add(WorkerId(1), prompt(100..103));
+        let a = predictions.add(WorkerId(0), prompt(0..10), 0);
+        let b = predictions.add(WorkerId(0), prompt(0..8), 0);
+        let _c = predictions.add(WorkerId(1), prompt(100..103), 0);
+        // Routed to a worker known to hold its first 8 blocks: only what follows is told.
+        let d = predictions.add(WorkerId(2), prompt(200..212), 8);
         let mut told = predictions.prefilling();
         told.sort();
         let hashes = |h: &[u64]| h.iter().copied().map(SequenceHash).collect::<Vec<_>>();
@@ -836,17 +874,19 @@ mod tests {
             vec![
                 (WorkerId(0), hashes(&[3, 7, 9])),
                 (WorkerId(1), hashes(&[102])),
+                (WorkerId(2), hashes(&[211])),
             ]
         );
         // Past its first token a prompt is the KV events' to tell.
         a.prefilled();
         b.prefilled();
+        drop(d);
         assert_eq!(
             predictions.prefilling(),
             vec![(WorkerId(1), hashes(&[102]))]
         );
         // At most MAX_PEER_HASHES per worker, the shortest prefixes first.
-        let _long = predictions.add(WorkerId(1), prompt(1_000..3_000));
+        let _long = predictions.add(WorkerId(1), prompt(1_000..3_000), 0);
         let told = predictions.prefilling();
         let (_, long) = told.iter().find(|(w, _)| *w == WorkerId(1)).unwrap();
         assert_eq!(long.len(), MAX_PEER_HASHES);
@@ -859,7 +899,7 @@ mod tests {
         use switchyard_kv::hash::SequenceHash;
         let kv = KvRegistry::default().pool(&PoolId::new("ns", "p"), 16);
         let sender = Arc::new(Predictions::default());
-        let _sent = sender.add(WorkerId(1), prompt(0..10));
+        let _sent = sender.add(WorkerId(1), prompt(0..10), 0);
         kv.set_peer_prefixes(PeerPrefixes::new(&sender.prefilling()));
         let request = |blocks: std::ops::Range<u64>| -> Vec<SequenceHash> {
             blocks.map(SequenceHash).collect()

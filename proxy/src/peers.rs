@@ -42,7 +42,7 @@ use tokio::net::UdpSocket;
 
 use switchyard_kv::hash::SequenceHash;
 
-use crate::calibration::{Speed, combined};
+use crate::calibration::Speed;
 use crate::config::ConfigStore;
 pub use crate::kv::PeerLedger;
 use crate::kv::PeerPrefixes;
@@ -127,21 +127,18 @@ impl ReplicaLedger {
                 if ledger != PeerLedger::default() {
                     own.workers.insert(worker.address.clone(), ledger);
                 }
+                // Once per worker, however many pools name it (it learns from every answer).
                 let speed = worker.ttft.own();
-                if speed.observations > 0 {
-                    own.speeds
-                        .entry(worker.address.clone())
-                        .or_default()
-                        .push((speed.ratio, speed.observations));
+                if speed.observations > 0 && !own.speeds.contains_key(&worker.address) {
+                    own.speeds.insert(
+                        worker.address.clone(),
+                        vec![(speed.ratio, speed.observations)],
+                    );
                 }
             }
-            for (slot, hashes) in pool.kv.predictions.prefilling() {
-                let worker = pool
-                    .slots
-                    .iter()
-                    .position(|s| *s == slot)
-                    .and_then(|position| pool.workers.get(position));
-                if let Some(worker) = worker {
+            let told: HashMap<_, _> = pool.kv.predictions.prefilling().into_iter().collect();
+            for (worker, slot) in pool.workers.iter().zip(&pool.slots) {
+                if let Some(hashes) = told.get(slot) {
                     own.prefixes
                         .entry(worker.address.clone())
                         .or_default()
@@ -222,7 +219,7 @@ impl Datagram {
         };
         loop {
             let bytes = serde_json::to_vec(&datagram).unwrap_or_default();
-            if bytes.len() <= MAX_DATAGRAM || datagram.workers.is_empty() {
+            if bytes.len() <= MAX_DATAGRAM {
                 return bytes;
             }
             if !datagram.prefixes.is_empty() {
@@ -236,6 +233,9 @@ impl Datagram {
                 // The workers learned from the fewest answers go first.
                 datagram.speeds.truncate(datagram.speeds.len() / 2);
                 continue;
+            }
+            if datagram.workers.is_empty() {
+                return bytes;
             }
             static WARNED: OnceLock<()> = OnceLock::new();
             WARNED.get_or_init(|| {
@@ -384,10 +384,15 @@ pub struct PeerService {
     pub interval: Duration,
 }
 
+/// Sampled block hashes of prompts in prefill, by worker address.
+type Prefixes = HashMap<String, Vec<u64>>;
+
 /// What the send and receive halves share.
 #[derive(Default)]
 struct Shared {
     replicas: Mutex<Replicas>,
+    /// The table and the other replicas' prompts in prefill last applied.
+    applied: Mutex<Option<(usize, Prefixes)>>,
     /// The addresses the peers' names resolved to last: only their hosts are heard.
     resolved: Mutex<Vec<SocketAddr>>,
 }
@@ -428,6 +433,15 @@ impl PeerService {
             replicas.forget_silent(now, self.interval * SILENT_INTERVALS);
             replicas.total(now)
         };
+        // The prompts in prefill are indexed anew only when they (or the table) changed: most
+        // datagrams change a count, not a prompt.
+        let unchanged = {
+            let mut applied = crate::lock(&shared.applied);
+            let key = (Arc::as_ptr(&table) as usize, peers.prefixes.clone());
+            let unchanged = applied.as_ref() == Some(&key);
+            *applied = Some(key);
+            unchanged
+        };
         for pool in table.pools() {
             let rate = peers.arrival_rates.get(&pool.config.id.0).copied();
             pool.kv.set_peer_arrival_rate(rate.unwrap_or(0.0));
@@ -440,19 +454,23 @@ impl PeerService {
                     .unwrap_or_default();
                 worker.load.set_peers(ledger);
                 let learned = peers.speeds.get(&worker.address).into_iter().flatten();
-                worker
-                    .ttft
-                    .set_peers(combined(learned.map(|(ratio, observations)| Speed {
-                        ratio: *ratio,
-                        observations: *observations,
-                        last: None,
-                    })));
+                worker.ttft.set_peers(
+                    learned
+                        .map(|(ratio, observations)| Speed {
+                            ratio: *ratio,
+                            observations: *observations,
+                            last: None,
+                        })
+                        .collect(),
+                );
                 if let Some(hashes) = peers.prefixes.get(&worker.address) {
                     let hashes = hashes.iter().map(|h| SequenceHash(*h)).collect();
                     prefixes.push((*slot, hashes));
                 }
             }
-            pool.kv.set_peer_prefixes(PeerPrefixes::new(&prefixes));
+            if !unchanged {
+                pool.kv.set_peer_prefixes(PeerPrefixes::new(&prefixes));
+            }
         }
     }
 
@@ -651,6 +669,20 @@ mod tests {
         let first: Vec<u64> = (0..w.len() as u64).map(|i| u64::MAX - i).collect();
         assert_eq!(w, &first);
         assert_eq!(kept["v"].first(), Some(&10_000));
+        // A replica that counts nothing against any worker but still tells prompts and speeds.
+        let idle = ReplicaLedger {
+            prefixes: replica.prefixes.clone(),
+            speeds: (0..3_000)
+                .map(|i| {
+                    (
+                        format!("10.1.{}.{}:8000", i / 256, i % 256),
+                        vec![(1.25, 7)],
+                    )
+                })
+                .collect(),
+            ..Default::default()
+        };
+        assert!(Datagram::encode(&idle, 2, Duration::from_millis(100)).len() <= MAX_DATAGRAM);
     }
 
     #[test]

@@ -585,8 +585,8 @@ mod tests {
         let lakes: String = (0..800).map(|i| format!("lake{i} valley stone ")).collect();
         let other = analysed(&chat(&lakes, "Hello?"));
         assert!(first.unfinished.is_some() && other.unfinished.is_some());
-        let _first = kv.predictions.add(WorkerId(0), first.clone());
-        let _other = kv.predictions.add(WorkerId(1), other.clone());
+        let _first = kv.predictions.add(WorkerId(0), first.clone(), 0);
+        let _other = kv.predictions.add(WorkerId(1), other.clone(), 0);
         // A second request with the first's system prompt, before any KV event: the first is
         // tokenized whole for it, so it matches the whole system prompt on worker 0.
         let second = analysed(&chat(&system, "And what is second?"));
@@ -623,7 +623,11 @@ mod tests {
     fn another_replicas_prompt_in_prefill_is_placed_from_its_sampled_blocks() {
         use crate::kv::{KvRegistry, PEER_SAMPLE_BLOCKS, PeerPrefixes};
         use switchyard_kv::index::WorkerId;
-        let tokenizer = PromptTokenizer::shipped().unwrap();
+        // Each replica its own tokenizer (and segment cache), as two processes have.
+        let tokenizers = [
+            PromptTokenizer::shipped().unwrap(),
+            PromptTokenizer::shipped().unwrap(),
+        ];
         let pool = switchyard_snapshot::snapshot::PoolId::new("ns", "p");
         // Two replicas in front of the same pool.
         let (sender, receiver) = (
@@ -639,21 +643,23 @@ mod tests {
                 {"role": "user", "content": question}]})
             .to_string()
         };
-        let analysed = |kv: &crate::kv::PoolKv, body: &str| {
+        let analysed = |replica: usize, kv: &crate::kv::PoolKv, body: &str| {
+            let tokenizer = &tokenizers[replica];
             let parsed = crate::wire::parse(body.as_bytes()).unwrap();
-            let held = |hashes: &[SequenceHash]| kv.holds_all(hashes, &tokenizer);
-            analyse_chat(&tokenizer, &kv.prompts, &parsed, 16, &held)
+            let held = |hashes: &[SequenceHash]| kv.holds_all(hashes, tokenizer);
+            analyse_chat(tokenizer, &kv.prompts, &parsed, 16, &held)
         };
+        let tokenizer = &tokenizers[0];
         // The first replica sends a prompt nobody holds to worker 2, and (as a replica with
         // peers does) tokenizes it whole while the worker prefills it.
-        let first = analysed(&sender, &chat("What is first?"));
+        let first = analysed(0, &sender, &chat("What is first?"));
         let whole = finish(
-            &tokenizer,
+            tokenizer,
             &sender.prompts,
             first.unfinished.as_ref().unwrap(),
         )
         .unwrap();
-        let prediction = sender.predictions.add(WorkerId(2), first);
+        let prediction = sender.predictions.add(WorkerId(2), first, 0);
         let (predictions, id) = prediction.handle();
         predictions.finish(id, whole.clone());
         let told = sender.predictions.prefilling();
@@ -669,13 +675,13 @@ mod tests {
         // Before it hears of it, the other replica knows the prompt by its head only, and no
         // worker holds it.
         let second = chat("And what is second?");
-        let before = analysed(&receiver, &second);
+        let before = analysed(1, &receiver, &second);
         assert!(before.unfinished.is_some());
         assert_eq!(receiver.overlap(&before.hashes).deepest(), 0);
         // Told, it tokenizes its own prompt as far as the first's reaches, and places it on
         // worker 2 with the whole system prompt (to within a sample).
         receiver.set_peer_prefixes(PeerPrefixes::new(&told));
-        let after = analysed(&receiver, &second);
+        let after = analysed(1, &receiver, &second);
         let system_blocks = tokenizer.encode(&system).unwrap().len() / 16;
         let depth = receiver.overlap(&after.hashes).depth(WorkerId(2)) as usize;
         assert!(
