@@ -412,11 +412,18 @@ fn add_to_diagonal(matrix: &mut [[f64; 3]; 3], values: [f64; 3]) {
     }
 }
 
-/// The pool's coefficients, learned from its answers. Starts (and starts over when the
-/// configuration changes) from the configured ones.
+/// This replica's latest observations a pool keeps for the other replicas: every ledger
+/// datagram carries them all, so one lost is repaired by the next.
+pub const SHARED_OBSERVATIONS: usize = 16;
+
+/// The pool's coefficients, learned from its answers (and, behind several gateway replicas,
+/// from theirs: [`crate::peers`]). Starts (and starts over when the configuration changes)
+/// from the configured ones.
 #[derive(Debug, Default)]
 pub struct PoolCalibration {
     state: Mutex<Option<FilterState>>,
+    /// This replica's latest observations, numbered from 1, for the other replicas.
+    recent: Mutex<(u64, std::collections::VecDeque<(u64, Observation)>)>,
 }
 
 impl PoolCalibration {
@@ -428,14 +435,38 @@ impl PoolCalibration {
         }
     }
 
-    /// Learn from one answer.
+    /// Learn from one answer of this replica's.
     pub fn observe(&self, configured: Coefficients, observation: &Observation) {
+        if self.learn(configured, observation) {
+            let mut recent = crate::lock(&self.recent);
+            let (last, observations) = &mut *recent;
+            *last += 1;
+            observations.push_back((*last, *observation));
+            while observations.len() > SHARED_OBSERVATIONS {
+                observations.pop_front();
+            }
+        }
+    }
+
+    /// Learn from an answer another replica observed (not passed on: each replica tells only
+    /// its own).
+    pub fn observe_peer(&self, configured: Coefficients, observation: &Observation) {
+        self.learn(configured, observation);
+    }
+
+    /// This replica's latest observations, numbered (increasing).
+    pub fn recent(&self) -> Vec<(u64, Observation)> {
+        crate::lock(&self.recent).1.iter().copied().collect()
+    }
+
+    /// Update the model with `observation`; false when it says nothing (not finite, no time).
+    fn learn(&self, configured: Coefficients, observation: &Observation) -> bool {
         let usable = [observation.tokens, observation.running, observation.ttft_s]
             .iter()
             .all(|v| v.is_finite() && *v >= 0.0)
             && observation.ttft_s > 0.0;
         if !usable {
-            return;
+            return false;
         }
         let mut state = crate::lock(&self.state);
         let state = match &mut *state {
@@ -443,6 +474,7 @@ impl PoolCalibration {
             other => other.insert(FilterState::new(configured)),
         };
         state.update(observation);
+        true
     }
 }
 
@@ -458,6 +490,38 @@ mod tests {
         let speed = calibration.speed();
         assert_eq!((speed.ratio, speed.observations), (1.0, 0));
         assert_eq!(speed.relative_to(Some(2.0)), 1.0);
+    }
+
+    #[test]
+    fn a_pool_keeps_its_latest_answers_for_the_other_replicas_and_learns_theirs() {
+        let configured = Coefficients {
+            fixed_s: 0.0,
+            prefill_s_per_token: 1e-4,
+            running_s_per_request: 1e-3,
+        };
+        let answer = |ttft_s| Observation {
+            tokens: 1_000.0,
+            running: 2.0,
+            ttft_s,
+        };
+        let (own, told) = (PoolCalibration::default(), PoolCalibration::default());
+        for i in 0..(SHARED_OBSERVATIONS + 4) {
+            own.observe(configured, &answer(0.2 + i as f64 / 100.0));
+        }
+        own.observe(configured, &answer(f64::NAN));
+        let recent = own.recent();
+        assert_eq!(recent.len(), SHARED_OBSERVATIONS);
+        assert_eq!(recent.first().map(|(n, _)| *n), Some(5));
+        assert_eq!(recent.last().map(|(n, _)| *n), Some(20));
+        // Another replica's answers teach as its own would, and are not passed on.
+        for (_, observation) in &recent {
+            told.observe_peer(configured, observation);
+        }
+        assert!(told.recent().is_empty());
+        let (a, b) = (own.fit(configured), told.fit(configured));
+        assert!(b.learned != configured, "learned nothing");
+        assert!(a.learned.prefill_s_per_token > configured.prefill_s_per_token);
+        assert!(b.learned.prefill_s_per_token > configured.prefill_s_per_token);
     }
 
     #[test]

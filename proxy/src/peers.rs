@@ -13,9 +13,10 @@
 //! replica. And the prompts each is having prefilled, as a sample of their block hashes per
 //! worker: until the worker's KV events store a prompt's blocks (after its prefill) only the
 //! replica that sent it knows where they will be, and a request sharing the prefix that arrives
-//! at another replica meanwhile would be sent to prefill it a second time elsewhere. And how
-//! fast each worker answers as the replica learned it ([`crate::calibration`]): each replica
-//! sees only its share of the answers, and alone would learn a slow worker that much later.
+//! at another replica meanwhile would be sent to prefill it a second time elsewhere. And what
+//! it learned from its answers ([`crate::calibration`]): how fast each worker answers, and its
+//! latest answers themselves, which the others' pool models learn from once each; each replica
+//! sees only its share of the answers, and alone would learn that much later.
 //!
 //! Why pushed, and why datagrams: a ledger read every interval is an interval late, and two
 //! replicas deciding within it both take the same best worker; one pushed at each change is
@@ -42,7 +43,7 @@ use tokio::net::UdpSocket;
 
 use switchyard_kv::hash::SequenceHash;
 
-use crate::calibration::Speed;
+use crate::calibration::{Coefficients, Observation, Speed};
 use crate::config::ConfigStore;
 pub use crate::kv::PeerLedger;
 use crate::kv::PeerPrefixes;
@@ -90,6 +91,10 @@ pub struct ReplicaLedger {
     /// How fast each worker answers against the TTFT formula, as the replica learned it from
     /// its own answers: `(ratio, observations)`, one per replica once summed.
     pub speeds: HashMap<String, Vec<(f64, u64)>>,
+    /// The replica's latest answers as the pools' TTFT models learn from them, numbered, per
+    /// pool id ([`PoolCalibration::recent`](crate::calibration::PoolCalibration::recent));
+    /// taught once each when heard, never summed.
+    pub observations: HashMap<String, Vec<(u64, Observation)>>,
 }
 
 impl ReplicaLedger {
@@ -136,6 +141,10 @@ impl ReplicaLedger {
                     );
                 }
             }
+            let recent = pool.kv.calibration.recent();
+            if !recent.is_empty() {
+                own.observations.insert(pool.config.id.0.clone(), recent);
+            }
             let told: HashMap<_, _> = pool.kv.predictions.prefilling().into_iter().collect();
             for (worker, slot) in pool.workers.iter().zip(&pool.slots) {
                 if let Some(hashes) = told.get(slot) {
@@ -169,6 +178,10 @@ struct Datagram {
     /// `[address, speed ratio, observations]` of the workers the sender has learned.
     #[serde(default)]
     speeds: Vec<(String, f64, u64)>,
+    /// `[pool, number, prefill tokens, running requests, seconds to the first token]` of the
+    /// sender's latest answers.
+    #[serde(default)]
+    observations: Vec<(String, u64, f64, f64, f64)>,
 }
 
 impl Datagram {
@@ -207,6 +220,17 @@ impl Datagram {
             })
             .collect();
         speeds.sort_by(|a, b| (b.2, &a.0).cmp(&(a.2, &b.0)));
+        let mut observations: Vec<(String, u64, f64, f64, f64)> = ledger
+            .observations
+            .iter()
+            .flat_map(|(pool, recent)| {
+                recent
+                    .iter()
+                    .map(|(n, o)| (pool.clone(), *n, o.tokens, o.running, o.ttft_s))
+            })
+            .collect();
+        // The latest first: those are what a cut keeps.
+        observations.sort_by(|a, b| (b.1, &a.0).cmp(&(a.1, &b.0)));
         let mut datagram = Datagram {
             v: VERSION,
             instance: instance_id().to_owned(),
@@ -216,6 +240,7 @@ impl Datagram {
             arrival_rates: ledger.arrival_rates.clone(),
             prefixes,
             speeds,
+            observations,
         };
         loop {
             let bytes = serde_json::to_vec(&datagram).unwrap_or_default();
@@ -232,6 +257,12 @@ impl Datagram {
             if !datagram.speeds.is_empty() {
                 // The workers learned from the fewest answers go first.
                 datagram.speeds.truncate(datagram.speeds.len() / 2);
+                continue;
+            }
+            if !datagram.observations.is_empty() {
+                datagram
+                    .observations
+                    .truncate(datagram.observations.len() / 2);
                 continue;
             }
             if datagram.workers.is_empty() {
@@ -290,11 +321,24 @@ impl Datagram {
                     .push((*ratio, *observations));
             }
         }
+        let mut observations: HashMap<String, Vec<(u64, Observation)>> = HashMap::new();
+        for (pool, n, tokens, running, ttft_s) in &self.observations {
+            let observation = Observation {
+                tokens: *tokens,
+                running: *running,
+                ttft_s: *ttft_s,
+            };
+            observations
+                .entry(pool.clone())
+                .or_default()
+                .push((*n, observation));
+        }
         ReplicaLedger {
             workers,
             arrival_rates,
             prefixes,
             speeds,
+            observations,
         }
     }
 }
@@ -310,9 +354,10 @@ struct Heard {
     ledger: ReplicaLedger,
 }
 
-/// The replicas heard from, by instance id.
+/// The replicas heard from, by instance id; and the answers they observed that this replica's
+/// pools have not learned from yet (pool id, observation).
 #[derive(Debug, Default)]
-struct Replicas(HashMap<String, Heard>);
+struct Replicas(HashMap<String, Heard>, Vec<(String, Observation)>);
 
 impl Replicas {
     /// Keep a datagram unless an equal or later one of its replica is already here. A new
@@ -329,6 +374,24 @@ impl Replicas {
             }
         }
         let ledger = datagram.ledger();
+        // Each answer teaches once: those numbered past the last this replica heard.
+        let taught = |pool: &str| {
+            self.0
+                .get(&datagram.instance)
+                .and_then(|heard| heard.ledger.observations.get(pool))
+                .and_then(|recent| recent.iter().map(|(n, _)| *n).max())
+                .unwrap_or(0)
+        };
+        let mut fresh = Vec::new();
+        for (pool, recent) in &ledger.observations {
+            let after = taught(pool);
+            let mut new: Vec<&(u64, Observation)> =
+                recent.iter().filter(|(n, _)| *n > after).collect();
+            // In the order they were observed.
+            new.sort_by_key(|(n, _)| *n);
+            fresh.extend(new.into_iter().map(|(_, o)| (pool.clone(), *o)));
+        }
+        self.1.extend(fresh);
         let silence = (datagram.interval_ms > 0)
             .then(|| Duration::from_millis(datagram.interval_ms) * SILENT_INTERVALS);
         self.0.insert(
@@ -352,8 +415,13 @@ impl Replicas {
         });
     }
 
+    /// The answers heard of since the last call, to learn from once.
+    fn untaught(&mut self) -> Vec<(String, Observation)> {
+        std::mem::take(&mut self.1)
+    }
+
     /// Every replica's ledger summed as of `now`: a worker's time on the oldest pending prefill
-    /// grows by the time since its replica reported it.
+    /// grows by the time since its replica reported it (their observations are not summed).
     fn total(&self, now: Instant) -> ReplicaLedger {
         let mut total = ReplicaLedger::default();
         for heard in self.0.values() {
@@ -427,12 +495,20 @@ impl PeerService {
         let Some(table) = self.store.current() else {
             return;
         };
-        let peers = {
+        let (peers, untaught) = {
             let mut replicas = crate::lock(&shared.replicas);
             let now = Instant::now();
             replicas.forget_silent(now, self.interval * SILENT_INTERVALS);
-            replicas.total(now)
+            (replicas.total(now), replicas.untaught())
         };
+        // The other replicas' answers teach this replica's pool models too: each sees only
+        // its share of them.
+        for (id, observation) in &untaught {
+            if let Some(pool) = table.pools().find(|p| p.config.id.0 == *id) {
+                let configured = Coefficients::configured(&pool.config.scoring);
+                pool.kv.calibration.observe_peer(configured, observation);
+            }
+        }
         // The prompts in prefill are indexed anew only when they (or the table) changed: most
         // datagrams change a count, not a prompt.
         let unchanged = {
@@ -601,6 +677,43 @@ mod tests {
         }
     }
 
+    fn answer(ttft_s: f64) -> Observation {
+        Observation {
+            tokens: 2_000.0,
+            running: 3.0,
+            ttft_s,
+        }
+    }
+
+    #[test]
+    fn another_replicas_answers_teach_once_each() {
+        let one: SocketAddr = "10.0.0.1:9090".parse().unwrap();
+        let latest = |numbers: std::ops::RangeInclusive<u64>| ReplicaLedger {
+            observations: HashMap::from([(
+                "default/a".to_owned(),
+                numbers.map(|n| (n, answer(n as f64))).collect(),
+            )]),
+            ..Default::default()
+        };
+        let now = Instant::now();
+        let mut replicas = Replicas::default();
+        assert!(replicas.hear(from("r1", 1, &latest(1..=3)), one, now));
+        let taught: Vec<f64> = replicas.untaught().iter().map(|(_, o)| o.ttft_s).collect();
+        assert_eq!(taught, [1.0, 2.0, 3.0]);
+        assert!(replicas.untaught().is_empty());
+        // The next datagram repeats what the last carried (one may be lost): only the new count.
+        assert!(replicas.hear(from("r1", 2, &latest(2..=5)), one, now));
+        let taught: Vec<f64> = replicas.untaught().iter().map(|(_, o)| o.ttft_s).collect();
+        assert_eq!(taught, [4.0, 5.0]);
+        // A late datagram teaches nothing; a restarted replica numbers from 1 again.
+        assert!(!replicas.hear(from("r1", 1, &latest(1..=3)), one, now));
+        assert!(replicas.untaught().is_empty());
+        assert!(replicas.hear(from("r2", 1, &latest(1..=1)), one, now));
+        assert_eq!(replicas.untaught().len(), 1);
+        // Observations are taught, not summed into the ledger.
+        assert!(replicas.total(now).observations.is_empty());
+    }
+
     /// `replica`'s datagram as another process would send it.
     fn from(instance: &str, seq: u64, replica: &ReplicaLedger) -> Datagram {
         let mut datagram: Datagram =
@@ -626,6 +739,7 @@ mod tests {
             arrival_rates: HashMap::from([("default/a".to_owned(), 12.5)]),
             prefixes: HashMap::from([("10.0.0.1:8000".to_owned(), vec![u64::MAX, 7, 11])]),
             speeds: HashMap::from([("10.0.0.2:8000".to_owned(), vec![(1.5, 12)])]),
+            observations: HashMap::from([("default/a".to_owned(), vec![(3, answer(0.25))])]),
         };
         let bytes = Datagram::encode(&replica, 7, Duration::from_millis(100));
         assert_eq!(Datagram::decode(&bytes), None, "this process's own");
@@ -713,6 +827,7 @@ mod tests {
             arrival_rates: HashMap::from([("default/a".to_owned(), rate)]),
             prefixes: HashMap::from([("w".to_owned(), vec![tokens])]),
             speeds: HashMap::from([("w".to_owned(), vec![(rate, 5)])]),
+            observations: HashMap::new(),
         };
         let start = Instant::now();
         let mut replicas = Replicas::default();
