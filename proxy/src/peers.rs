@@ -492,14 +492,15 @@ impl PeerService {
     }
 
     fn apply(&self, shared: &Shared) {
-        let Some(table) = self.store.current() else {
-            return;
-        };
         let (peers, untaught) = {
             let mut replicas = crate::lock(&shared.replicas);
             let now = Instant::now();
             replicas.forget_silent(now, self.interval * SILENT_INTERVALS);
             (replicas.total(now), replicas.untaught())
+        };
+        // (Before the first table the answers heard teach nothing, and are not kept.)
+        let Some(table) = self.store.current() else {
+            return;
         };
         // The other replicas' answers teach this replica's pool models too: each sees only
         // its share of them.
