@@ -40,6 +40,21 @@ async fn ledger(proxy: &Proxy, worker: &str) -> Ledger {
     }
 }
 
+/// One request at the worker, before its first token: its prompt (a few blocks) pending.
+fn assert_prefilling(ledger: &Ledger) {
+    assert_eq!((ledger.prefills, ledger.in_flight), (1, 1), "{ledger:?}");
+    assert!(ledger.prefill_tokens > 100, "{ledger:?}");
+}
+
+/// One request at the worker, past its first token: nothing pending, still in flight.
+fn assert_decoding(ledger: &Ledger) {
+    assert_eq!(
+        (ledger.prefills, ledger.prefill_tokens, ledger.in_flight),
+        (0, 0, 1),
+        "{ledger:?}"
+    );
+}
+
 /// Wait until the worker's ledger is as `wanted` (within 10 s); returns it.
 async fn wait_ledger(proxy: &Proxy, worker: &str, wanted: impl Fn(&Ledger) -> bool) -> Ledger {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -204,8 +219,7 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
         ));
     }
     let opened = ledger(&proxy, &worker).await;
-    assert_eq!((opened.prefills, opened.in_flight), (1, 1), "{opened:?}");
-    assert!(opened.prefill_tokens > 100, "{opened:?}");
+    assert_prefilling(&opened);
     gated.release(1);
     while !seen.contains("response.output_text.delta") {
         seen.push_str(&String::from_utf8_lossy(
@@ -213,15 +227,7 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
         ));
     }
     let decoding = ledger(&proxy, &worker).await;
-    assert_eq!(
-        (
-            decoding.prefills,
-            decoding.prefill_tokens,
-            decoding.in_flight
-        ),
-        (0, 0, 1),
-        "{decoding:?}"
-    );
+    assert_decoding(&decoding);
     // Exactly the rest (two more deltas and the end), so the next stream starts gated.
     gated.release(3);
     while let Some(chunk) = chunks.next().await {
@@ -244,7 +250,7 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
     assert_eq!((opened.prefills, opened.in_flight), (1, 1), "{opened:?}");
     gated.release(1);
     let decoding = wait_ledger(&proxy, &worker, |now| now.prefills == 0).await;
-    assert_eq!((decoding.prefill_tokens, decoding.in_flight), (0, 1));
+    assert_decoding(&decoding);
     assert!(!whole.is_finished());
     gated.release(3);
     let (status, answer) = whole.await.unwrap();
@@ -266,8 +272,7 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
     assert_eq!(response.status(), 200);
     wait_received(&gated, 1).await;
     let before = ledger(&proxy, &worker).await;
-    assert_eq!((before.prefills, before.in_flight), (1, 1), "{before:?}");
-    assert!(before.prefill_tokens > 100, "{before:?}");
+    assert_prefilling(&before);
     // The worker has been on it since it was sent (what other replicas take as done).
     assert!(before.prefill_elapsed_us > 0, "{before:?}");
     // Uncached prompt and 64 output tokens in blocks of 64.
@@ -305,19 +310,10 @@ async fn prefill_is_released_at_the_first_token_and_everything_at_the_end_on_eve
         (&json!(true), &json!(true))
     );
     let before = ledger(&proxy, &worker).await;
-    assert_eq!((before.prefills, before.in_flight), (1, 1), "{before:?}");
-    assert!(before.prefill_tokens > 100, "{before:?}");
+    assert_prefilling(&before);
     gated.release(1);
     let decoding = wait_ledger(&proxy, &worker, |now| now.prefills == 0).await;
-    assert_eq!(
-        (
-            decoding.prefills,
-            decoding.prefill_tokens,
-            decoding.in_flight
-        ),
-        (0, 0, 1),
-        "{decoding:?}"
-    );
+    assert_decoding(&decoding);
     assert_eq!(decoding.kv_blocks, before.kv_blocks);
     assert!(!whole.is_finished());
     // ...and gets it whole, in its own API's shape, named as it asked, with usage.
