@@ -18,30 +18,45 @@
 //! coefficients.
 //!
 //! **Each worker's speed** ([`TtftCalibration`]). A real fleet is heterogeneous (another GPU,
-//! a thermally throttled card, a worker sharing its node). Each worker therefore keeps the
-//! ratio of its observed time to first token (from sending a streamed request to its first
-//! body chunk) over the model's prediction at that moment, as an exponential average in log
-//! space over its recent requests.
+//! a thermally throttled card, a worker sharing its node). Each worker therefore keeps its
+//! latest [`RECENT_RATIOS`] qualifying answers (the request's uncached prompt, the requests
+//! running, the time from sending it to its first body chunk), and its speed is the median of
+//! their ratios to what the pool's model *now* predicts for them. Every worker is judged
+//! against the same model, however long ago its answers came: while the pool's model learns
+//! (from a configuration 5x off, say), a ratio fixed at the time of the answer would make the
+//! workers measured early look several times slower or faster than those measured later, and
+//! the router would avoid or flood them for it. The median: one answer that waited out a long
+//! decode step, or met a stall of the network, moves it little.
 //!
-//! What the scorer uses is that ratio *relative to the pool's median worker*: only relative speed
-//! changes which worker is best. An error every worker shares (what the pool's coefficients
-//! have not learned yet, a busy period the model underestimates everywhere) cancels out instead
-//! of pushing every prediction around, and a worker that is avoided for a while keeps its last
-//! relative speed rather than drifting. Observations whose prediction is short (under 300 ms: a
-//! mostly cached prompt on an idle worker) say more about fixed per-step costs than about speed
-//! and are skipped.
+//! What qualifies: a request nothing was predicted to be queued ahead of, whose own prefill is
+//! at least half of its prediction (a cold or mostly uncached prompt), and that took at least
+//! [`MIN_OBSERVED_S`]. A mostly cached prompt's time is the step it waited for, the network and
+//! the batch it joined; a queued one's is how much of the queue the worker's batches overlap,
+//! which the linear model gets wrong in proportion to the queue (a busy worker would look
+//! faster the busier it is, and draw still more traffic). Neither says much about the card,
+//! both vary with each worker's traffic mix. The rule is relative, so it holds at every scale:
+//! a fleet whose prompts take 40 ms as one whose take 4 s.
+//!
+//! What the scorer uses is that ratio *relative to the pool's median worker* (a worker not known
+//! yet counts as the model says): only relative speed changes which worker is best. An error
+//! every worker shares (a busy period the model underestimates everywhere) cancels out instead
+//! of pushing every prediction around, and a worker that is avoided for a while keeps its
+//! relative speed rather than drifting.
 //!
 //! Used only by pools with `scoring.learnWorkerSpeed` (off by default): on equal workers the
 //! learned ratios still differ with each worker's traffic mix, which cost the shared-prefix tail.
 
+use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use switchyard_snapshot::snapshot::Scoring;
 
-/// Weight of a new observation in the average.
-const LEARNING_RATE: f64 = 0.1;
-/// Predictions shorter than this are not learned from.
-const MIN_PREDICTION_S: f64 = 0.3;
+/// Ratios a worker's speed is the median of.
+const RECENT_RATIOS: usize = 9;
+/// Answers faster than this are not learned from.
+const MIN_OBSERVED_S: f64 = 0.005;
+/// Nor those whose prediction's own prefill term is less than this share of it.
+const MIN_PREFILL_SHARE: f64 = 0.5;
 /// Observations a worker needs before its speed counts.
 const MIN_OBSERVATIONS: u64 = 5;
 /// Relative speeds are kept within this range, whatever the data says.
@@ -96,22 +111,43 @@ impl Speed {
     }
 }
 
-/// The median ratio of the known workers among `speeds`, if any is known.
+/// The ratio of the pool's median worker among `speeds`, if any is known. A worker not known
+/// yet counts as the model predicts (1: ratios are measured against the pool's settled model):
+/// with three workers, one known slow and one known fast, the median is neither of them, and
+/// the fast one does not take the pool's traffic for being faster than the slow one. With an
+/// even count, the geometric mean of the middle two.
 pub fn median_ratio(speeds: impl Iterator<Item = Speed>) -> Option<f64> {
-    let mut ratios: Vec<f64> = speeds.filter(Speed::known).map(|s| s.ratio).collect();
-    if ratios.is_empty() {
+    let mut known = false;
+    let mut ratios: Vec<f64> = speeds
+        .map(|s| {
+            known |= s.known();
+            if s.known() { s.ratio } else { 1.0 }
+        })
+        .collect();
+    if !known {
         return None;
     }
     ratios.sort_by(f64::total_cmp);
-    ratios.get(ratios.len() / 2).copied()
+    median(&ratios)
+}
+
+/// The median of sorted positive `ratios` (of an even count, the geometric mean of the middle
+/// two); `None` when empty.
+fn median(ratios: &[f64]) -> Option<f64> {
+    let upper = ratios.len() / 2;
+    let lower = ratios.len().saturating_sub(1) / 2;
+    match (ratios.get(lower), ratios.get(upper)) {
+        (Some(a), Some(b)) => Some((a * b).sqrt()),
+        _ => None,
+    }
 }
 
 /// Speeds of one worker learned from different answers (several gateway replicas' each) as
 /// one: the geometric mean of their ratios, each weighing as its observations (at most as many
-/// as its average remembers, `1 / LEARNING_RATE`), the observations summed; the first's last
+/// as its median remembers, [`RECENT_RATIOS`]), the observations summed; the first's last
 /// request. `None` only when given none.
 pub fn combined(speeds: impl IntoIterator<Item = Speed>) -> Option<Speed> {
-    let memory = (1.0 / LEARNING_RATE).round() as u64;
+    let memory = RECENT_RATIOS as u64;
     let mut first: Option<Speed> = None;
     let (mut weighted, mut weights, mut observations) = (0.0, 0.0, 0u64);
     for speed in speeds {
@@ -139,16 +175,29 @@ pub fn combined(speeds: impl IntoIterator<Item = Speed>) -> Option<Speed> {
 /// gateway replicas learned from theirs ([`crate::peers`]).
 #[derive(Debug, Default)]
 pub struct TtftCalibration {
-    speed: Mutex<Speed>,
+    own: Mutex<Answers>,
     /// One per other replica that has learned the worker.
     peers: Mutex<Vec<Speed>>,
 }
 
+/// The answers a worker's speed is learned from.
+#[derive(Debug, Default)]
+struct Answers {
+    /// The latest [`RECENT_RATIOS`] that qualified: (uncached prompt tokens, running requests,
+    /// seconds to the first token).
+    recent: VecDeque<(f64, f64, f64)>,
+    /// How many qualified, ever.
+    observations: u64,
+    /// The last streamed request's predicted and observed seconds, qualified or not.
+    last: Option<(f64, f64)>,
+}
+
 impl TtftCalibration {
-    /// The worker's speed from every replica's answers: with two replicas each sees half of
-    /// them, and alone would take twice as long to learn a slow worker.
-    pub fn speed(&self) -> Speed {
-        let own = self.own();
+    /// The worker's speed against the pool's `model` as it is now, from every replica's
+    /// answers: with two replicas each sees half of them, and alone would take twice as long
+    /// to learn a slow worker.
+    pub fn speed(&self, model: &Coefficients) -> Speed {
+        let own = self.own(model);
         let peers = crate::lock(&self.peers);
         if peers.is_empty() {
             return own;
@@ -156,9 +205,31 @@ impl TtftCalibration {
         combined(std::iter::once(own).chain(peers.iter().copied())).unwrap_or(own)
     }
 
-    /// What this replica learned from its own answers (what it tells the others).
-    pub fn own(&self) -> Speed {
-        *crate::lock(&self.speed)
+    /// What this replica learned from its own answers (what it tells the others): the median
+    /// of their ratios to what `model` predicts for them. Every worker is measured against the
+    /// same model, the pool's current one, whenever its answers came: a model that was 5x off
+    /// at first would otherwise leave the workers measured then looking 5x slower than those
+    /// measured later (and, avoided for it, never measured again).
+    pub fn own(&self, model: &Coefficients) -> Speed {
+        let answers = crate::lock(&self.own);
+        let mut ratios: Vec<f64> = answers
+            .recent
+            .iter()
+            .map(|&(tokens, running, observed_s)| {
+                let predicted = model.predict(tokens, running);
+                if predicted > 0.0 {
+                    (observed_s / predicted).clamp(0.05, 20.0)
+                } else {
+                    1.0
+                }
+            })
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        Speed {
+            ratio: median(&ratios).unwrap_or(1.0),
+            observations: answers.observations,
+            last: answers.last,
+        }
     }
 
     /// What each of the other replicas learned (replacing what they said before).
@@ -167,25 +238,48 @@ impl TtftCalibration {
         *crate::lock(&self.peers) = peers;
     }
 
-    /// Learn from one streamed request: the formula said `predicted_s`, the first token came
-    /// after `observed_s`.
-    pub fn observe(&self, predicted_s: f64, observed_s: f64) {
-        if !(predicted_s.is_finite() && observed_s.is_finite()) || observed_s <= 0.0 {
+    /// Learn from one streamed request whose first token came after `observed_s`.
+    pub fn observe(&self, predicted: TtftPrediction, observed_s: f64) {
+        let TtftPrediction {
+            formula_s,
+            own_prefill_s,
+            queued_tokens,
+            uncached_tokens,
+            running,
+        } = predicted;
+        if !(formula_s.is_finite() && observed_s.is_finite()) || observed_s <= 0.0 {
             return;
         }
-        let mut speed = crate::lock(&self.speed);
-        speed.last = Some((predicted_s, observed_s));
-        if predicted_s < MIN_PREDICTION_S {
+        let mut answers = crate::lock(&self.own);
+        answers.last = Some((formula_s, observed_s));
+        let mostly_own_prefill = own_prefill_s >= MIN_PREFILL_SHARE * formula_s;
+        if queued_tokens > 0 || observed_s < MIN_OBSERVED_S || !mostly_own_prefill {
             return;
         }
-        let ratio = (observed_s / predicted_s).clamp(0.05, 20.0);
-        speed.ratio = if speed.observations == 0 {
-            ratio
-        } else {
-            (speed.ratio.ln() * (1.0 - LEARNING_RATE) + ratio.ln() * LEARNING_RATE).exp()
-        };
-        speed.observations += 1;
+        if answers.recent.len() == RECENT_RATIOS {
+            answers.recent.pop_front();
+        }
+        answers
+            .recent
+            .push_back((uncached_tokens as f64, running as f64, observed_s));
+        answers.observations += 1;
     }
+}
+
+/// What the pool's model said of one streamed request's time to first token, before the
+/// worker's own speed, and what it said it from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TtftPrediction {
+    /// The formula, in the model's seconds.
+    pub formula_s: f64,
+    /// Its term for the request's own uncached prompt.
+    pub own_prefill_s: f64,
+    /// Prefill tokens predicted to be queued ahead of the request.
+    pub queued_tokens: usize,
+    /// The request's own prompt tokens the worker was predicted not to hold.
+    pub uncached_tokens: usize,
+    /// Requests running on the worker.
+    pub running: u64,
 }
 
 /// The pool's TTFT model, in seconds: `fixed + prefill × tokens + running × requests`.
@@ -482,14 +576,85 @@ impl PoolCalibration {
 mod tests {
     use super::*;
 
+    /// The model the workers' tests are measured against: 1 ms a prompt token, nothing else.
+    const MODEL: Coefficients = Coefficients {
+        fixed_s: 0.0,
+        prefill_s_per_token: 1e-3,
+        running_s_per_request: 0.0,
+    };
+
+    /// What [`MODEL`] predicts for a cold prompt of `tokens` with nothing queued ahead.
+    fn predicted(tokens: usize) -> TtftPrediction {
+        let formula_s = MODEL.predict(tokens as f64, 0.0);
+        TtftPrediction {
+            formula_s,
+            own_prefill_s: formula_s,
+            queued_tokens: 0,
+            uncached_tokens: tokens,
+            running: 0,
+        }
+    }
+
     #[test]
     fn starts_as_the_formula_and_skips_what_says_nothing_about_speed() {
         let calibration = TtftCalibration::default();
-        calibration.observe(0.01, 0.06);
-        calibration.observe(f64::NAN, 1.0);
-        let speed = calibration.speed();
+        // Faster than the network's jitter; mostly a cached prompt's fixed and batch costs;
+        // behind a queue (how much of it the worker's batches overlap is the model's error
+        // there: a busy worker would look faster for it); nonsense.
+        calibration.observe(predicted(3), 0.004);
+        let cached = TtftPrediction {
+            formula_s: 0.2,
+            ..predicted(80)
+        };
+        calibration.observe(cached, 0.6);
+        let queued = TtftPrediction {
+            queued_tokens: 1_000,
+            ..predicted(300)
+        };
+        calibration.observe(queued, 0.2);
+        calibration.observe(predicted(100), f64::NAN);
+        let speed = calibration.speed(&MODEL);
         assert_eq!((speed.ratio, speed.observations), (1.0, 0));
+        assert_eq!(
+            speed.last,
+            Some((0.3, 0.2)),
+            "the last is shown all the same"
+        );
         assert_eq!(speed.relative_to(Some(2.0)), 1.0);
+        // A prefill of 20 ms counts as one of 2 s does: the rule is relative, not a duration.
+        calibration.observe(predicted(20), 0.03);
+        calibration.observe(predicted(2_000), 3.0);
+        let speed = calibration.speed(&MODEL);
+        assert_eq!(speed.observations, 2);
+        assert!((speed.ratio - 1.5).abs() < 1e-9, "{}", speed.ratio);
+        // Against the model as it is now: once the pool's model has learned that prompts take
+        // 1.5 ms a token, this worker is as fast as predicted.
+        let learned = Coefficients {
+            prefill_s_per_token: 1.5e-3,
+            ..MODEL
+        };
+        assert!((calibration.speed(&learned).ratio - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_speed_is_the_median_of_the_latest_answers() {
+        let calibration = TtftCalibration::default();
+        let ratio = |calibration: &TtftCalibration| calibration.speed(&MODEL).ratio;
+        // One answer that waited out a long step does not make the worker slow.
+        for observed in [1.2, 1.1, 4.0, 1.3, 1.2] {
+            calibration.observe(predicted(1_000), observed);
+        }
+        assert!((ratio(&calibration) - 1.2).abs() < 1e-9);
+        assert!(calibration.speed(&MODEL).known());
+        // An even count: the geometric mean of the middle two.
+        calibration.observe(predicted(1_000), 1.5);
+        assert!((ratio(&calibration) - (1.2f64 * 1.3).sqrt()).abs() < 1e-9);
+        // The worker slows down: once most of its latest nine say so, so does its speed.
+        for _ in 0..5 {
+            calibration.observe(predicted(1_000), 2.0);
+        }
+        assert_eq!(ratio(&calibration), 2.0);
+        assert_eq!(calibration.speed(&MODEL).observations, 11);
     }
 
     #[test]
@@ -530,12 +695,12 @@ mod tests {
         // knows it alone (five observations are needed), together they do.
         let (one, two) = (TtftCalibration::default(), TtftCalibration::default());
         for _ in 0..3 {
-            one.observe(0.5, 0.75);
-            two.observe(1.0, 1.5);
+            one.observe(predicted(500), 0.75);
+            two.observe(predicted(1_000), 1.5);
         }
-        assert!(!one.speed().known());
-        one.set_peers(vec![two.own()]);
-        let speed = one.speed();
+        assert!(!one.speed(&MODEL).known());
+        one.set_peers(vec![two.own(&MODEL)]);
+        let speed = one.speed(&MODEL);
         assert!(speed.known());
         assert!((speed.ratio - 1.5).abs() < 1e-9, "{}", speed.ratio);
         assert_eq!(
@@ -544,9 +709,9 @@ mod tests {
             "this replica's own last request"
         );
         // What it tells the others is its own alone (no echo of theirs).
-        assert_eq!(one.own().observations, 3);
+        assert_eq!(one.own(&MODEL).observations, 3);
 
-        // Weighed by observations, each at most as many as an average remembers (ten).
+        // Weighed by observations, each at most as many as its median remembers (nine).
         let ratio = |ratio, observations| Speed {
             ratio,
             observations,
@@ -556,7 +721,7 @@ mod tests {
         assert!((both.ratio - 2f64.sqrt()).abs() < 1e-9, "{}", both.ratio);
         assert_eq!(both.observations, 40);
         let skewed = combined([ratio(2.0, 5), ratio(1.0, 10)]).unwrap();
-        assert!((skewed.ratio - 2f64.powf(1.0 / 3.0)).abs() < 1e-9);
+        assert!((skewed.ratio - 2f64.powf(5.0 / 14.0)).abs() < 1e-9);
         // Nothing learned, or nonsense from a peer, changes nothing.
         assert_eq!(
             combined([ratio(1.2, 6), ratio(f64::NAN, 9)]).unwrap().ratio,
@@ -567,13 +732,13 @@ mod tests {
         // A third replica: each weighs as its own observations, not the others' summed.
         let three = TtftCalibration::default();
         for _ in 0..10 {
-            three.observe(1.0, 1.0);
+            three.observe(predicted(1_000), 1.0);
         }
-        one.set_peers(vec![two.own(), three.own()]);
-        let expected = (1.5f64.ln() * 6.0 / 16.0).exp();
-        assert!((one.speed().ratio - expected).abs() < 1e-9);
+        one.set_peers(vec![two.own(&MODEL), three.own(&MODEL)]);
+        let expected = (1.5f64.ln() * 6.0 / 15.0).exp();
+        assert!((one.speed(&MODEL).ratio - expected).abs() < 1e-9);
         one.set_peers(Vec::new());
-        assert_eq!(one.speed(), one.own());
+        assert_eq!(one.speed(&MODEL), one.own(&MODEL));
     }
 
     #[test]
@@ -586,16 +751,17 @@ mod tests {
                 seed = seed
                     .wrapping_mul(6364136223846793005)
                     .wrapping_add(1442695040888963407);
-                let predicted = 0.1 + (seed >> 40) as f64 / (1u64 << 24) as f64;
+                let tokens = 100 + (seed >> 54) as usize;
                 let noise = 0.9 + 0.2 * ((seed >> 20) & 0xff) as f64 / 255.0;
                 let slow = if i == 2 { 1.5 } else { 1.0 };
-                worker.observe(predicted, 2.0 * slow * predicted * noise);
+                let truth = 2.0 * slow * MODEL.predict(tokens as f64, 0.0) * noise;
+                worker.observe(predicted(tokens), truth);
             }
         }
-        let median = median_ratio(workers.iter().map(TtftCalibration::speed));
+        let median = median_ratio(workers.iter().map(|w| w.speed(&MODEL)));
         let relative: Vec<f64> = workers
             .iter()
-            .map(|w| w.speed().relative_to(median))
+            .map(|w| w.speed(&MODEL).relative_to(median))
             .collect();
         assert_eq!((relative[0], relative[1]), (1.0, 1.0));
         assert!((relative[2] - 1.5).abs() < 0.15, "{relative:?}");

@@ -19,7 +19,7 @@ use crate::accounting::{Usage, UsageTap};
 use crate::answer::{self, Answer, Delivery};
 use crate::api::{ApiError, Endpoint, ErrorKind};
 use crate::background;
-use crate::calibration::{Coefficients, Observation};
+use crate::calibration::{Coefficients, Observation, TtftPrediction};
 use crate::headers;
 use crate::kv::Prediction;
 use crate::limits::Admission;
@@ -85,9 +85,16 @@ impl TtftProbe {
     fn first_token(&mut self) {
         let observed = self.sent.elapsed().as_secs_f64();
         self.observed_s = Some(observed);
-        self.worker
-            .ttft
-            .observe(self.score.formula_ttft_s, observed);
+        self.worker.ttft.observe(
+            TtftPrediction {
+                formula_s: self.score.formula_ttft_s,
+                own_prefill_s: self.score.own_prefill_s,
+                queued_tokens: self.score.queued_tokens,
+                uncached_tokens: self.score.uncached_tokens,
+                running: self.score.running,
+            },
+            observed,
+        );
     }
 
     /// The request is over: the pool's coefficients learn from what the worker prefilled (its

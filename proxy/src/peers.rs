@@ -123,6 +123,7 @@ impl ReplicaLedger {
     pub fn own(table: &RoutingTable) -> ReplicaLedger {
         let mut own = ReplicaLedger::default();
         for pool in table.pools() {
+            let (model, _, _) = crate::scorer::model(pool);
             let rate = pool.kv.own_arrival_rate();
             if rate.is_finite() && rate > 0.0 {
                 own.arrival_rates.insert(pool.config.id.0.clone(), rate);
@@ -133,7 +134,7 @@ impl ReplicaLedger {
                     own.workers.insert(worker.address.clone(), ledger);
                 }
                 // Once per worker, however many pools name it (it learns from every answer).
-                let speed = worker.ttft.own();
+                let speed = worker.ttft.own(&model);
                 if speed.observations > 0 && !own.speeds.contains_key(&worker.address) {
                     own.speeds.insert(
                         worker.address.clone(),

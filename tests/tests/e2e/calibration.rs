@@ -10,6 +10,9 @@ use serde_json::{Value, json};
 use switchyard_e2e::{Proxy, Sim};
 
 const TIME_SCALE: f64 = 0.1;
+/// Slower for the workers' speeds: at 0.1 the gateway's own few milliseconds (a debug build on
+/// a busy test machine) are a fifth of a first token's time, and dilute a worker's slowness.
+const SPEED_TIME_SCALE: f64 = 0.2;
 
 /// A prompt of about `words` tokens no other request shares (`tag` makes it unique).
 fn prompt(tag: usize, words: usize) -> String {
@@ -166,4 +169,105 @@ async fn a_pool_configured_2x_off_learns_its_workers_ttft_from_answers() {
         .unwrap_or_else(|| panic!("no TTFT model in:\n{metrics}"));
     assert!((gauge * 1e6 / learned_us - 1.0).abs() < 0.3, "{gauge}");
     assert!(metrics.contains("switchyard_pool_ttft_model_error{pool=\"default/sim\"}"));
+}
+
+/// The relative speed `/debug/route` shows for each worker of the pool, by address, with how
+/// many answers it was learned from.
+async fn learned_speeds(proxy: &Proxy) -> Vec<(String, f64, u64)> {
+    let explained = proxy
+        .debug_route(
+            None,
+            &json!({"model": "default", "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+    explained["scores"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no scores: {explained}"))
+        .iter()
+        .map(|score| {
+            let speed = &score["learned_speed"];
+            (
+                score["worker"].as_str().unwrap().to_owned(),
+                speed["relative_to_pool"].as_f64().unwrap(),
+                speed["observations"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_worker_slower_than_the_rest_is_learned_from_a_minute_of_ordinary_traffic() {
+    // Three simulated workers, the third 1.5x slower (every engine step), behind a pool that
+    // learns worker speeds. The traffic is ordinary: prompts of a few hundred tokens whose
+    // first tokens come in tens of milliseconds, some of them repeated (then mostly cached).
+    let sim = Sim::start(&[
+        "--workers",
+        "3",
+        "--worker-speed",
+        "1,1,1.5",
+        "--time-scale",
+        &SPEED_TIME_SCALE.to_string(),
+        "--block-size",
+        "16",
+    ]);
+    let endpoints: Vec<String> = sim
+        .workers
+        .iter()
+        .map(|w| {
+            format!(
+                "{{address: \"{}\", kvEvents: \"{}\", kvReplay: \"{}\"}}",
+                w.http,
+                w.kv_events.as_deref().unwrap(),
+                w.kv_replay.as_deref().unwrap()
+            )
+        })
+        .collect();
+    let yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  scoring: {{learnWorkerSpeed: true}}\n  endpoints: [{endpoints}]\n{doc}",
+        model = sim.model,
+        endpoints = endpoints.join(", "),
+        doc = switchyard_e2e::model_doc("default", "sim", None),
+    );
+    let proxy = Proxy::start(&yaml, &[]).await;
+    proxy.wait_subscribed(3).await;
+
+    // Three clients, twenty requests each: a minute of traffic at one request a second.
+    let clients = (0..3).map(|client| {
+        let url = proxy.url();
+        let model = "default".to_owned();
+        tokio::spawn(async move {
+            let mut ttfts = Vec::new();
+            for i in 0..20 {
+                let tag = client * 100 + if i % 5 == 4 { i - 2 } else { i };
+                let (ttft, _) =
+                    streamed(&url, &model, &prompt(3000 + tag, 150 + (tag * 53) % 500)).await;
+                ttfts.push(ttft);
+            }
+            ttfts
+        })
+    });
+    let mut ttfts = Vec::new();
+    for client in clients {
+        ttfts.extend(client.await.unwrap());
+    }
+    ttfts.sort_by(f64::total_cmp);
+    let median_ms = ttfts[ttfts.len() / 2] * 1000.0;
+
+    let speeds = learned_speeds(&proxy).await;
+    println!("median TTFT {median_ms:.1} ms (time scale {SPEED_TIME_SCALE}); learned: {speeds:?}");
+    let slow = &sim.workers[2].http;
+    for (worker, relative, observations) in &speeds {
+        assert!(
+            *observations >= 5,
+            "{worker} known from {observations} answers: {speeds:?}"
+        );
+        if worker == slow {
+            assert!(
+                (1.25..=1.8).contains(relative),
+                "the slow worker: {speeds:?}"
+            );
+        } else {
+            assert_eq!(*relative, 1.0, "{worker}: {speeds:?}");
+        }
+    }
 }
