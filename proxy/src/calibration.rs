@@ -28,8 +28,9 @@
 //! the router would avoid or flood them for it. The median: one answer that waited out a long
 //! decode step, or met a stall of the network, moves it little.
 //!
-//! What qualifies: a request nothing was predicted to be queued ahead of, whose own prefill is
-//! at least half of its prediction (a cold or mostly uncached prompt), and that took at least
+//! What qualifies: a request nothing was predicted to be queued ahead of, whose own prefill
+//! (the worker's count of its uncached tokens when it reports cached ones) is at least half of
+//! its prediction (a cold or mostly uncached prompt), and that took at least
 //! [`MIN_OBSERVED_S`]. A mostly cached prompt's time is the step it waited for, the network and
 //! the batch it joined; a queued one's is how much of the queue the worker's batches overlap,
 //! which the linear model gets wrong in proportion to the queue (a busy worker would look
@@ -38,13 +39,15 @@
 //! a fleet whose prompts take 40 ms as one whose take 4 s.
 //!
 //! What the scorer uses is that ratio *relative to the pool's median worker* (a worker not known
-//! yet counts as the model says): only relative speed changes which worker is best. An error
+//! yet counts as the pool's answers so far say): only relative speed changes which worker is
+//! best. An error
 //! every worker shares (a busy period the model underestimates everywhere) cancels out instead
 //! of pushing every prediction around, and a worker that is avoided for a while keeps its
 //! relative speed rather than drifting.
 //!
-//! Used only by pools with `scoring.learnWorkerSpeed` (off by default): on equal workers the
-//! learned ratios still differ with each worker's traffic mix, which cost the shared-prefix tail.
+//! Used only by pools with `scoring.learnWorkerSpeed` (off by default: on equal workers the
+//! ratios still differ a little with each worker's traffic mix, and the benchmark's multi-turn
+//! p90 was 7–18% worse with it).
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -112,21 +115,20 @@ impl Speed {
 }
 
 /// The ratio of the pool's median worker among `speeds`, if any is known. A worker not known
-/// yet counts as the model predicts (1: ratios are measured against the pool's settled model):
-/// with three workers, one known slow and one known fast, the median is neither of them, and
-/// the fast one does not take the pool's traffic for being faster than the slow one. With an
+/// yet counts as the pool's answers so far say a worker is (all workers' ratios, each weighing
+/// as its answers: what the model's error is for cold prompts): with three workers, one known
+/// slow and one known normal, the median is the normal one's, not the slow one's, and a worker
+/// does not take the pool's traffic for being faster than the only other one known. With an
 /// even count, the geometric mean of the middle two.
-pub fn median_ratio(speeds: impl Iterator<Item = Speed>) -> Option<f64> {
-    let mut known = false;
-    let mut ratios: Vec<f64> = speeds
-        .map(|s| {
-            known |= s.known();
-            if s.known() { s.ratio } else { 1.0 }
-        })
-        .collect();
-    if !known {
+pub fn median_ratio(speeds: &[Speed]) -> Option<f64> {
+    if !speeds.iter().any(Speed::known) {
         return None;
     }
+    let pool = combined(speeds.iter().copied()).map_or(1.0, |s| s.ratio);
+    let mut ratios: Vec<f64> = speeds
+        .iter()
+        .map(|s| if s.known() { s.ratio } else { pool })
+        .collect();
     ratios.sort_by(f64::total_cmp);
     median(&ratios)
 }
@@ -215,13 +217,9 @@ impl TtftCalibration {
         let mut ratios: Vec<f64> = answers
             .recent
             .iter()
-            .map(|&(tokens, running, observed_s)| {
+            .filter_map(|&(tokens, running, observed_s)| {
                 let predicted = model.predict(tokens, running);
-                if predicted > 0.0 {
-                    (observed_s / predicted).clamp(0.05, 20.0)
-                } else {
-                    1.0
-                }
+                (predicted > 0.0).then(|| (observed_s / predicted).clamp(0.05, 20.0))
             })
             .collect();
         ratios.sort_by(f64::total_cmp);
@@ -238,48 +236,49 @@ impl TtftCalibration {
         *crate::lock(&self.peers) = peers;
     }
 
-    /// Learn from one streamed request whose first token came after `observed_s`.
-    pub fn observe(&self, predicted: TtftPrediction, observed_s: f64) {
-        let TtftPrediction {
-            formula_s,
-            own_prefill_s,
+    /// Learn from one streamed answer, judged by the pool's `model` as it is now.
+    pub fn observe(&self, answer: SpeedAnswer, model: &Coefficients) {
+        let SpeedAnswer {
+            predicted_s,
             queued_tokens,
             uncached_tokens,
             running,
-        } = predicted;
-        if !(formula_s.is_finite() && observed_s.is_finite()) || observed_s <= 0.0 {
+            observed_s,
+        } = answer;
+        if !(predicted_s.is_finite() && observed_s.is_finite()) || observed_s <= 0.0 {
             return;
         }
         let mut answers = crate::lock(&self.own);
-        answers.last = Some((formula_s, observed_s));
-        let mostly_own_prefill = own_prefill_s >= MIN_PREFILL_SHARE * formula_s;
+        answers.last = Some((predicted_s, observed_s));
+        let (tokens, running) = (uncached_tokens as f64, running as f64);
+        let own_prefill_s = model.prefill_s_per_token * tokens;
+        let mostly_own_prefill = own_prefill_s > 0.0
+            && own_prefill_s >= MIN_PREFILL_SHARE * model.predict(tokens, running);
         if queued_tokens > 0 || observed_s < MIN_OBSERVED_S || !mostly_own_prefill {
             return;
         }
         if answers.recent.len() == RECENT_RATIOS {
             answers.recent.pop_front();
         }
-        answers
-            .recent
-            .push_back((uncached_tokens as f64, running as f64, observed_s));
+        answers.recent.push_back((tokens, running, observed_s));
         answers.observations += 1;
     }
 }
 
-/// What the pool's model said of one streamed request's time to first token, before the
-/// worker's own speed, and what it said it from.
+/// One streamed answer, as a worker's speed learns from it.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TtftPrediction {
-    /// The formula, in the model's seconds.
-    pub formula_s: f64,
-    /// Its term for the request's own uncached prompt.
-    pub own_prefill_s: f64,
+pub struct SpeedAnswer {
+    /// What the scorer predicted for it, before the worker's speed (shown as its last answer).
+    pub predicted_s: f64,
     /// Prefill tokens predicted to be queued ahead of the request.
     pub queued_tokens: usize,
-    /// The request's own prompt tokens the worker was predicted not to hold.
+    /// The request's own prompt tokens the worker prefilled: its own count when it reports
+    /// cached tokens, else the prefix index's prediction.
     pub uncached_tokens: usize,
-    /// Requests running on the worker.
+    /// Requests running on the worker at the decision.
     pub running: u64,
+    /// Seconds from sending the request to its first token.
+    pub observed_s: f64,
 }
 
 /// The pool's TTFT model, in seconds: `fixed + prefill × tokens + running × requests`.
@@ -576,54 +575,56 @@ impl PoolCalibration {
 mod tests {
     use super::*;
 
-    /// The model the workers' tests are measured against: 1 ms a prompt token, nothing else.
+    /// The model the workers' tests are measured against: 1 ms a prompt token, 10 ms a running
+    /// request.
     const MODEL: Coefficients = Coefficients {
         fixed_s: 0.0,
         prefill_s_per_token: 1e-3,
-        running_s_per_request: 0.0,
+        running_s_per_request: 1e-2,
     };
 
-    /// What [`MODEL`] predicts for a cold prompt of `tokens` with nothing queued ahead.
-    fn predicted(tokens: usize) -> TtftPrediction {
-        let formula_s = MODEL.predict(tokens as f64, 0.0);
-        TtftPrediction {
-            formula_s,
-            own_prefill_s: formula_s,
+    /// A cold prompt of `tokens`, nothing queued ahead or running, answered in `observed_s`.
+    fn answer(tokens: usize, observed_s: f64) -> SpeedAnswer {
+        SpeedAnswer {
+            predicted_s: MODEL.predict(tokens as f64, 0.0),
             queued_tokens: 0,
             uncached_tokens: tokens,
             running: 0,
+            observed_s,
         }
     }
 
     #[test]
     fn starts_as_the_formula_and_skips_what_says_nothing_about_speed() {
         let calibration = TtftCalibration::default();
-        // Faster than the network's jitter; mostly a cached prompt's fixed and batch costs;
-        // behind a queue (how much of it the worker's batches overlap is the model's error
-        // there: a busy worker would look faster for it); nonsense.
-        calibration.observe(predicted(3), 0.004);
-        let cached = TtftPrediction {
-            formula_s: 0.2,
-            ..predicted(80)
+        // Faster than the network's jitter; mostly a cached prompt among many running (the
+        // step it waited for, the batch it joined); behind a queue (how much of it the
+        // worker's batches overlap is the model's error there: a busy worker would look faster
+        // for it); nothing to prefill; nonsense.
+        calibration.observe(answer(3, 0.004), &MODEL);
+        let cached = SpeedAnswer {
+            running: 20,
+            ..answer(80, 0.6)
         };
-        calibration.observe(cached, 0.6);
-        let queued = TtftPrediction {
+        calibration.observe(cached, &MODEL);
+        let queued = SpeedAnswer {
             queued_tokens: 1_000,
-            ..predicted(300)
+            ..answer(300, 0.2)
         };
-        calibration.observe(queued, 0.2);
-        calibration.observe(predicted(100), f64::NAN);
+        calibration.observe(queued, &MODEL);
+        calibration.observe(answer(0, 0.05), &MODEL);
+        calibration.observe(answer(100, f64::NAN), &MODEL);
         let speed = calibration.speed(&MODEL);
         assert_eq!((speed.ratio, speed.observations), (1.0, 0));
         assert_eq!(
             speed.last,
-            Some((0.3, 0.2)),
+            Some((0.0, 0.05)),
             "the last is shown all the same"
         );
         assert_eq!(speed.relative_to(Some(2.0)), 1.0);
         // A prefill of 20 ms counts as one of 2 s does: the rule is relative, not a duration.
-        calibration.observe(predicted(20), 0.03);
-        calibration.observe(predicted(2_000), 3.0);
+        calibration.observe(answer(20, 0.03), &MODEL);
+        calibration.observe(answer(2_000, 3.0), &MODEL);
         let speed = calibration.speed(&MODEL);
         assert_eq!(speed.observations, 2);
         assert!((speed.ratio - 1.5).abs() < 1e-9, "{}", speed.ratio);
@@ -634,6 +635,12 @@ mod tests {
             ..MODEL
         };
         assert!((calibration.speed(&learned).ratio - 1.0).abs() < 1e-9);
+        // A model that predicts nothing for them leaves them out rather than counting as 1.
+        let nothing = Coefficients {
+            prefill_s_per_token: 0.0,
+            ..MODEL
+        };
+        assert_eq!(calibration.speed(&nothing).ratio, 1.0);
     }
 
     #[test]
@@ -642,16 +649,16 @@ mod tests {
         let ratio = |calibration: &TtftCalibration| calibration.speed(&MODEL).ratio;
         // One answer that waited out a long step does not make the worker slow.
         for observed in [1.2, 1.1, 4.0, 1.3, 1.2] {
-            calibration.observe(predicted(1_000), observed);
+            calibration.observe(answer(1_000, observed), &MODEL);
         }
         assert!((ratio(&calibration) - 1.2).abs() < 1e-9);
         assert!(calibration.speed(&MODEL).known());
         // An even count: the geometric mean of the middle two.
-        calibration.observe(predicted(1_000), 1.5);
+        calibration.observe(answer(1_000, 1.5), &MODEL);
         assert!((ratio(&calibration) - (1.2f64 * 1.3).sqrt()).abs() < 1e-9);
         // The worker slows down: once most of its latest nine say so, so does its speed.
         for _ in 0..5 {
-            calibration.observe(predicted(1_000), 2.0);
+            calibration.observe(answer(1_000, 2.0), &MODEL);
         }
         assert_eq!(ratio(&calibration), 2.0);
         assert_eq!(calibration.speed(&MODEL).observations, 11);
@@ -695,8 +702,8 @@ mod tests {
         // knows it alone (five observations are needed), together they do.
         let (one, two) = (TtftCalibration::default(), TtftCalibration::default());
         for _ in 0..3 {
-            one.observe(predicted(500), 0.75);
-            two.observe(predicted(1_000), 1.5);
+            one.observe(answer(500, 0.75), &MODEL);
+            two.observe(answer(1_000, 1.5), &MODEL);
         }
         assert!(!one.speed(&MODEL).known());
         one.set_peers(vec![two.own(&MODEL)]);
@@ -732,7 +739,7 @@ mod tests {
         // A third replica: each weighs as its own observations, not the others' summed.
         let three = TtftCalibration::default();
         for _ in 0..10 {
-            three.observe(predicted(1_000), 1.0);
+            three.observe(answer(1_000, 1.0), &MODEL);
         }
         one.set_peers(vec![two.own(&MODEL), three.own(&MODEL)]);
         let expected = (1.5f64.ln() * 6.0 / 15.0).exp();
@@ -755,16 +762,43 @@ mod tests {
                 let noise = 0.9 + 0.2 * ((seed >> 20) & 0xff) as f64 / 255.0;
                 let slow = if i == 2 { 1.5 } else { 1.0 };
                 let truth = 2.0 * slow * MODEL.predict(tokens as f64, 0.0) * noise;
-                worker.observe(predicted(tokens), truth);
+                worker.observe(answer(tokens, truth), &MODEL);
             }
         }
-        let median = median_ratio(workers.iter().map(|w| w.speed(&MODEL)));
+        let speeds: Vec<Speed> = workers.iter().map(|w| w.speed(&MODEL)).collect();
+        let median = median_ratio(&speeds);
         let relative: Vec<f64> = workers
             .iter()
             .map(|w| w.speed(&MODEL).relative_to(median))
             .collect();
         assert_eq!((relative[0], relative[1]), (1.0, 1.0));
         assert!((relative[2] - 1.5).abs() < 0.15, "{relative:?}");
+    }
+
+    #[test]
+    fn a_worker_not_known_yet_counts_as_the_pools_answers_say() {
+        let speed = |ratio, observations| Speed {
+            ratio,
+            observations,
+            last: None,
+        };
+        // The model predicts every cold prompt at a fifth of its time (configured 5x off, not
+        // learning): a known worker at 5 is as fast as the two the pool has barely heard from,
+        // not 5x slower than them.
+        let speeds = [speed(5.0, 9), speed(5.2, 2), speed(4.8, 1)];
+        let median = median_ratio(&speeds);
+        assert_eq!(speeds[0].relative_to(median), 1.0);
+        // One known slow, one known normal, one not known: the median is near the normal one
+        // (the pool's answers, the slow worker's among them, put the unknown one at 1.13), so
+        // the slow one is slow and the normal one not fast (with the known workers' median
+        // alone it was 0.67, and drew the pool's traffic).
+        let speeds = [speed(1.5, 5), speed(1.0, 9), speed(1.0, 2)];
+        let median = median_ratio(&speeds);
+        let slow = speeds[0].relative_to(median);
+        assert!((1.25..1.5).contains(&slow), "{slow} against {median:?}");
+        assert_eq!(speeds[1].relative_to(median), 1.0);
+        // Nobody known: no median.
+        assert_eq!(median_ratio(&[speed(2.0, 4), Speed::default()]), None);
     }
 
     /// Answers of a worker whose true model is `truth`, in a mix of queues, prompts and

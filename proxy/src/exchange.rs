@@ -19,7 +19,7 @@ use crate::accounting::{Usage, UsageTap};
 use crate::answer::{self, Answer, Delivery};
 use crate::api::{ApiError, Endpoint, ErrorKind};
 use crate::background;
-use crate::calibration::{Coefficients, Observation, TtftPrediction};
+use crate::calibration::{Coefficients, Observation, SpeedAnswer};
 use crate::headers;
 use crate::kv::Prediction;
 use crate::limits::Admission;
@@ -81,25 +81,15 @@ pub struct TtftProbe {
 }
 
 impl TtftProbe {
-    /// The first token came: the worker learns its speed now, the pool waits for the usage.
+    /// The first token came: the time is kept for when the usage tells what was prefilled.
     fn first_token(&mut self) {
-        let observed = self.sent.elapsed().as_secs_f64();
-        self.observed_s = Some(observed);
-        self.worker.ttft.observe(
-            TtftPrediction {
-                formula_s: self.score.formula_ttft_s,
-                own_prefill_s: self.score.own_prefill_s,
-                queued_tokens: self.score.queued_tokens,
-                uncached_tokens: self.score.uncached_tokens,
-                running: self.score.running,
-            },
-            observed,
-        );
+        self.observed_s = Some(self.sent.elapsed().as_secs_f64());
     }
 
-    /// The request is over: the pool's coefficients learn from what the worker prefilled (its
-    /// own count of the uncached prompt when it reports cached tokens, else the prefix
-    /// index's) and how long it took.
+    /// The request is over: the pool's coefficients and the worker's speed learn from what the
+    /// worker prefilled (its own count of the uncached prompt when it reports cached tokens,
+    /// else the prefix index's: a prompt the index took for cold but the worker held would
+    /// otherwise teach that the worker is fast) and how long it took.
     fn finish(self, usage: &Usage) {
         let Some(observed) = self.observed_s else {
             return;
@@ -126,6 +116,17 @@ impl TtftProbe {
             "time to first token observed"
         );
         self.pool.kv.calibration.observe(configured, &observation);
+        let (model, _, _) = crate::scorer::model(&self.pool);
+        self.worker.ttft.observe(
+            SpeedAnswer {
+                predicted_s: self.score.formula_ttft_s,
+                queued_tokens: self.score.queued_tokens,
+                uncached_tokens: uncached as usize,
+                running: self.score.running,
+                observed_s: observed,
+            },
+            &model,
+        );
     }
 }
 

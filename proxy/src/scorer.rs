@@ -66,9 +66,6 @@ pub struct WorkerScore {
     pub kv_blocks_free: Option<u64>,
     /// The formula's prediction (pool coefficients), before the worker's learned speed.
     pub formula_ttft_s: f64,
-    /// Its term for the request's own uncached prompt: a prediction mostly of that, with
-    /// nothing queued ahead, teaches the worker's speed.
-    pub own_prefill_s: f64,
     /// The worker's learned speed (observed over predicted TTFT).
     pub speed: Speed,
     /// That speed relative to the pool's median worker: predicted = relative × formula.
@@ -242,7 +239,7 @@ pub fn decide(
 
     let speeds: Vec<Speed> = pool.workers.iter().map(|w| w.ttft.speed(&model)).collect();
     let median = if scoring.learn_worker_speed {
-        median_ratio(speeds.iter().copied())
+        median_ratio(&speeds)
     } else {
         None
     };
@@ -297,7 +294,6 @@ pub fn decide(
         let running = own_decoding + peers_decoding + load.others_running();
         let formula_ttft_s =
             model.predict((queued_tokens + uncached_tokens) as f64, running as f64);
-        let own_prefill_s = model.prefill_s_per_token * uncached_tokens as f64;
         let predicted_ttft_s = relative_speed * formula_ttft_s;
         let kv_blocks_needed = (uncached_tokens + output_tokens.min(MAX_OUTPUT_TOKENS))
             .div_ceil(block_size.max(1)) as u64;
@@ -313,7 +309,6 @@ pub fn decide(
             kv_blocks_needed,
             kv_blocks_free: load.free_kv_blocks(),
             formula_ttft_s,
-            own_prefill_s,
             speed,
             relative_speed,
             predicted_ttft_s,
@@ -562,26 +557,22 @@ mod tests {
         let lookup = overlap(pool, &[1, 2, 3, 4]);
         // Cold prompts of 1,000 tokens and more, nothing queued ahead.
         let (model, _, _) = model(pool);
-        let predicted = |i: u32| {
+        let answer = |i: u32, slower: f64| {
             let tokens = 1_000 + 20 * i as usize;
-            let formula_s = model.predict(tokens as f64, 0.0);
-            (
-                crate::calibration::TtftPrediction {
-                    formula_s,
-                    own_prefill_s: formula_s,
-                    queued_tokens: 0,
-                    uncached_tokens: tokens,
-                    running: 0,
-                },
-                formula_s,
-            )
+            let predicted_s = model.predict(tokens as f64, 0.0);
+            crate::calibration::SpeedAnswer {
+                predicted_s,
+                queued_tokens: 0,
+                uncached_tokens: tokens,
+                running: 0,
+                observed_s: slower * predicted_s,
+            }
         };
         // Worker 0 turned out 1.5x slower than the others on its recent first tokens.
         for i in 0..60 {
-            let (prediction, formula) = predicted(i);
-            pool.workers[0].ttft.observe(prediction, 1.5 * formula);
-            pool.workers[1].ttft.observe(prediction, formula);
-            pool.workers[2].ttft.observe(prediction, formula);
+            pool.workers[0].ttft.observe(answer(i, 1.5), &model);
+            pool.workers[1].ttft.observe(answer(i, 1.0), &model);
+            pool.workers[2].ttft.observe(answer(i, 1.0), &model);
         }
         // Both other workers have one prompt of ours queued; worker 0 a shorter one, which is
         // still slower there.
@@ -599,9 +590,8 @@ mod tests {
         let plain = super::tests::table();
         let pool = plain.pools().next().unwrap();
         for i in 0..10 {
-            let (prediction, formula) = predicted(i);
-            pool.workers[0].ttft.observe(prediction, 1.5 * formula);
-            pool.workers[1].ttft.observe(prediction, formula);
+            pool.workers[0].ttft.observe(answer(i, 1.5), &model);
+            pool.workers[1].ttft.observe(answer(i, 1.0), &model);
         }
         let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
         assert_eq!(decision.scores[0].relative_speed, 1.0);
@@ -664,7 +654,6 @@ mod tests {
                 kv_blocks_needed: 0,
                 kv_blocks_free: None,
                 formula_ttft_s: formula,
-                own_prefill_s: 0.0,
                 speed: Speed::default(),
                 relative_speed: 1.0,
                 predicted_ttft_s: formula,

@@ -196,7 +196,7 @@ async fn learned_speeds(proxy: &Proxy) -> Vec<(String, f64, u64)> {
 }
 
 #[tokio::test]
-async fn a_worker_slower_than_the_rest_is_learned_from_a_minute_of_ordinary_traffic() {
+async fn a_worker_slower_than_the_rest_is_learned_from_sixty_ordinary_requests() {
     // Three simulated workers, the third 1.5x slower (every engine step), behind a pool that
     // learns worker speeds. The traffic is ordinary: prompts of a few hundred tokens whose
     // first tokens come in tens of milliseconds, some of them repeated (then mostly cached).
@@ -231,7 +231,8 @@ async fn a_worker_slower_than_the_rest_is_learned_from_a_minute_of_ordinary_traf
     let proxy = Proxy::start(&yaml, &[]).await;
     proxy.wait_subscribed(3).await;
 
-    // Three clients, twenty requests each: a minute of traffic at one request a second.
+    // Three clients, twenty requests each, back to back: about a minute of the simulator's
+    // time (12 s of wall time at its time scale).
     let clients = (0..3).map(|client| {
         let url = proxy.url();
         let model = "default".to_owned();
@@ -256,6 +257,8 @@ async fn a_worker_slower_than_the_rest_is_learned_from_a_minute_of_ordinary_traf
     let speeds = learned_speeds(&proxy).await;
     println!("median TTFT {median_ms:.1} ms (time scale {SPEED_TIME_SCALE}); learned: {speeds:?}");
     let slow = &sim.workers[2].http;
+    assert_eq!(speeds.len(), 3, "every worker scored: {speeds:?}");
+    assert!(speeds.iter().any(|(w, _, _)| w == slow), "{speeds:?}");
     for (worker, relative, observations) in &speeds {
         assert!(
             *observations >= 5,
