@@ -45,9 +45,8 @@
 //! of pushing every prediction around, and a worker that is avoided for a while keeps its
 //! relative speed rather than drifting.
 //!
-//! Used only by pools with `scoring.learnWorkerSpeed` (off by default: on equal workers the
-//! ratios still differ a little with each worker's traffic mix, and the benchmark's multi-turn
-//! p90 was 7–18% worse with it).
+//! Used only by pools with `scoring.learnWorkerSpeed` (off by default: on equal workers it
+//! gains nothing, and the ratios still differ a little with each worker's traffic mix).
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
