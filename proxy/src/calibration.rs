@@ -40,10 +40,9 @@
 //!
 //! What the scorer uses is that ratio *relative to the pool's median worker* (a worker not known
 //! yet counts as the pool's answers so far say): only relative speed changes which worker is
-//! best. An error
-//! every worker shares (a busy period the model underestimates everywhere) cancels out instead
-//! of pushing every prediction around, and a worker that is avoided for a while keeps its
-//! relative speed rather than drifting.
+//! best. An error every worker shares (a busy period the model underestimates everywhere)
+//! cancels out instead of pushing every prediction around, and a worker that is avoided for a
+//! while keeps its relative speed rather than drifting.
 //!
 //! Used only by pools with `scoring.learnWorkerSpeed` (off by default: on equal workers it
 //! gains nothing, and the ratios still differ a little with each worker's traffic mix).

@@ -412,6 +412,20 @@ impl SimWorker {
     pub fn url(&self) -> String {
         format!("http://{}", self.http)
     }
+
+    /// This worker as a pool endpoint in YAML flow style: its address, KV events and replay.
+    pub fn endpoint_yaml(&self) -> String {
+        format!(
+            "{{address: \"{}\", kvEvents: \"{}\", kvReplay: \"{}\"}}",
+            self.http,
+            self.kv_events
+                .as_deref()
+                .expect("the simulator publishes KV events"),
+            self.kv_replay
+                .as_deref()
+                .expect("the simulator replays KV events")
+        )
+    }
 }
 
 /// A running `switchyard-sim`, killed on drop.
@@ -422,6 +436,15 @@ pub struct Sim {
 }
 
 impl Sim {
+    /// Every worker as a pool endpoint, comma-separated (for `endpoints: [...]`).
+    pub fn endpoints_yaml(&self) -> String {
+        self.workers
+            .iter()
+            .map(SimWorker::endpoint_yaml)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// Start `switchyard-sim` with ephemeral ports plus `args`; returns once it printed its addresses.
     pub fn start(args: &[&str]) -> Sim {
         let mut child = Command::new(binary("switchyard-sim"))

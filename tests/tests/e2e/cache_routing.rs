@@ -113,22 +113,10 @@ async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after
         "--block-size",
         "16",
     ]);
-    let endpoints: Vec<String> = sim
-        .workers
-        .iter()
-        .map(|w| {
-            format!(
-                "{{address: \"{}\", kvEvents: \"{}\", kvReplay: \"{}\"}}",
-                w.http,
-                w.kv_events.as_deref().unwrap(),
-                w.kv_replay.as_deref().unwrap()
-            )
-        })
-        .collect();
     let yaml = format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  endpoints: [{}]\n{}",
         sim.model,
-        endpoints.join(", "),
+        sim.endpoints_yaml(),
         switchyard_e2e::model_doc("default", "sim", None)
     );
     let proxy = Proxy::start(&yaml, &[]).await;

@@ -210,22 +210,10 @@ async fn a_worker_slower_than_the_rest_is_learned_from_sixty_ordinary_requests()
         "--block-size",
         "16",
     ]);
-    let endpoints: Vec<String> = sim
-        .workers
-        .iter()
-        .map(|w| {
-            format!(
-                "{{address: \"{}\", kvEvents: \"{}\", kvReplay: \"{}\"}}",
-                w.http,
-                w.kv_events.as_deref().unwrap(),
-                w.kv_replay.as_deref().unwrap()
-            )
-        })
-        .collect();
     let yaml = format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  scoring: {{learnWorkerSpeed: true}}\n  endpoints: [{endpoints}]\n{doc}",
         model = sim.model,
-        endpoints = endpoints.join(", "),
+        endpoints = sim.endpoints_yaml(),
         doc = switchyard_e2e::model_doc("default", "sim", None),
     );
     let proxy = Proxy::start(&yaml, &[]).await;
