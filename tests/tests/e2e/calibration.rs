@@ -196,7 +196,7 @@ async fn learned_speeds(proxy: &Proxy) -> Vec<(String, f64, u64)> {
 }
 
 #[tokio::test]
-async fn a_worker_slower_than_the_rest_is_learned_from_sixty_ordinary_requests() {
+async fn a_worker_slower_than_the_rest_is_learned_from_ordinary_traffic() {
     // Three simulated workers, the third 1.5x slower (every engine step), behind a pool that
     // learns worker speeds. The traffic is ordinary: prompts of a few hundred tokens whose
     // first tokens come in tens of milliseconds, some of them repeated (then mostly cached).
