@@ -486,13 +486,11 @@ async fn an_isolated_tenant_keeps_its_cache_to_itself_and_routing_stays_cache_aw
     let worker = &sim.workers[0];
     let key = |name: &str| switchyard_e2e::key_sha256(name);
     let yaml = format!(
-        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  endpoints: [{{address: \"{http}\", kvEvents: \"{events}\", kvReplay: \"{replay}\"}}]\n{doc}---\n\
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  endpoints: [{endpoint}]\n{doc}---\n\
          apiVersion: switchyard.dev/v1alpha1\nkind: Tenant\nmetadata: {{name: private}}\nspec: {{apiKeys: [{{sha256: {a}}}], cacheIsolation: true}}\n---\n\
          apiVersion: switchyard.dev/v1alpha1\nkind: Tenant\nmetadata: {{name: other}}\nspec: {{apiKeys: [{{sha256: {b}}}]}}\n",
         model = sim.model,
-        http = worker.http,
-        events = worker.kv_events.as_deref().unwrap(),
-        replay = worker.kv_replay.as_deref().unwrap(),
+        endpoint = worker.endpoint_yaml(),
         doc = switchyard_e2e::model_doc("default", "sim", None),
         a = key("key-private"),
         b = key("key-other"),

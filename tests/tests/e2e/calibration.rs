@@ -85,11 +85,9 @@ async fn a_pool_configured_2x_off_learns_its_workers_ttft_from_answers() {
     }
     let configured_us = (2.0 * slope(&direct) * 1e6).round();
     let yaml = format!(
-        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  scoring: {{prefillMicrosPerToken: {configured_us}, runningRequestMicros: 100}}\n  endpoints: [{{address: \"{http}\", kvEvents: \"{events}\", kvReplay: \"{replay}\"}}]\n{doc}",
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  scoring: {{prefillMicrosPerToken: {configured_us}, runningRequestMicros: 100}}\n  endpoints: [{endpoint}]\n{doc}",
         model = sim.model,
-        http = worker.http,
-        events = worker.kv_events.as_deref().unwrap(),
-        replay = worker.kv_replay.as_deref().unwrap(),
+        endpoint = worker.endpoint_yaml(),
         doc = switchyard_e2e::model_doc("default", "sim", None),
     );
     let proxy = Proxy::start(&yaml, &[]).await;
