@@ -178,6 +178,11 @@ pub struct PromptTokenizer {
     /// Tokens of text pieces seen before, when this tokenizer splits text the way
     /// [`SegmentCache`] needs (checked when it is loaded).
     segments: Option<SegmentCache>,
+    /// Tokens of single words seen before (see [`PromptTokenizer::encode_words`]), when the
+    /// tokenizer may be cut both at line breaks and between words.
+    words: Option<SegmentCache>,
+    /// Calls of [`PromptTokenizer::encode_words`], every [`WORD_CHECK_EVERY`]th checked whole.
+    word_calls: std::sync::atomic::AtomicU64,
     /// Whether a head of a text may be tokenized alone (see [`PromptTokenizer::encode_head`]);
     /// turned off for good if a head ever turns out not to be the start of its whole.
     word_cuts: std::sync::atomic::AtomicBool,
@@ -187,6 +192,12 @@ pub struct PromptTokenizer {
 const MIN_SEGMENT_BYTES: usize = 512;
 /// Tokens remembered per tokenizer (about 4 bytes each).
 const SEGMENT_CACHE_TOKENS: usize = 4_000_000;
+/// Tokens of single words remembered per tokenizer (about a hundred thousand words, a few MB).
+const WORD_CACHE_TOKENS: usize = 262_144;
+/// Texts longer than this (a piece that could not be cut) are tokenized in one call.
+const MAX_WORDS_BYTES: usize = 4096;
+/// One in this many texts tokenized word by word is also tokenized whole and compared.
+const WORD_CHECK_EVERY: u64 = 64;
 
 /// Tokens of prompt pieces, by a hash of their text, so a prompt that repeats an earlier one's
 /// text (a system prompt, the earlier turns of a conversation) tokenizes only what is new.
@@ -196,9 +207,11 @@ const SEGMENT_CACHE_TOKENS: usize = 4_000_000;
 /// piece that holds a line break extends only over more whitespace), so the tokens of the whole
 /// are the tokens of the pieces, concatenated. That is checked for every tokenizer when it is
 /// loaded ([`PromptTokenizer::new`]); one that fails is never cut.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct SegmentCache {
     entries: std::sync::Mutex<SegmentEntries>,
+    /// Tokens held at most; the oldest entries go first.
+    limit: usize,
 }
 
 #[derive(Debug, Default)]
@@ -209,6 +222,13 @@ struct SegmentEntries {
 }
 
 impl SegmentCache {
+    fn new(limit: usize) -> SegmentCache {
+        SegmentCache {
+            entries: std::sync::Mutex::default(),
+            limit,
+        }
+    }
+
     fn get(&self, key: u64) -> Option<std::sync::Arc<[u32]>> {
         self.entries.lock().ok()?.by_key.get(&key).cloned()
     }
@@ -223,7 +243,7 @@ impl SegmentCache {
         entries.by_key.insert(key, tokens.into());
         entries.order.push_back(key);
         entries.tokens += tokens.len();
-        while entries.tokens > SEGMENT_CACHE_TOKENS {
+        while entries.tokens > self.limit {
             let Some(old) = entries.order.pop_front() else {
                 break;
             };
@@ -362,6 +382,104 @@ impl PromptTokenizer {
             .encode_fast(text, false)
             .map(|encoding| encoding.get_ids().to_vec())
             .map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+
+    /// Tokens of text the segment cache does not hold: word by word where this tokenizer may
+    /// be cut between words (see [`Self::encode_words`]), else in one call.
+    fn encode_new(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        match &self.words {
+            Some(words) if self.cuts_words() && text.len() <= MAX_WORDS_BYTES => {
+                self.encode_words(text, words)
+            }
+            _ => self.encode_whole(text),
+        }
+    }
+
+    /// Tokens of `text` word by word: cut at every line-break and word cut (see
+    /// [`segment_cuts`]; no token spans one), each word's tokens from the word cache when it
+    /// was seen before, the rest tokenized together, a run of neighbouring new words in one
+    /// call, and remembered word by word (split where the tokenizer's offsets say each token
+    /// starts). The text a prompt adds past its cached pieces (a question, a new turn) is
+    /// mostly words seen before, and a lookup costs far less than the tokenizer's pipeline:
+    /// inside a loaded proxy, about 0.8 ms per call on a 230-byte question, most of it building
+    /// each token's string. One call in [`WORD_CHECK_EVERY`] is also tokenized whole; a
+    /// difference stops all cutting between words (as [`Self::stop_cutting_words`]).
+    fn encode_words(&self, text: &str, words: &SegmentCache) -> Result<Vec<u32>, TokenizeError> {
+        let mut ends = segment_cuts(text, 1, true);
+        ends.push(text.len());
+        let mut out = Vec::new();
+        let mut new_words: Vec<(usize, usize)> = Vec::new();
+        let mut start = 0;
+        for end in ends {
+            let word = text.get(start..end).unwrap_or_default();
+            match words.get(piece_key(word)) {
+                Some(tokens) => {
+                    self.encode_new_words(text, &mut new_words, words, &mut out)?;
+                    out.extend_from_slice(&tokens);
+                }
+                None => new_words.push((start, end)),
+            }
+            start = end;
+        }
+        self.encode_new_words(text, &mut new_words, words, &mut out)?;
+        let calls = self
+            .word_calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if calls.is_multiple_of(WORD_CHECK_EVERY) {
+            let whole = self.encode_whole(text)?;
+            if whole != out {
+                self.stop_cutting_words();
+                return Ok(whole);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Tokenize the neighbouring words `new_words` (byte ranges of `text`, in order) in one
+    /// call onto `out`, remember each word's tokens, and empty `new_words`.
+    fn encode_new_words(
+        &self,
+        text: &str,
+        new_words: &mut Vec<(usize, usize)>,
+        words: &SegmentCache,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizeError> {
+        let (Some(&(from, _)), Some(&(_, to))) = (new_words.first(), new_words.last()) else {
+            return Ok(());
+        };
+        let run = text.get(from..to).unwrap_or_default();
+        let encoding = self
+            .tokenizer
+            .encode(run, false)
+            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        let (ids, offsets) = (encoding.get_ids(), encoding.get_offsets());
+        // A word's tokens are those that start in it; one that ends past it would mean the cut
+        // is not exact here, and then nothing is remembered.
+        let mut split = Vec::with_capacity(new_words.len());
+        let mut next = 0;
+        let mut exact = true;
+        for &(start, end) in new_words.iter() {
+            let (start, end) = (start - from, end - from);
+            let first = next;
+            while let Some(&(token_start, token_end)) = offsets.get(next) {
+                if token_start >= end {
+                    break;
+                }
+                exact &= token_end <= end;
+                next += 1;
+            }
+            split.push((run.get(start..end), ids.get(first..next)));
+        }
+        if exact && next == ids.len() {
+            for (word, tokens) in split {
+                if let (Some(word), Some(tokens)) = (word, tokens) {
+                    words.put(piece_key(word), tokens);
+                }
+            }
+        }
+        out.extend_from_slice(ids);
+        new_words.clear();
+        Ok(())
     }
 
     /// Whether every cut of every [`CUT_CHECKS`] text gives the tokens of the whole.
@@ -535,13 +653,19 @@ impl PromptTokenizer {
             tokenizer,
             templates,
             segments: None,
+            words: None,
+            word_calls: std::sync::atomic::AtomicU64::new(0),
             word_cuts: std::sync::atomic::AtomicBool::new(false),
         };
-        if prompt_tokenizer.cuts_are_exact() {
-            prompt_tokenizer.segments = Some(SegmentCache::default());
+        let line_cuts = prompt_tokenizer.cuts_are_exact();
+        if line_cuts {
+            prompt_tokenizer.segments = Some(SegmentCache::new(SEGMENT_CACHE_TOKENS));
         }
         let exact = prompt_tokenizer.word_cuts_are_exact();
         prompt_tokenizer.word_cuts = std::sync::atomic::AtomicBool::new(exact);
+        if line_cuts && exact {
+            prompt_tokenizer.words = Some(SegmentCache::new(WORD_CACHE_TOKENS));
+        }
         Ok(prompt_tokenizer)
     }
 
@@ -591,7 +715,7 @@ impl PromptTokenizer {
         };
         let cuts = segment_cuts(text, MIN_SEGMENT_BYTES, self.cuts_words());
         if cuts.is_empty() {
-            return self.encode_whole(text);
+            return self.encode_new(text);
         }
         let mut out = Vec::new();
         let mut start = 0;
@@ -601,7 +725,7 @@ impl PromptTokenizer {
             match cache.get(key) {
                 Some(tokens) => out.extend_from_slice(&tokens),
                 None => {
-                    let tokens = self.encode_whole(piece)?;
+                    let tokens = self.encode_new(piece)?;
                     cache.put(key, &tokens);
                     out.extend(tokens);
                 }
@@ -615,7 +739,7 @@ impl PromptTokenizer {
         match cache.get(key) {
             Some(tokens) => out.extend_from_slice(&tokens),
             None => {
-                let tokens = self.encode_whole(last)?;
+                let tokens = self.encode_new(last)?;
                 if ends_on_cut {
                     cache.put(key, &tokens);
                 }
@@ -809,6 +933,65 @@ mod tests {
                 m("assistant", "second"),
             ]
         );
+    }
+
+    #[test]
+    fn words_seen_before_give_the_tokens_of_the_whole() {
+        let tokenizer = shipped();
+        let words = tokenizer
+            .words
+            .as_ref()
+            .expect("the shipped tokenizer is cut between words");
+        // Questions from a small vocabulary between the chat template's special tokens: line
+        // breaks, punctuation, digits, CJK and emoji; cold at first, then mostly words seen
+        // before in other places. Word by word must equal the tokenizer run on the whole.
+        let vocabulary = [
+            "river213",
+            "garden",
+            "café",
+            "naïve",
+            "数字",
+            "😀",
+            "x=1;",
+            "'quoted'",
+            "(paren)",
+            "Rule",
+            "7:",
+            "section",
+            "12345",
+            "   indented",
+            "\ttab",
+            "end.",
+        ];
+        let mut seed = 11u64;
+        let mut last = String::new();
+        for round in 0..300 {
+            let mut question = String::new();
+            for i in 0..(3 + round % 17) {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                if i > 0 {
+                    question.push(if seed & 7 == 0 { '\n' } else { ' ' });
+                }
+                question.push_str(vocabulary[(seed >> 33) as usize % vocabulary.len()]);
+            }
+            last = format!("<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n");
+            assert_eq!(
+                tokenizer.encode_words(&last, words).unwrap(),
+                tokenizer.encode_whole(&last).unwrap(),
+                "round {round}: {last:?}"
+            );
+        }
+        // A text whose words were all seen is looked up: nothing new is remembered.
+        let held = words.entries.lock().unwrap().by_key.len();
+        assert!(held > vocabulary.len(), "{held} words remembered");
+        assert_eq!(
+            tokenizer.encode_words(&last, words).unwrap(),
+            tokenizer.encode_whole(&last).unwrap()
+        );
+        assert_eq!(words.entries.lock().unwrap().by_key.len(), held);
+        assert!(tokenizer.cuts_words(), "no check found a difference");
     }
 
     #[test]
