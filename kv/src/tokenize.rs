@@ -196,6 +196,9 @@ const SEGMENT_CACHE_TOKENS: usize = 4_000_000;
 const WORD_CACHE_TOKENS: usize = 262_144;
 /// Texts longer than this (a piece that could not be cut) are tokenized in one call.
 const MAX_WORDS_BYTES: usize = 4096;
+/// Longer words are not remembered (text without spaces, such as CJK, is one long "word" that
+/// seldom comes back whole and would push many short ones out).
+const MAX_REMEMBERED_WORD_BYTES: usize = 128;
 /// One in this many texts tokenized word by word is also tokenized whole and compared.
 const WORD_CHECK_EVERY: u64 = 64;
 
@@ -472,7 +475,9 @@ impl PromptTokenizer {
         }
         if exact && next == ids.len() {
             for (word, tokens) in split {
-                if let (Some(word), Some(tokens)) = (word, tokens) {
+                if let (Some(word), Some(tokens)) = (word, tokens)
+                    && word.len() <= MAX_REMEMBERED_WORD_BYTES
+                {
                     words.put(piece_key(word), tokens);
                 }
             }
@@ -989,6 +994,13 @@ mod tests {
         assert_eq!(
             tokenizer.encode_words(&last, words).unwrap(),
             tokenizer.encode_whole(&last).unwrap()
+        );
+        assert_eq!(words.entries.lock().unwrap().by_key.len(), held);
+        // Nor is a long run without spaces (CJK): tokenized, but not kept as one "word".
+        let long = "数字".repeat(60);
+        assert_eq!(
+            tokenizer.encode_words(&long, words).unwrap(),
+            tokenizer.encode_whole(&long).unwrap()
         );
         assert_eq!(words.entries.lock().unwrap().by_key.len(), held);
         assert!(tokenizer.cuts_words(), "no check found a difference");
