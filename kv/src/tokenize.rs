@@ -192,13 +192,16 @@ pub struct PromptTokenizer {
 const MIN_SEGMENT_BYTES: usize = 512;
 /// Tokens remembered per tokenizer (about 4 bytes each).
 const SEGMENT_CACHE_TOKENS: usize = 4_000_000;
-/// Tokens of single words remembered per tokenizer (about a hundred thousand words, a few MB).
-const WORD_CACHE_TOKENS: usize = 262_144;
+/// Tokens of single words remembered per tokenizer (tens of thousands of words; with each
+/// entry's own bookkeeping, about 10 MB at most).
+const WORD_CACHE_TOKENS: usize = 131_072;
 /// Texts longer than this (a piece that could not be cut) are tokenized in one call.
 const MAX_WORDS_BYTES: usize = 4096;
 /// Longer words are not remembered (text without spaces, such as CJK, is one long "word" that
 /// seldom comes back whole and would push many short ones out).
 const MAX_REMEMBERED_WORD_BYTES: usize = 128;
+/// More separate runs of new words than this in one text are tokenized in one call.
+const MAX_NEW_RUNS: usize = 8;
 /// One in this many texts tokenized word by word is also tokenized whole and compared.
 const WORD_CHECK_EVERY: u64 = 64;
 
@@ -236,6 +239,12 @@ impl SegmentCache {
         self.entries.lock().ok()?.by_key.get(&key).cloned()
     }
 
+    fn clear(&self) {
+        if let Ok(mut entries) = self.entries.lock() {
+            *entries = SegmentEntries::default();
+        }
+    }
+
     fn put(&self, key: u64, tokens: &[u32]) {
         let Ok(mut entries) = self.entries.lock() else {
             return;
@@ -245,13 +254,13 @@ impl SegmentCache {
         }
         entries.by_key.insert(key, tokens.into());
         entries.order.push_back(key);
-        entries.tokens += tokens.len();
+        entries.tokens += tokens.len().max(1);
         while entries.tokens > self.limit {
             let Some(old) = entries.order.pop_front() else {
                 break;
             };
             if let Some(gone) = entries.by_key.remove(&old) {
-                entries.tokens -= gone.len();
+                entries.tokens -= gone.len().max(1);
             }
         }
     }
@@ -410,28 +419,48 @@ impl PromptTokenizer {
     fn encode_words(&self, text: &str, words: &SegmentCache) -> Result<Vec<u32>, TokenizeError> {
         let mut ends = segment_cuts(text, 1, true);
         ends.push(text.len());
-        let mut out = Vec::new();
-        let mut new_words: Vec<(usize, usize)> = Vec::new();
-        let mut start = 0;
+        let mut found = Vec::with_capacity(ends.len());
+        let (mut start, mut runs, mut in_run) = (0, 0, false);
         for end in ends {
-            let word = text.get(start..end).unwrap_or_default();
-            match words.get(piece_key(word)) {
-                Some(tokens) => {
-                    self.encode_new_words(text, &mut new_words, words, &mut out)?;
-                    out.extend_from_slice(&tokens);
-                }
-                None => new_words.push((start, end)),
-            }
+            let tokens = text
+                .get(start..end)
+                .and_then(|word| words.get(piece_key(word)));
+            runs += usize::from(tokens.is_none() && !in_run);
+            in_run = tokens.is_none();
+            found.push((start, end, tokens));
             start = end;
         }
-        self.encode_new_words(text, &mut new_words, words, &mut out)?;
+        let mut out = Vec::new();
+        if runs > MAX_NEW_RUNS {
+            // New words scattered among known ones (ordinary text, rare words among common
+            // ones): one call over all of it, every word remembered, beats a call per gap.
+            let mut all: Vec<(usize, usize)> = found.iter().map(|&(s, e, _)| (s, e)).collect();
+            self.encode_new_words(text, &mut all, words, &mut out)?;
+        } else {
+            let mut new_words: Vec<(usize, usize)> = Vec::new();
+            for (start, end, tokens) in found {
+                match tokens {
+                    Some(tokens) => {
+                        self.encode_new_words(text, &mut new_words, words, &mut out)?;
+                        out.extend_from_slice(&tokens);
+                    }
+                    None => new_words.push((start, end)),
+                }
+            }
+            self.encode_new_words(text, &mut new_words, words, &mut out)?;
+        }
         let calls = self
             .word_calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if calls.is_multiple_of(WORD_CHECK_EVERY) {
             let whole = self.encode_whole(text)?;
             if whole != out {
+                // Pieces tokenized word by word may hold the same error: forget them too.
                 self.stop_cutting_words();
+                words.clear();
+                if let Some(segments) = &self.segments {
+                    segments.clear();
+                }
                 return Ok(whole);
             }
         }
@@ -451,6 +480,12 @@ impl PromptTokenizer {
             return Ok(());
         };
         let run = text.get(from..to).unwrap_or_default();
+        if new_words.len() == 1 && run.len() > MAX_REMEMBERED_WORD_BYTES {
+            // One long word (CJK, code without spaces): not remembered, no offsets needed.
+            out.extend(self.encode_whole(run)?);
+            new_words.clear();
+            return Ok(());
+        }
         let encoding = self
             .tokenizer
             .encode(run, false)
@@ -506,6 +541,37 @@ impl PromptTokenizer {
                 }
             })
         })
+    }
+
+    /// Whether cutting at every line-break and word cut at once (as [`Self::encode_words`]
+    /// does: one-byte words included) gives the tokens of the whole, for every text of both
+    /// check lists and for all of them joined by line breaks.
+    fn all_cuts_are_exact(&self) -> bool {
+        let joined = CUT_CHECKS
+            .iter()
+            .chain(WORD_CUT_CHECKS)
+            .copied()
+            .collect::<Vec<_>>()
+            .join("\n");
+        CUT_CHECKS
+            .iter()
+            .chain(WORD_CUT_CHECKS)
+            .copied()
+            .chain(std::iter::once(joined.as_str()))
+            .all(|text| {
+                let mut ends = segment_cuts(text, 1, true);
+                ends.push(text.len());
+                let mut start = 0;
+                let mut pieces = Vec::new();
+                for end in ends {
+                    match text.get(start..end).map(|piece| self.encode_whole(piece)) {
+                        Some(Ok(tokens)) => pieces.extend(tokens),
+                        _ => return false,
+                    }
+                    start = end;
+                }
+                self.encode_whole(text).is_ok_and(|whole| whole == pieces)
+            })
     }
 
     /// Whether a cut just before a space that follows a non-space and precedes a letter gives
@@ -668,7 +734,7 @@ impl PromptTokenizer {
         }
         let exact = prompt_tokenizer.word_cuts_are_exact();
         prompt_tokenizer.word_cuts = std::sync::atomic::AtomicBool::new(exact);
-        if line_cuts && exact {
+        if line_cuts && exact && prompt_tokenizer.all_cuts_are_exact() {
             prompt_tokenizer.words = Some(SegmentCache::new(WORD_CACHE_TOKENS));
         }
         Ok(prompt_tokenizer)
@@ -967,6 +1033,7 @@ mod tests {
             "   indented",
             "\ttab",
             "end.",
+            "<｜end▁of▁sentence｜>",
         ];
         let mut seed = 11u64;
         let mut last = String::new();
@@ -1003,7 +1070,33 @@ mod tests {
             tokenizer.encode_whole(&long).unwrap()
         );
         assert_eq!(words.entries.lock().unwrap().by_key.len(), held);
+        // New words scattered among known ones (more gaps than MAX_NEW_RUNS): one call over
+        // the whole text, and every new word remembered.
+        let scattered: String = (0..20).map(|i| format!("garden zq{i}x ")).collect();
+        assert_eq!(
+            tokenizer.encode_words(&scattered, words).unwrap(),
+            tokenizer.encode_whole(&scattered).unwrap()
+        );
+        assert!(words.entries.lock().unwrap().by_key.len() >= held + 20);
         assert!(tokenizer.cuts_words(), "no check found a difference");
+    }
+
+    #[test]
+    fn a_wrong_word_found_by_the_check_stops_word_cuts_and_empties_the_caches() {
+        let tokenizer = shipped();
+        let words = tokenizer.words.as_ref().unwrap();
+        let segments = tokenizer.segments.as_ref().unwrap();
+        segments.put(1, &[1, 2, 3]);
+        // A word remembered with the wrong tokens: the first call is one the check compares.
+        words.put(piece_key(" river"), &[7]);
+        let text = "a river runs by";
+        let whole = tokenizer.encode_whole(text).unwrap();
+        assert_eq!(tokenizer.encode_words(text, words).unwrap(), whole);
+        assert!(!tokenizer.cuts_words());
+        assert!(words.entries.lock().unwrap().by_key.is_empty());
+        assert!(segments.entries.lock().unwrap().by_key.is_empty());
+        // From now on texts are tokenized whole.
+        assert_eq!(tokenizer.encode(text).unwrap(), whole);
     }
 
     #[test]
