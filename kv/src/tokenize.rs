@@ -336,6 +336,22 @@ fn segment_cuts_until(text: &str, min_bytes: usize, words: bool, until: usize) -
     cuts
 }
 
+/// Byte ranges of `text`'s words, in order and covering all of it: the text between
+/// neighbouring cuts of every kind (see [`segment_cuts`]), what [`PromptTokenizer::encode_words`]
+/// looks up one by one.
+fn word_spans(text: &str) -> Vec<(usize, usize)> {
+    let mut start = 0;
+    segment_cuts(text, 1, true)
+        .into_iter()
+        .chain(std::iter::once(text.len()))
+        .map(|end| {
+            let span = (start, end);
+            start = end;
+            span
+        })
+        .collect()
+}
+
 /// The first byte offset at or after `from` just before a space that follows a non-space and
 /// precedes a letter (where a word-level cut is safe, see [`PromptTokenizer::encode_head`]).
 fn next_word_cut(text: &str, from: usize) -> Option<usize> {
@@ -417,34 +433,39 @@ impl PromptTokenizer {
     /// each token's string. One call in [`WORD_CHECK_EVERY`] is also tokenized whole; a
     /// difference stops all cutting between words (as [`Self::stop_cutting_words`]).
     fn encode_words(&self, text: &str, words: &SegmentCache) -> Result<Vec<u32>, TokenizeError> {
-        let mut ends = segment_cuts(text, 1, true);
-        ends.push(text.len());
-        let mut found = Vec::with_capacity(ends.len());
-        let (mut start, mut runs, mut in_run) = (0, 0, false);
-        for end in ends {
-            let tokens = text
-                .get(start..end)
-                .and_then(|word| words.get(piece_key(word)));
-            runs += usize::from(tokens.is_none() && !in_run);
-            in_run = tokens.is_none();
-            found.push((start, end, tokens));
-            start = end;
-        }
+        let spans = word_spans(text);
+        let found: Vec<_> = spans
+            .iter()
+            .map(|&(start, end)| {
+                text.get(start..end)
+                    .and_then(|word| words.get(piece_key(word)))
+            })
+            .collect();
+        // Runs of neighbouring new words: each starts where a new word follows a known one.
+        let mut known_before = true;
+        let runs = found
+            .iter()
+            .filter(|tokens| {
+                let starts_run = tokens.is_none() && known_before;
+                known_before = tokens.is_some();
+                starts_run
+            })
+            .count();
         let mut out = Vec::new();
         if runs > MAX_NEW_RUNS {
             // New words scattered among known ones (ordinary text, rare words among common
             // ones): one call over all of it, every word remembered, beats a call per gap.
-            let mut all: Vec<(usize, usize)> = found.iter().map(|&(s, e, _)| (s, e)).collect();
+            let mut all = spans;
             self.encode_new_words(text, &mut all, words, &mut out)?;
         } else {
             let mut new_words: Vec<(usize, usize)> = Vec::new();
-            for (start, end, tokens) in found {
+            for (span, tokens) in spans.into_iter().zip(found) {
                 match tokens {
                     Some(tokens) => {
                         self.encode_new_words(text, &mut new_words, words, &mut out)?;
                         out.extend_from_slice(&tokens);
                     }
-                    None => new_words.push((start, end)),
+                    None => new_words.push(span),
                 }
             }
             self.encode_new_words(text, &mut new_words, words, &mut out)?;
@@ -559,16 +580,12 @@ impl PromptTokenizer {
             .copied()
             .chain(std::iter::once(joined.as_str()))
             .all(|text| {
-                let mut ends = segment_cuts(text, 1, true);
-                ends.push(text.len());
-                let mut start = 0;
                 let mut pieces = Vec::new();
-                for end in ends {
+                for (start, end) in word_spans(text) {
                     match text.get(start..end).map(|piece| self.encode_whole(piece)) {
                         Some(Ok(tokens)) => pieces.extend(tokens),
                         _ => return false,
                     }
-                    start = end;
                 }
                 self.encode_whole(text).is_ok_and(|whole| whole == pieces)
             })
