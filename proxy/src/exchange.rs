@@ -318,14 +318,16 @@ impl Exchange {
                 .chosen_score()
                 .map_or(decision.prompt_tokens, |s| s.uncached_tokens);
             // A prompt not tokenized has no known size: it says nothing of the average.
-            if prompt.is_some() {
+            if let Some(prompt) = prompt {
                 kv.record_prefill_tokens(prefill);
+                kv.popularity.record(&prompt.hashes);
             }
             kv.record_arrival();
             let counter = match decision.outcome {
                 Outcome::CacheHit => &kv.decisions.cache_hit,
                 Outcome::NoCache => &kv.decisions.no_cache,
                 Outcome::Spread => &kv.decisions.spread,
+                Outcome::Replicate => &kv.decisions.replicate,
             };
             counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }

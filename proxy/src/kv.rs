@@ -33,6 +33,9 @@ pub struct DecisionStats {
     pub no_cache: AtomicU64,
     /// A worker holding more of the prompt was passed over because its queue was longer.
     pub spread: AtomicU64,
+    /// A worker holding more of the prompt was passed over to copy a prefix that more of the
+    /// traffic shares than its holders' fair share.
+    pub replicate: AtomicU64,
 }
 
 /// Prompts routed to a worker whose blocks its KV events have not confirmed yet: the worker will
@@ -330,6 +333,8 @@ pub struct PoolKv {
     peer_arrival_rate: AtomicU64,
     /// The pool's TTFT coefficients, learned from its answers.
     pub calibration: crate::calibration::PoolCalibration,
+    /// How much of the recent traffic opens with each prefix.
+    pub popularity: crate::popularity::PrefixPopularity,
     /// Held while a request chooses a worker and is counted against it: a request deciding on
     /// another thread meanwhile would see the chosen worker without this one's prefill, KV
     /// blocks and prediction, and could take it for idle too.
@@ -352,6 +357,7 @@ impl PoolKv {
             arrival_interval_s: RunningAverage::default(),
             peer_arrival_rate: AtomicU64::new(0),
             calibration: crate::calibration::PoolCalibration::default(),
+            popularity: crate::popularity::PrefixPopularity::default(),
             choosing: Mutex::new(()),
         }
     }

@@ -28,6 +28,7 @@ pub mod multipart;
 pub mod observe;
 pub mod peers;
 pub mod plan;
+pub mod popularity;
 pub mod prompt;
 pub mod provider;
 pub mod proxy;

@@ -305,6 +305,7 @@ fn explanation(exchange: &Exchange, chosen: Option<usize>) -> serde_json::Value 
                 "matched_blocks": score.matched_blocks,
                 "cached_tokens": score.cached_tokens,
                 "uncached_tokens": score.uncached_tokens,
+                "replicated_tokens": score.replicated_tokens,
                 "queued_tokens": score.queued_tokens,
                 "running": score.running,
                 "in_flight": score.in_flight,

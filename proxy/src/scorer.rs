@@ -56,6 +56,10 @@ pub struct WorkerScore {
     pub matched_blocks: u32,
     pub cached_tokens: usize,
     pub uncached_tokens: usize,
+    /// Uncached tokens of a prefix that more of the pool's traffic shares than its holders'
+    /// fair share: a copy here spreads that traffic, and the choice's cost does not charge
+    /// their prefill ([`decide`]).
+    pub replicated_tokens: usize,
     pub queued_tokens: usize,
     pub running: u64,
     pub in_flight: usize,
@@ -85,6 +89,9 @@ pub enum Outcome {
     NoCache,
     /// A worker holding more of the prompt was passed over because its queue was longer.
     Spread,
+    /// A worker holding more of the prompt was passed over to copy a prefix that more of the
+    /// traffic shares than its holders' fair share.
+    Replicate,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -124,10 +131,11 @@ impl Decision {
         for score in &self.scores {
             let _ = write!(
                 out,
-                "; {} matched_blocks={} cached_tokens={} queued_tokens={} running={} in_flight={} healthy={} kv_blocks_needed={} kv_blocks_free={} predicted_ttft_ms={:.1} cost_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
+                "; {} matched_blocks={} cached_tokens={} replicated_tokens={} queued_tokens={} running={} in_flight={} healthy={} kv_blocks_needed={} kv_blocks_free={} predicted_ttft_ms={:.1} cost_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
                 address(score.position),
                 score.matched_blocks,
                 score.cached_tokens,
+                score.replicated_tokens,
                 score.queued_tokens,
                 score.running,
                 score.in_flight,
@@ -159,7 +167,13 @@ pub fn decide_for_prompt(
         Some(prompt) => (prompt.tokens, pool.kv.overlap(&prompt.hashes)),
         None => (0, Overlap::default()),
     };
-    decide(pool, tokens, output_tokens, &overlap, exclude)
+    let mut shares = Vec::new();
+    if let Some(prompt) = prompt {
+        let deepest = (overlap.deepest() as usize).min(prompt.hashes.len());
+        let held = prompt.hashes.get(..deepest).unwrap_or_default();
+        pool.kv.popularity.shares(held, &mut shares);
+    }
+    decide(pool, tokens, output_tokens, &overlap, &shares, exclude)
 }
 
 /// The pool's TTFT model: learned from its answers (`scoring.learnCoefficients`, the default),
@@ -177,13 +191,14 @@ pub fn model(pool: &PoolRuntime) -> (Coefficients, f64, Option<f64>) {
     }
 }
 
-/// A prediction's terms: fixed, prefill (queued and uncached tokens) and running requests, each
-/// scaled by the worker's relative speed.
+/// A choice's terms: fixed, prefill (queued and uncached tokens, less a copy of a shared
+/// prefix) and running requests, each scaled by the worker's relative speed.
 fn terms(score: &WorkerScore, model: &Coefficients) -> [f64; 3] {
     let speed = score.relative_speed;
+    let prefill = score.queued_tokens + score.uncached_tokens - score.replicated_tokens;
     [
         speed * model.fixed_s,
-        speed * model.prefill_s_per_token * (score.queued_tokens + score.uncached_tokens) as f64,
+        speed * model.prefill_s_per_token * prefill as f64,
         speed * model.running_s_per_request * score.running as f64,
     ]
 }
@@ -213,17 +228,43 @@ fn near_tie(
     other.cost_s <= best.cost_s + floor.max(error * differing)
 }
 
+/// Per leading block of the prompt (as deep as `shares` goes): whether more of the traffic
+/// opens with the prefix up to it than its holders among the eligible workers carry as their
+/// fair share.
+fn replicable_blocks(
+    scores: &[WorkerScore],
+    eligible: &impl Fn(&&WorkerScore) -> bool,
+    shares: &[f64],
+    eligible_count: usize,
+) -> Vec<bool> {
+    shares
+        .iter()
+        .enumerate()
+        .map(|(block, share)| {
+            let holders = scores
+                .iter()
+                .filter(eligible)
+                .filter(|s| s.matched_blocks as usize > block)
+                .count();
+            share * eligible_count as f64 > holders as f64
+        })
+        .collect()
+}
+
 /// Output tokens a request counts for in the KV cache at most (2^24: past every model's
 /// context). A larger `max_tokens`, which the worker will refuse, counts as this bound, not as
 /// an overflow of the ledger's reservations.
 const MAX_OUTPUT_TOKENS: usize = 1 << 24;
 
-/// Score every eligible worker (not in `exclude`, address resolved) and choose one.
+/// Score every eligible worker (not in `exclude`, address resolved) and choose one. `shares`:
+/// the share of the pool's recent traffic that opened with each of the prompt's leading
+/// prefixes ([`crate::popularity`]), as deep as any worker holds it.
 pub fn decide(
     pool: &PoolRuntime,
     prompt_tokens: usize,
     output_tokens: usize,
     overlap: &Overlap,
+    shares: &[f64],
     exclude: &[usize],
 ) -> Option<Decision> {
     let scoring = pool.config.scoring;
@@ -302,6 +343,7 @@ pub fn decide(
             matched_blocks,
             cached_tokens,
             uncached_tokens,
+            replicated_tokens: 0,
             queued_tokens,
             running,
             in_flight,
@@ -345,8 +387,24 @@ pub fn decide(
     } else {
         0.0
     };
+    // A prefix that more of the traffic opens with than its holders' fair share of the pool
+    // (share × eligible workers > holders) keeps its traffic on too few workers: whatever their
+    // queues now, the next burst of it queues there while other workers idle, and every request
+    // sees the same choice (stay with the holder, or pay the whole prefix's prefill elsewhere)
+    // until one pays it. So a worker lacking such blocks is scored as if it held them: the
+    // copy's prefill is paid once, by this request, and spreads all later ones. Prefixes held
+    // as widely as their traffic, and a conversation's own history (its share is its own
+    // traffic's), are charged as before.
+    let replicated = replicable_blocks(&scores, &eligible, shares, eligible_count);
     for score in &mut scores {
+        let missing = replicated
+            .iter()
+            .skip(score.matched_blocks as usize)
+            .filter(|under| **under)
+            .count();
+        score.replicated_tokens = (missing * block_size).min(score.uncached_tokens);
         score.cost_s = score.predicted_ttft_s
+            - score.relative_speed * prefill_cost * score.replicated_tokens as f64
             + behind * score.relative_speed * prefill_cost * score.uncached_tokens as f64;
     }
     let best = scores
@@ -384,7 +442,12 @@ pub fn decide(
         .map(|s| s.matched_blocks)
         .max()
         .unwrap_or(0);
-    let outcome = if most_matched > chosen.1 {
+    let copies = scores
+        .iter()
+        .any(|s| s.position == chosen.0 && s.replicated_tokens > 0);
+    let outcome = if most_matched > chosen.1 && copies {
+        Outcome::Replicate
+    } else if most_matched > chosen.1 {
         Outcome::Spread
     } else if chosen.1 > 0 {
         Outcome::CacheHit
@@ -462,7 +525,7 @@ mod tests {
         let lookup = overlap(pool, &prompt);
         assert_eq!(lookup.depth(WorkerId(pool.slots[1].0)), 99);
 
-        let first = decide(pool, 400, 0, &lookup, &[]).unwrap();
+        let first = decide(pool, 400, 0, &lookup, &[], &[]).unwrap();
         assert_eq!(first.chosen, 1);
         assert_eq!(first.outcome, Outcome::CacheHit);
         assert_eq!(first.scores[1].uncached_tokens, 4);
@@ -470,10 +533,10 @@ mod tests {
         // Pile prefill work onto the cached worker: it stays best while its backlog is smaller
         // than the 396 tokens the others would have to prefill...
         let _some = PendingPrefill::start(&pool.workers[1], 300);
-        assert_eq!(decide(pool, 400, 0, &lookup, &[]).unwrap().chosen, 1);
+        assert_eq!(decide(pool, 400, 0, &lookup, &[], &[]).unwrap().chosen, 1);
         // ...and loses once the backlog is larger (no hot spot).
         let _more = PendingPrefill::start(&pool.workers[1], 200);
-        let spread = decide(pool, 400, 0, &lookup, &[]).unwrap();
+        let spread = decide(pool, 400, 0, &lookup, &[], &[]).unwrap();
         assert_ne!(spread.chosen, 1);
         assert_eq!(spread.outcome, Outcome::Spread);
         assert!(spread.explain(pool).contains("matched_blocks=99"));
@@ -490,7 +553,7 @@ mod tests {
         let _b = InFlight::start(&pool.workers[0]);
         let _c = InFlight::start(&pool.workers[1]);
         let _c_prefill = PendingPrefill::start(&pool.workers[1], 500);
-        let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
+        let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
         assert_eq!(
             (decision.scores[0].running, decision.scores[0].queued_tokens),
             (2, 0)
@@ -505,7 +568,7 @@ mod tests {
             "vllm:num_requests_waiting 4\nvllm:num_requests_running 6\n",
             10,
         );
-        let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
+        let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
         assert_eq!(decision.scores[2].running, 6);
         assert!(decision.scores[2].queued_tokens > 0);
         // Another replica's one request, prefilling `tokens` for `elapsed_us` when read.
@@ -523,20 +586,20 @@ mod tests {
             in_flight: 1,
             ..Default::default()
         });
-        let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
+        let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
         // (Less what the worker did since the ledger was read: a token per 300 µs.)
         let queued = decision.scores[1].queued_tokens;
         assert!((3400..=3500).contains(&queued), "{queued}");
         // The replica had been on it for 0.3 s when it was read: 1,000 tokens are done.
         pool.workers[1].load.set_peers(prefilling(3000, 300_000));
-        let queued = decide(pool, 4, 0, &lookup, &[]).unwrap().scores[1].queued_tokens;
+        let queued = decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
         assert!((2400..=2500).contains(&queued), "{queued}");
         // A peer's long wait (10 s: 33,000 tokens' time) counts only against its own 1,000:
         // a prompt this proxy has just sent there stays queued.
         pool.workers[1].load.set_peers(prefilling(1000, 10_000_000));
-        let before = decide(pool, 4, 0, &lookup, &[]).unwrap().scores[1].queued_tokens;
+        let before = decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
         let _ours = PendingPrefill::start(&pool.workers[1], 3000);
-        let queued = decide(pool, 4, 0, &lookup, &[]).unwrap().scores[1].queued_tokens;
+        let queued = decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
         assert!(queued >= before + 2900, "{before} then {queued}");
         assert_eq!(decision.scores[0].running, 3);
         pool.workers[0].load.set_peers(Default::default());
@@ -545,7 +608,7 @@ mod tests {
             .load
             .update_from_metrics("vllm:num_requests_running 2\n", 10);
         assert_eq!(
-            decide(pool, 4, 0, &lookup, &[]).unwrap().scores[0].running,
+            decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[0].running,
             2
         );
     }
@@ -579,7 +642,7 @@ mod tests {
         let _a = PendingPrefill::start(&pool.workers[0], 1_200);
         let _b = PendingPrefill::start(&pool.workers[1], 1_500);
         let _c = PendingPrefill::start(&pool.workers[2], 1_500);
-        let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
+        let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
         assert_ne!(decision.chosen, 0, "{:?}", decision.scores);
         let slow = &decision.scores[0];
         assert!((slow.relative_speed - 1.5).abs() < 0.05, "{slow:?}");
@@ -593,7 +656,7 @@ mod tests {
             pool.workers[0].ttft.observe(answer(i, 1.5), &model);
             pool.workers[1].ttft.observe(answer(i, 1.0), &model);
         }
-        let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
+        let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
         assert_eq!(decision.scores[0].relative_speed, 1.0);
         assert!(decision.scores[0].speed.known());
     }
@@ -624,7 +687,7 @@ mod tests {
             let table = table_with(extra);
             let pool = table.pools().next().unwrap();
             teach(pool);
-            let decision = decide(pool, 2000, 0, &overlap(pool, &prompt), &[]).unwrap();
+            let decision = decide(pool, 2000, 0, &overlap(pool, &prompt), &[], &[]).unwrap();
             let per_token = decision.scores[0].formula_ttft_s / 2000.0 * 1e6;
             assert!(
                 (per_token / expected_us - 1.0).abs() < 0.1,
@@ -647,6 +710,7 @@ mod tests {
                 matched_blocks: 0,
                 cached_tokens: 0,
                 uncached_tokens: 0,
+                replicated_tokens: 0,
                 queued_tokens,
                 running,
                 in_flight: 0,
@@ -694,7 +758,7 @@ mod tests {
         let chosen = |pool: &PoolRuntime| {
             let mut counts = [0usize; 3];
             for _ in 0..50 {
-                counts[decide(pool, 1000, 0, &lookup, &[]).unwrap().chosen] += 1;
+                counts[decide(pool, 1000, 0, &lookup, &[], &[]).unwrap().chosen] += 1;
             }
             counts
         };
@@ -718,7 +782,7 @@ mod tests {
         }
         let error = pool.kv.calibration.fit(configured).error.unwrap();
         assert!((0.1..0.25).contains(&error), "{error}");
-        let decision = decide(pool, 1000, 0, &lookup, &[]).unwrap();
+        let decision = decide(pool, 1000, 0, &lookup, &[], &[]).unwrap();
         let behind = |position: usize| {
             decision.scores[position].predicted_ttft_s - decision.scores[0].predicted_ttft_s
         };
@@ -779,7 +843,7 @@ mod tests {
         let _shorter = PendingPrefill::start(&pool.workers[0], 1500);
         let longer = PendingPrefill::start(&pool.workers[2], 2500);
         // Nothing has arrived yet: no charge, the request's own TTFT decides.
-        let alone = decide(pool, 1000, 0, &lookup, &[]).unwrap();
+        let alone = decide(pool, 1000, 0, &lookup, &[], &[]).unwrap();
         assert_eq!(alone.chosen, 0, "{:?}", alone.scores);
         assert!(alone.scores.iter().all(|s| s.cost_s == s.predicted_ttft_s));
         // Requests arriving fast: copying 1,000 tokens delays every one of them that comes
@@ -788,13 +852,13 @@ mod tests {
             pool.kv.record_arrival();
         }
         assert!(pool.kv.arrival_rate() > 100.0);
-        let behind = decide(pool, 1000, 0, &lookup, &[]).unwrap();
+        let behind = decide(pool, 1000, 0, &lookup, &[], &[]).unwrap();
         assert_eq!(behind.chosen, 1, "{:?}", behind.scores);
         assert_eq!(behind.outcome, Outcome::CacheHit);
         assert!(behind.scores[0].cost_s > behind.scores[0].predicted_ttft_s);
         // With one worker idle the fleet is not behind: copying to it costs nobody a wait.
         drop(longer);
-        let idle = decide(pool, 1000, 0, &lookup, &[]).unwrap();
+        let idle = decide(pool, 1000, 0, &lookup, &[], &[]).unwrap();
         assert_eq!(idle.chosen, 2, "{:?}", idle.scores);
         assert!(idle.scores.iter().all(|s| s.cost_s == s.predicted_ttft_s));
     }
@@ -816,13 +880,13 @@ mod tests {
                 10,
             );
         }
-        let fits = decide(pool, 400, 200, &lookup, &[]).unwrap();
+        let fits = decide(pool, 400, 200, &lookup, &[], &[]).unwrap();
         assert_eq!(fits.chosen, 1, "{:?}", fits.scores);
         assert_eq!(fits.scores[1].kv_blocks_needed, 50);
         assert_eq!(fits.scores[1].kv_blocks_free, Some(50));
         // This proxy's own request there takes the room: the cached worker no longer fits.
         let _held = KvReservation::start(&pool.workers[1], 10);
-        let passed = decide(pool, 400, 200, &lookup, &[]).unwrap();
+        let passed = decide(pool, 400, 200, &lookup, &[], &[]).unwrap();
         assert_ne!(passed.chosen, 1, "{:?}", passed.scores);
         assert!(passed.explain(pool).contains("kv_blocks_free=40"));
         // When no worker has room, the scorer still chooses (the best by time).
@@ -830,9 +894,9 @@ mod tests {
             KvReservation::start(&pool.workers[0], 800),
             KvReservation::start(&pool.workers[2], 800),
         ];
-        assert_eq!(decide(pool, 400, 200, &lookup, &[]).unwrap().chosen, 1);
+        assert_eq!(decide(pool, 400, 200, &lookup, &[], &[]).unwrap().chosen, 1);
         // A `max_tokens` no model has room for counts as the bound, not as an overflow.
-        let huge = decide(pool, 400, usize::MAX, &lookup, &[]).unwrap();
+        let huge = decide(pool, 400, usize::MAX, &lookup, &[], &[]).unwrap();
         assert_eq!(
             huge.scores[1].kv_blocks_needed,
             MAX_OUTPUT_TOKENS.div_ceil(4) as u64
@@ -846,14 +910,98 @@ mod tests {
         let lookup = overlap(pool, &[1, 2, 3, 4]);
         let mut seen = [0; 3];
         for _ in 0..300 {
-            let decision = decide(pool, 4, 0, &lookup, &[]).unwrap();
+            let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
             assert_eq!(decision.outcome, Outcome::NoCache);
             seen[decision.chosen] += 1;
         }
         assert!(seen.iter().all(|n| *n > 30), "{seen:?}");
         for _ in 0..20 {
-            assert_eq!(decide(pool, 4, 0, &lookup, &[0, 2]).unwrap().chosen, 1);
+            assert_eq!(decide(pool, 4, 0, &lookup, &[], &[0, 2]).unwrap().chosen, 1);
         }
-        assert!(decide(pool, 4, 0, &lookup, &[0, 1, 2]).is_none());
+        assert!(decide(pool, 4, 0, &lookup, &[], &[0, 1, 2]).is_none());
+    }
+
+    #[test]
+    fn a_prefix_more_traffic_shares_than_its_holders_carry_is_copied_once_they_queue() {
+        use crate::prompt::PromptInfo;
+        let table = table();
+        let pool = table.pools().next().unwrap();
+        // A 380-token system prompt (95 blocks) every conversation opens with, worker 1 holds.
+        let system: Vec<u32> = (0..380).collect();
+        store(pool, 1, &system);
+        let conversation = |n: u32| -> Vec<u32> {
+            system
+                .iter()
+                .copied()
+                .chain((0..20).map(|i| 10_000 + 100 * n + i))
+                .collect()
+        };
+        // 64 conversations' first turns went through this pool.
+        for n in 0..64 {
+            pool.kv
+                .popularity
+                .record(&sequence_hashes(&conversation(n), 4));
+        }
+        let prompt = PromptInfo {
+            tokens: 400,
+            hashes: sequence_hashes(&conversation(99), 4),
+            unfinished: None,
+        };
+        let route = || decide_for_prompt(pool, Some(&prompt), 0, &[]).unwrap();
+        // Nothing queued: the holder keeps it, though the copy would be free to choose.
+        let idle = route();
+        assert_eq!((idle.chosen, idle.outcome), (1, Outcome::CacheHit));
+        assert_eq!(idle.scores[0].replicated_tokens, 380);
+        assert_eq!(idle.scores[1].replicated_tokens, 0);
+        // A queue far shorter than the system prompt's prefill: a worker that charges the whole
+        // prefill would stay (the first test), but all traffic shares this prefix and one worker
+        // holds it: a copy goes to another worker.
+        let _queued = PendingPrefill::start(&pool.workers[1], 60);
+        let charged = decide(pool, 400, 0, &overlap(pool, &conversation(99)), &[], &[]).unwrap();
+        assert_eq!(charged.chosen, 1);
+        let copy = route();
+        assert_ne!(copy.chosen, 1);
+        assert_eq!(copy.outcome, Outcome::Replicate);
+        assert!(copy.explain(pool).contains("replicated_tokens=380"));
+        // The predicted TTFT is still the copy's: its prefill is real, only not charged.
+        let chosen = copy.chosen_score().unwrap();
+        assert!(chosen.predicted_ttft_s > chosen.cost_s, "{chosen:?}");
+
+        // Half the traffic on one holder out of three: under-replicated; on two: enough.
+        let half = vec![0.5; 95];
+        let lookup = overlap(pool, &conversation(99));
+        let one = decide(pool, 400, 0, &lookup, &half, &[]).unwrap();
+        assert_eq!(one.outcome, Outcome::Replicate);
+        store(pool, 2, &system);
+        let lookup = overlap(pool, &conversation(99));
+        let two = decide(pool, 400, 0, &lookup, &half, &[]).unwrap();
+        assert!(
+            two.scores.iter().all(|s| s.replicated_tokens == 0),
+            "{two:?}"
+        );
+        assert_eq!((two.chosen, two.outcome), (2, Outcome::CacheHit));
+        // All of it on two holders out of three: the third gets its copy.
+        let all = decide(pool, 400, 0, &lookup, &[1.0; 95], &[]).unwrap();
+        assert_eq!(all.scores[0].replicated_tokens, 380);
+    }
+
+    #[test]
+    fn a_conversations_own_history_is_not_copied_for_its_share() {
+        let table = table();
+        let pool = table.pools().next().unwrap();
+        // Worker 1 holds a conversation: the system prompt every conversation shares (40
+        // blocks, now on every worker) and this one's own earlier turns (60 blocks).
+        let history: Vec<u32> = (0..400).collect();
+        for position in 0..3 {
+            store(pool, position, &history[..160]);
+        }
+        store(pool, 1, &history);
+        let mut shares = vec![1.0; 40];
+        shares.extend([1.0 / 32.0; 60]);
+        let lookup = overlap(pool, &history);
+        let _queued = PendingPrefill::start(&pool.workers[1], 60);
+        let decision = decide(pool, 400, 0, &lookup, &shares, &[]).unwrap();
+        assert_eq!((decision.chosen, decision.outcome), (1, Outcome::CacheHit));
+        assert!(decision.scores.iter().all(|s| s.replicated_tokens == 0));
     }
 }

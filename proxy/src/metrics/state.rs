@@ -136,6 +136,7 @@ impl Collector for StateCollector {
                     ("cache_hit", &decisions.cache_hit),
                     ("no_cache", &decisions.no_cache),
                     ("spread", &decisions.spread),
+                    ("replicate", &decisions.replicate),
                 ]
                 .map(|(outcome, count)| {
                     (

@@ -1,0 +1,219 @@
+//! How much of a pool's recent traffic shares each prefix.
+//!
+//! Every routed prompt counts once for each of its leading blocks (a block's hash names the
+//! whole prefix up to it), and counts fade by half every [`HALF_LIFE_REQUESTS`] requests. A
+//! prefix's share is its count over the pool's: 1 for a system prompt every request opens with,
+//! about 1/16 for each of sixteen equally used ones, 1/n for a conversation's own history among
+//! n conversations. The scorer compares a prefix's share with how many workers hold it: a prefix
+//! that carries more of the traffic than its holders' fair share of the pool is worth a copy on
+//! another worker ([`crate::scorer`]).
+//!
+//! Counting in requests rather than seconds makes the share a fraction of the traffic at any
+//! rate. Each gateway replica counts what it routes: with clients spread over the replicas,
+//! each sees the same fractions.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use switchyard_kv::hash::SequenceHash;
+
+/// Requests after which a prefix's count has faded to half: long enough that a prefix used by
+/// one request in sixteen has a steady share, short enough that a workload's change shows
+/// within a few hundred requests.
+pub const HALF_LIFE_REQUESTS: f64 = 128.0;
+
+/// Requests the shares are read as if the pool had seen at least: the first few requests of a
+/// pool say little of what the traffic shares (two requests of one prompt are not a prefix that
+/// all traffic uses), so a share is its count over the pool's count plus this many.
+pub const PRIOR_REQUESTS: f64 = 16.0;
+
+/// Leading blocks of a prompt that are counted (past them a prompt's blocks are its own).
+pub const MAX_BLOCKS: usize = 1024;
+
+/// Prefixes remembered at most; past it the faded ones are forgotten.
+pub const MAX_PREFIXES: usize = 1 << 16;
+
+/// Counts below this (a prefix last seen about two half-lives ago, once) are forgotten when the
+/// table is full.
+const FORGET_BELOW: f64 = 0.25;
+
+#[derive(Debug)]
+pub struct PrefixPopularity {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Requests counted so far.
+    requests: u64,
+    /// The pool's faded request count, as of the last request.
+    total: f64,
+    /// Per prefix: its faded count and the request number it was last brought up to date at.
+    prefixes: HashMap<SequenceHash, (f64, u64)>,
+}
+
+/// The factor a count fades by per request.
+fn fade_per_request() -> f64 {
+    (-std::f64::consts::LN_2 / HALF_LIFE_REQUESTS).exp()
+}
+
+impl State {
+    fn faded(&self, count: f64, at: u64) -> f64 {
+        let elapsed = self.requests.saturating_sub(at);
+        count * fade_per_request().powf(elapsed as f64)
+    }
+
+    /// Forget the faded prefixes, more of them while the table stays above half its size.
+    fn forget(&mut self) {
+        let mut below = FORGET_BELOW;
+        while self.prefixes.len() > MAX_PREFIXES / 2 {
+            let requests = self.requests;
+            let fade = fade_per_request();
+            self.prefixes.retain(|_, (count, at)| {
+                *count * fade.powf(requests.saturating_sub(*at) as f64) >= below
+            });
+            below *= 2.0;
+        }
+    }
+}
+
+impl Default for PrefixPopularity {
+    fn default() -> Self {
+        PrefixPopularity {
+            state: Mutex::new(State::default()),
+        }
+    }
+}
+
+impl PrefixPopularity {
+    /// Count one routed prompt (its block hashes, in order).
+    pub fn record(&self, hashes: &[SequenceHash]) {
+        let mut state = crate::lock(&self.state);
+        let state = &mut *state;
+        let fade = fade_per_request();
+        state.requests += 1;
+        state.total = state.total * fade + 1.0;
+        let now = state.requests;
+        for hash in hashes.iter().take(MAX_BLOCKS) {
+            let entry = state.prefixes.entry(*hash).or_insert((0.0, now));
+            let elapsed = now.saturating_sub(entry.1);
+            *entry = (entry.0 * fade.powf(elapsed as f64) + 1.0, now);
+        }
+        if state.prefixes.len() > MAX_PREFIXES {
+            state.forget();
+        }
+    }
+
+    /// The share of the pool's recent traffic that opened with each leading prefix of `hashes`
+    /// (non-increasing; 0 for a prefix not seen lately), into `out`.
+    pub fn shares(&self, hashes: &[SequenceHash], out: &mut Vec<f64>) {
+        out.clear();
+        let state = crate::lock(&self.state);
+        let total = state.total + PRIOR_REQUESTS;
+        let mut last = 1.0_f64;
+        for hash in hashes.iter().take(MAX_BLOCKS) {
+            let share = match state.prefixes.get(hash) {
+                Some((count, at)) => state.faded(*count, *at) / total,
+                None => 0.0,
+            };
+            // A deeper prefix is used by no more requests than the one it extends (its count
+            // can only look higher once the shorter one was forgotten).
+            last = last.min(share);
+            if last <= 0.0 {
+                break;
+            }
+            out.push(last);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prompt(group: u64, conversation: u64, blocks: u64) -> Vec<SequenceHash> {
+        // Ten blocks shared by the group, then the conversation's own.
+        (0..blocks)
+            .map(|block| {
+                if block < 10 {
+                    SequenceHash(group * 1_000 + block)
+                } else {
+                    SequenceHash(1_000_000 + conversation * 1_000 + block)
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_prefix_every_request_shares_has_all_the_traffic_and_each_history_its_own() {
+        let popularity = PrefixPopularity::default();
+        let mut shares = Vec::new();
+        // Before any traffic: nothing is shared.
+        popularity.shares(&prompt(1, 0, 12), &mut shares);
+        assert!(shares.is_empty());
+        // 32 conversations taking turns, all opening with group 1's system prompt.
+        for turn in 0..20 {
+            for conversation in 0..32 {
+                popularity.record(&prompt(1, conversation, 12 + turn));
+            }
+        }
+        popularity.shares(&prompt(1, 5, 20), &mut shares);
+        assert_eq!(shares.len(), 20, "{shares:?}");
+        let system = shares[9];
+        assert!(system > 0.9 && system <= 1.0, "{shares:?}");
+        let own = shares[10];
+        assert!(
+            own > 0.02 && own < 0.05,
+            "one conversation in 32: {shares:?}"
+        );
+        assert!(shares.windows(2).all(|w| w[1] <= w[0]), "{shares:?}");
+        // A prompt no request opened with shares nothing.
+        popularity.shares(&prompt(2, 99, 12), &mut shares);
+        assert!(shares.is_empty(), "{shares:?}");
+    }
+
+    #[test]
+    fn shares_follow_the_traffic_and_the_first_requests_count_for_little() {
+        let popularity = PrefixPopularity::default();
+        let mut shares = Vec::new();
+        popularity.record(&prompt(1, 0, 12));
+        popularity.record(&prompt(1, 1, 12));
+        popularity.shares(&prompt(1, 2, 12), &mut shares);
+        // Two requests of one prompt: not yet a prefix all the traffic shares.
+        assert!(shares[0] < 0.2, "{shares:?}");
+        // Sixteen groups in turn: each about a sixteenth.
+        for request in 0..2_000 {
+            popularity.record(&prompt(request % 16, request, 12));
+        }
+        popularity.shares(&prompt(3, 0, 12), &mut shares);
+        assert!(shares[0] > 0.04 && shares[0] < 0.08, "{shares:?}");
+        // Then all traffic moves to group 20: within a few half-lives it has most of it (all
+        // of it reads as about 0.92, the pool's count being ~185 plus the prior's 16), and
+        // group 3's share fades.
+        for request in 0..640 {
+            popularity.record(&prompt(20, request, 12));
+        }
+        popularity.shares(&prompt(20, 0, 12), &mut shares);
+        assert!(shares[0] > 0.85 && shares[0] < 0.93, "{shares:?}");
+        popularity.shares(&prompt(3, 0, 12), &mut shares);
+        assert!(shares.first().is_none_or(|s| *s < 0.01), "{shares:?}");
+    }
+
+    #[test]
+    fn the_table_forgets_faded_prefixes_when_full() {
+        let popularity = PrefixPopularity::default();
+        // Unique prompts of 64 blocks: far more prefixes than the table holds.
+        for request in 0..(3 * MAX_PREFIXES as u64 / 64) {
+            let hashes: Vec<SequenceHash> =
+                (0..64).map(|b| SequenceHash(request * 64 + b)).collect();
+            popularity.record(&hashes);
+        }
+        let state = crate::lock(&popularity.state);
+        assert!(
+            state.prefixes.len() <= MAX_PREFIXES,
+            "{}",
+            state.prefixes.len()
+        );
+        assert!(state.prefixes.len() >= 64, "the latest prompts are kept");
+    }
+}
