@@ -320,7 +320,7 @@ impl Exchange {
             // A prompt not tokenized has no known size: it says nothing of the average.
             if let Some(prompt) = prompt {
                 kv.record_prefill_tokens(prefill);
-                kv.popularity.record(&prompt.hashes);
+                kv.popularity.record(&prompt.hashes, prefill);
             }
             kv.record_arrival();
             let counter = match decision.outcome {

@@ -33,8 +33,8 @@ pub struct DecisionStats {
     pub no_cache: AtomicU64,
     /// A worker holding more of the prompt was passed over because its queue was longer.
     pub spread: AtomicU64,
-    /// A worker holding more of the prompt was passed over to copy a prefix that more of the
-    /// traffic shares than its holders' fair share.
+    /// A worker holding more of the prompt was passed over to copy a prefix whose traffic
+    /// brings more work than its holders' fair share.
     pub replicate: AtomicU64,
 }
 
@@ -333,7 +333,7 @@ pub struct PoolKv {
     peer_arrival_rate: AtomicU64,
     /// The pool's TTFT coefficients, learned from its answers.
     pub calibration: crate::calibration::PoolCalibration,
-    /// How much of the recent traffic opens with each prefix.
+    /// How much of the recent work comes with each prefix.
     pub popularity: crate::popularity::PrefixPopularity,
     /// Held while a request chooses a worker and is counted against it: a request deciding on
     /// another thread meanwhile would see the chosen worker without this one's prefill, KV

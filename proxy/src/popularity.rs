@@ -1,14 +1,16 @@
-//! How much of a pool's recent traffic shares each prefix.
+//! How much of a pool's recent work comes with each prefix.
 //!
-//! Every routed prompt counts once for each of its leading blocks (a block's hash names the
-//! whole prefix up to it), and counts fade by half every [`HALF_LIFE_REQUESTS`] requests. A
-//! prefix's share is its count over the pool's: 1 for a system prompt every request opens with,
-//! about 1/16 for each of sixteen equally used ones, 1/n for a conversation's own history among
-//! n conversations. The scorer compares a prefix's share with how many workers hold it: a prefix
-//! that carries more of the traffic than its holders' fair share of the pool is worth a copy on
+//! Every routed prompt adds its work (the prompt tokens its worker had to prefill, plus one)
+//! to each of its leading blocks (a block's hash names the whole prefix up to it), and counts
+//! fade by half every [`HALF_LIFE_REQUESTS`] requests. A prefix's share is its count over the
+//! pool's: 1 for a system prompt every request opens with, about 1/16 for each of sixteen
+//! equally used ones, 1/n for a conversation's own history among n conversations, and little
+//! for a popular document whose requests are cache hits among cold prompts that bring most of
+//! the prefill. The scorer compares a prefix's share with how many workers hold it: a prefix
+//! whose traffic brings more work than its holders' fair share of the pool is worth a copy on
 //! another worker ([`crate::scorer`]).
 //!
-//! Counting in requests rather than seconds makes the share a fraction of the traffic at any
+//! Fading per request rather than per second makes the share a fraction of the traffic at any
 //! rate. Each gateway replica counts what it routes: with clients spread over the replicas,
 //! each sees the same fractions.
 
@@ -22,9 +24,10 @@ use switchyard_kv::hash::SequenceHash;
 /// within a few hundred requests.
 pub const HALF_LIFE_REQUESTS: f64 = 128.0;
 
-/// Requests the shares are read as if the pool had seen at least: the first few requests of a
-/// pool say little of what the traffic shares (two requests of one prompt are not a prefix that
-/// all traffic uses), so a share is its count over the pool's count plus this many.
+/// Requests the shares are read as if the pool had seen more: the first few requests of a pool
+/// say little of what the traffic shares (two requests of one prompt are not a prefix that all
+/// traffic uses), so a share is its count over the pool's count plus this many requests of the
+/// average work.
 pub const PRIOR_REQUESTS: f64 = 16.0;
 
 /// Leading blocks of a prompt that are counted (past them a prompt's blocks are its own).
@@ -33,8 +36,8 @@ pub const MAX_BLOCKS: usize = 1024;
 /// Prefixes remembered at most; past it the faded ones are forgotten.
 pub const MAX_PREFIXES: usize = 1 << 16;
 
-/// Counts below this (a prefix last seen about two half-lives ago, once) are forgotten when the
-/// table is full.
+/// Counts below this many requests of the average work (a prefix last seen about two
+/// half-lives ago, once) are forgotten when the table is full.
 const FORGET_BELOW: f64 = 0.25;
 
 #[derive(Debug)]
@@ -46,7 +49,8 @@ pub struct PrefixPopularity {
 struct State {
     /// Requests counted so far.
     requests: u64,
-    /// The pool's faded request count, as of the last request.
+    /// The pool's faded request count and work, as of the last request.
+    faded_requests: f64,
     total: f64,
     /// Per prefix: its faded count and the request number it was last brought up to date at.
     prefixes: HashMap<SequenceHash, (f64, u64)>,
@@ -65,7 +69,8 @@ impl State {
 
     /// Forget the faded prefixes, more of them while the table stays above half its size.
     fn forget(&mut self) {
-        let mut below = FORGET_BELOW;
+        let average = self.total / self.faded_requests.max(1.0);
+        let mut below = FORGET_BELOW * average.max(1.0);
         while self.prefixes.len() > MAX_PREFIXES / 2 {
             let requests = self.requests;
             let fade = fade_per_request();
@@ -86,30 +91,37 @@ impl Default for PrefixPopularity {
 }
 
 impl PrefixPopularity {
-    /// Count one routed prompt (its block hashes, in order).
-    pub fn record(&self, hashes: &[SequenceHash]) {
+    /// Count one routed prompt (its block hashes, in order) and the prompt tokens its worker
+    /// prefills for it.
+    pub fn record(&self, hashes: &[SequenceHash], prefill_tokens: usize) {
+        let work = 1.0 + prefill_tokens as f64;
         let mut state = crate::lock(&self.state);
         let state = &mut *state;
         let fade = fade_per_request();
         state.requests += 1;
-        state.total = state.total * fade + 1.0;
+        state.faded_requests = state.faded_requests * fade + 1.0;
+        state.total = state.total * fade + work;
         let now = state.requests;
         for hash in hashes.iter().take(MAX_BLOCKS) {
             let entry = state.prefixes.entry(*hash).or_insert((0.0, now));
             let elapsed = now.saturating_sub(entry.1);
-            *entry = (entry.0 * fade.powf(elapsed as f64) + 1.0, now);
+            *entry = (entry.0 * fade.powf(elapsed as f64) + work, now);
         }
         if state.prefixes.len() > MAX_PREFIXES {
             state.forget();
         }
     }
 
-    /// The share of the pool's recent traffic that opened with each leading prefix of `hashes`
+    /// The share of the pool's recent work that came with each leading prefix of `hashes`
     /// (non-increasing; 0 for a prefix not seen lately), into `out`.
     pub fn shares(&self, hashes: &[SequenceHash], out: &mut Vec<f64>) {
         out.clear();
         let state = crate::lock(&self.state);
-        let total = state.total + PRIOR_REQUESTS;
+        if state.faded_requests <= 0.0 {
+            return;
+        }
+        let average = state.total / state.faded_requests;
+        let total = state.total + PRIOR_REQUESTS * average;
         let mut last = 1.0_f64;
         for hash in hashes.iter().take(MAX_BLOCKS) {
             let share = match state.prefixes.get(hash) {
@@ -154,7 +166,7 @@ mod tests {
         // 32 conversations taking turns, all opening with group 1's system prompt.
         for turn in 0..20 {
             for conversation in 0..32 {
-                popularity.record(&prompt(1, conversation, 12 + turn));
+                popularity.record(&prompt(1, conversation, 12 + turn), 100);
             }
         }
         popularity.shares(&prompt(1, 5, 20), &mut shares);
@@ -176,14 +188,14 @@ mod tests {
     fn shares_follow_the_traffic_and_the_first_requests_count_for_little() {
         let popularity = PrefixPopularity::default();
         let mut shares = Vec::new();
-        popularity.record(&prompt(1, 0, 12));
-        popularity.record(&prompt(1, 1, 12));
+        popularity.record(&prompt(1, 0, 12), 100);
+        popularity.record(&prompt(1, 1, 12), 100);
         popularity.shares(&prompt(1, 2, 12), &mut shares);
         // Two requests of one prompt: not yet a prefix all the traffic shares.
         assert!(shares[0] < 0.2, "{shares:?}");
         // Sixteen groups in turn: each about a sixteenth.
         for request in 0..2_000 {
-            popularity.record(&prompt(request % 16, request, 12));
+            popularity.record(&prompt(request % 16, request, 12), 100);
         }
         popularity.shares(&prompt(3, 0, 12), &mut shares);
         assert!(shares[0] > 0.04 && shares[0] < 0.08, "{shares:?}");
@@ -191,12 +203,29 @@ mod tests {
         // of it reads as about 0.92, the pool's count being ~185 plus the prior's 16), and
         // group 3's share fades.
         for request in 0..640 {
-            popularity.record(&prompt(20, request, 12));
+            popularity.record(&prompt(20, request, 12), 100);
         }
         popularity.shares(&prompt(20, 0, 12), &mut shares);
         assert!(shares[0] > 0.85 && shares[0] < 0.93, "{shares:?}");
         popularity.shares(&prompt(3, 0, 12), &mut shares);
         assert!(shares.first().is_none_or(|s| *s < 0.01), "{shares:?}");
+    }
+
+    #[test]
+    fn a_popular_prefix_of_cache_hits_has_little_of_the_work() {
+        let popularity = PrefixPopularity::default();
+        let mut shares = Vec::new();
+        // A quarter of the requests open with document 1 and prefill only their question (30
+        // tokens); the rest are cold prompts of their own (2,000 tokens each).
+        for request in 0..512 {
+            if request % 4 == 0 {
+                popularity.record(&prompt(1, request, 12), 30);
+            } else {
+                popularity.record(&prompt(100 + request, request, 12), 2_000);
+            }
+        }
+        popularity.shares(&prompt(1, 0, 12), &mut shares);
+        assert!(shares[0] > 0.001 && shares[0] < 0.01, "{shares:?}");
     }
 
     #[test]
@@ -206,7 +235,7 @@ mod tests {
         for request in 0..(3 * MAX_PREFIXES as u64 / 64) {
             let hashes: Vec<SequenceHash> =
                 (0..64).map(|b| SequenceHash(request * 64 + b)).collect();
-            popularity.record(&hashes);
+            popularity.record(&hashes, 100);
         }
         let state = crate::lock(&popularity.state);
         assert!(

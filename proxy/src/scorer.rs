@@ -34,6 +34,16 @@
 //! every worker has a backlog, the prefill a copy adds delays the requests arriving after it
 //! too: the choice's cost is then its TTFT plus its own prefill times the arrivals each worker
 //! sees before the shortest backlog clears (see [`decide`]); with a worker idle, its TTFT alone.
+//! A prefix whose traffic brings more of the pool's recent work than its holders' fair share of
+//! the pool ([`crate::popularity`]: share × eligible workers > holders; a system prompt every
+//! conversation opens with, held by one worker of three) is scored as held by the workers that
+//! lack it: its copy's prefill is not charged. Otherwise each request, alone, finds the holder
+//! faster than a cold copy, all of them stay, and every burst of that traffic queues on the
+//! one holder while the others idle (the per-request oracle does the same). The copy's
+//! prefill is real (the request's predicted TTFT keeps it): it is paid once, where the queue
+//! is shorter, and spreads every later request. A conversation's own history has only its own
+//! traffic's share and is charged as before.
+//!
 //! Workers within `tie_tolerance` of the best cost, or within the model's error spread of the
 //! terms in which their prediction differs from the best's ([`near_tie`]), are tied, and the one
 //! holding most of the prompt, then the one with fewest requests in flight, then a random one
@@ -56,9 +66,9 @@ pub struct WorkerScore {
     pub matched_blocks: u32,
     pub cached_tokens: usize,
     pub uncached_tokens: usize,
-    /// Uncached tokens of a prefix that more of the pool's traffic shares than its holders'
-    /// fair share: a copy here spreads that traffic, and the choice's cost does not charge
-    /// their prefill ([`decide`]).
+    /// Uncached tokens of a prefix whose traffic brings more work than its holders' fair share:
+    /// a copy here spreads that traffic, and the choice's cost does not charge their prefill
+    /// ([`decide`]).
     pub replicated_tokens: usize,
     pub queued_tokens: usize,
     pub running: u64,
@@ -89,8 +99,8 @@ pub enum Outcome {
     NoCache,
     /// A worker holding more of the prompt was passed over because its queue was longer.
     Spread,
-    /// A worker holding more of the prompt was passed over to copy a prefix that more of the
-    /// traffic shares than its holders' fair share.
+    /// A worker holding more of the prompt was passed over to copy a prefix whose traffic
+    /// brings more work than its holders' fair share.
     Replicate,
 }
 
@@ -228,9 +238,9 @@ fn near_tie(
     other.cost_s <= best.cost_s + floor.max(error * differing)
 }
 
-/// Per leading block of the prompt (as deep as `shares` goes): whether more of the traffic
-/// opens with the prefix up to it than its holders among the eligible workers carry as their
-/// fair share.
+/// Per leading block of the prompt (as deep as `shares` goes): whether the work that comes with
+/// the prefix up to it is more than its holders among the eligible workers carry as their fair
+/// share of the pool (share × eligible workers > holders).
 fn replicable_blocks(
     scores: &[WorkerScore],
     eligible: &impl Fn(&&WorkerScore) -> bool,
@@ -257,8 +267,8 @@ fn replicable_blocks(
 const MAX_OUTPUT_TOKENS: usize = 1 << 24;
 
 /// Score every eligible worker (not in `exclude`, address resolved) and choose one. `shares`:
-/// the share of the pool's recent traffic that opened with each of the prompt's leading
-/// prefixes ([`crate::popularity`]), as deep as any worker holds it.
+/// the share of the pool's recent work that came with each of the prompt's leading prefixes
+/// ([`crate::popularity`]), as deep as any worker holds it.
 pub fn decide(
     pool: &PoolRuntime,
     prompt_tokens: usize,
@@ -387,7 +397,7 @@ pub fn decide(
     } else {
         0.0
     };
-    // A prefix that more of the traffic opens with than its holders' fair share of the pool
+    // A prefix whose traffic brings more work than its holders' fair share of the pool
     // (share × eligible workers > holders) keeps its traffic on too few workers: whatever their
     // queues now, the next burst of it queues there while other workers idle, and every request
     // sees the same choice (stay with the holder, or pay the whole prefix's prefill elsewhere)
@@ -936,51 +946,52 @@ mod tests {
                 .chain((0..20).map(|i| 10_000 + 100 * n + i))
                 .collect()
         };
-        // 64 conversations' first turns went through this pool.
-        for n in 0..64 {
-            pool.kv
-                .popularity
-                .record(&sequence_hashes(&conversation(n), 4));
-        }
         let prompt = PromptInfo {
             tokens: 400,
             hashes: sequence_hashes(&conversation(99), 4),
             unfinished: None,
         };
         let route = || decide_for_prompt(pool, Some(&prompt), 0, &[]).unwrap();
-        // Nothing queued: the holder keeps it, though the copy would be free to choose.
-        let idle = route();
-        assert_eq!((idle.chosen, idle.outcome), (1, Outcome::CacheHit));
-        assert_eq!(idle.scores[0].replicated_tokens, 380);
-        assert_eq!(idle.scores[1].replicated_tokens, 0);
-        // A queue far shorter than the system prompt's prefill: a worker that charges the whole
-        // prefill would stay (the first test), but all traffic shares this prefix and one worker
-        // holds it: a copy goes to another worker.
-        let _queued = PendingPrefill::start(&pool.workers[1], 60);
-        let charged = decide(pool, 400, 0, &overlap(pool, &conversation(99)), &[], &[]).unwrap();
-        assert_eq!(charged.chosen, 1);
+        // Before any traffic nothing is shared, and a queue shorter than the system prompt's
+        // prefill keeps the request on its holder.
+        let queued = PendingPrefill::start(&pool.workers[1], 250);
+        let alone = route();
+        assert!(alone.scores.iter().all(|s| s.replicated_tokens == 0));
+        assert_eq!((alone.chosen, alone.outcome), (1, Outcome::CacheHit));
+        // 64 conversations' first turns went through this pool: the system prompt comes with
+        // most of the work (0.77 with the prior: 2.3 workers' worth) and one worker holds it.
+        // The others are scored without its prefill, and a copy goes to one of them.
+        for n in 0..64 {
+            pool.kv
+                .popularity
+                .record(&sequence_hashes(&conversation(n), 4), 20);
+        }
         let copy = route();
+        assert_eq!(copy.scores[1].replicated_tokens, 0);
         assert_ne!(copy.chosen, 1);
         assert_eq!(copy.outcome, Outcome::Replicate);
         assert!(copy.explain(pool).contains("replicated_tokens=380"));
         // The predicted TTFT is still the copy's: its prefill is real, only not charged.
         let chosen = copy.chosen_score().unwrap();
         assert!(chosen.predicted_ttft_s > chosen.cost_s, "{chosen:?}");
+        drop(queued);
+        // With nothing queued the holder keeps it.
+        let idle = route();
+        assert_eq!((idle.chosen, idle.outcome), (1, Outcome::CacheHit));
+        assert_eq!(idle.scores[0].replicated_tokens, 380);
 
-        // Half the traffic on one holder out of three: under-replicated; on two: enough.
-        let half = vec![0.5; 95];
+        // Half the work needs 1.5 workers: one holder of three is too few, two are enough.
         let lookup = overlap(pool, &conversation(99));
-        let one = decide(pool, 400, 0, &lookup, &half, &[]).unwrap();
-        assert_eq!(one.outcome, Outcome::Replicate);
+        let one = decide(pool, 400, 0, &lookup, &[0.5; 95], &[]).unwrap();
+        assert_eq!(one.scores[0].replicated_tokens, 380);
         store(pool, 2, &system);
         let lookup = overlap(pool, &conversation(99));
-        let two = decide(pool, 400, 0, &lookup, &half, &[]).unwrap();
+        let two = decide(pool, 400, 0, &lookup, &[0.5; 95], &[]).unwrap();
         assert!(
             two.scores.iter().all(|s| s.replicated_tokens == 0),
             "{two:?}"
         );
-        assert_eq!((two.chosen, two.outcome), (2, Outcome::CacheHit));
-        // All of it on two holders out of three: the third gets its copy.
+        // All of it on two holders of three: the third is scored as holding it.
         let all = decide(pool, 400, 0, &lookup, &[1.0; 95], &[]).unwrap();
         assert_eq!(all.scores[0].replicated_tokens, 380);
     }
