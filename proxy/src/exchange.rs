@@ -320,7 +320,11 @@ impl Exchange {
             // A prompt not tokenized has no known size: it says nothing of the average.
             if let Some(prompt) = prompt {
                 kv.record_prefill_tokens(prefill);
-                kv.popularity.record(&prompt.hashes, prefill);
+                // A copy's prefill is not demand for the prefix: counting it would make each
+                // copy invite the next.
+                let copied = decision.chosen_score().map_or(0, |s| s.replicated_tokens);
+                kv.popularity
+                    .record(&prompt.hashes, prefill.saturating_sub(copied));
             }
             kv.record_arrival();
             let counter = match decision.outcome {

@@ -3,8 +3,8 @@
 //! Every routed prompt adds its work (the prompt tokens its worker had to prefill, plus one)
 //! to each of its leading blocks (a block's hash names the whole prefix up to it), and counts
 //! fade by half every [`HALF_LIFE_REQUESTS`] requests. A prefix's share is its count over the
-//! pool's: 1 for a system prompt every request opens with, about 1/16 for each of sixteen
-//! equally used ones, 1/n for a conversation's own history among n conversations, and little
+//! pool's (plus a prior, [`PRIOR_REQUESTS`]): about 0.92 for a system prompt every request
+//! opens with, about 1/16 of that for each of sixteen equally used ones, 1/n for a conversation's own history among n conversations, and little
 //! for a popular document whose requests are cache hits among cold prompts that bring most of
 //! the prefill. The scorer compares a prefix's share with how many workers hold it: a prefix
 //! whose traffic brings more work than its holders' fair share of the pool is worth a copy on
@@ -27,7 +27,10 @@ pub const HALF_LIFE_REQUESTS: f64 = 128.0;
 /// Requests the shares are read as if the pool had seen more: the first few requests of a pool
 /// say little of what the traffic shares (two requests of one prompt are not a prefix that all
 /// traffic uses), so a share is its count over the pool's count plus this many requests of the
-/// average work.
+/// average work. In a steady state the pool's count is about 185 requests' worth, so a prefix
+/// all traffic shares reads 0.92: enough for a copy on every worker of a pool of up to 12, and
+/// on all but one or two of larger ones; a prefix at exactly one worker's fair share (1/16 on
+/// 16 workers) stays with one holder.
 pub const PRIOR_REQUESTS: f64 = 16.0;
 
 /// Leading blocks of a prompt that are counted (past them a prompt's blocks are its own).
@@ -231,12 +234,17 @@ mod tests {
     #[test]
     fn the_table_forgets_faded_prefixes_when_full() {
         let popularity = PrefixPopularity::default();
-        // Unique prompts of 64 blocks: far more prefixes than the table holds.
+        // One shared block, then unique ones: far more prefixes than the table holds.
+        let shared = SequenceHash(u64::MAX);
         for request in 0..(3 * MAX_PREFIXES as u64 / 64) {
-            let hashes: Vec<SequenceHash> =
-                (0..64).map(|b| SequenceHash(request * 64 + b)).collect();
+            let hashes: Vec<SequenceHash> = std::iter::once(shared)
+                .chain((1..64).map(|b| SequenceHash(request * 64 + b)))
+                .collect();
             popularity.record(&hashes, 100);
         }
+        let mut shares = Vec::new();
+        popularity.shares(&[shared], &mut shares);
+        assert!(shares[0] > 0.9, "the shared prefix survives: {shares:?}");
         let state = crate::lock(&popularity.state);
         assert!(
             state.prefixes.len() <= MAX_PREFIXES,

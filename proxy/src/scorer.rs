@@ -452,9 +452,19 @@ pub fn decide(
         .map(|s| s.matched_blocks)
         .max()
         .unwrap_or(0);
-    let copies = scores
+    // A copy only when the credit decided it: charged in full, the chosen worker would have
+    // cost more than a worker holding the most.
+    let best_holder = scores
         .iter()
-        .any(|s| s.position == chosen.0 && s.replicated_tokens > 0);
+        .filter(eligible)
+        .filter(|s| s.matched_blocks == most_matched)
+        .map(|s| s.cost_s)
+        .fold(f64::INFINITY, f64::min);
+    let copies = scores.iter().any(|s| {
+        s.position == chosen.0
+            && s.replicated_tokens > 0
+            && s.cost_s + s.relative_speed * prefill_cost * s.replicated_tokens as f64 > best_holder
+    });
     let outcome = if most_matched > chosen.1 && copies {
         Outcome::Replicate
     } else if most_matched > chosen.1 {
@@ -974,6 +984,13 @@ mod tests {
         // The predicted TTFT is still the copy's: its prefill is real, only not charged.
         let chosen = copy.chosen_score().unwrap();
         assert!(chosen.predicted_ttft_s > chosen.cost_s, "{chosen:?}");
+        // Behind a queue longer than the whole prefill the holder would lose anyway: a spread,
+        // not a copy the credit made.
+        let longer = PendingPrefill::start(&pool.workers[1], 1_000);
+        let spread = route();
+        assert_ne!(spread.chosen, 1);
+        assert_eq!(spread.outcome, Outcome::Spread);
+        drop(longer);
         drop(queued);
         // With nothing queued the holder keeps it.
         let idle = route();
