@@ -198,6 +198,8 @@ pub struct RunConfig {
     pub learn_worker_speed: bool,
     /// Switchyard's pool learns its TTFT coefficients (`scoring.learnCoefficients`).
     pub learn_coefficients: bool,
+    /// Switchyard's pool copies prefixes the traffic shares (`scoring.replicateSharedPrefixes`).
+    pub replicate_shared_prefixes: bool,
     /// Switchyard's pool is configured with the default coefficients times this (a wrong model).
     pub scoring_error: f64,
     /// Switchyard's pool's `scoring.tieToleranceMicros` (`None`: the default).
@@ -427,12 +429,13 @@ async fn start_router(
                 })
                 .collect();
             let yaml = format!(
-                "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  loadBalancing: {policy}\n  blockSize: {block_size}\n  scrapeIntervalMs: 100\n  scoring: {{learnWorkerSpeed: {learn}, learnCoefficients: {learn_coefficients}, prefillMicrosPerToken: {prefill}, runningRequestMicros: {running}{tie}}}\n  endpoints: [{endpoints}]\n---\n\
+                "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {model}\n  loadBalancing: {policy}\n  blockSize: {block_size}\n  scrapeIntervalMs: 100\n  scoring: {{learnWorkerSpeed: {learn}, learnCoefficients: {learn_coefficients}, replicateSharedPrefixes: {replicate}, prefillMicrosPerToken: {prefill}, runningRequestMicros: {running}{tie}}}\n  endpoints: [{endpoints}]\n---\n\
                  apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: bench}}\nspec:\n  modelName: \"{model}\"\n  targets: [{{pool: sim}}]\n",
                 model = sim.model,
                 block_size = config.block_size,
                 learn = config.learn_worker_speed,
                 learn_coefficients = config.learn_coefficients,
+                replicate = config.replicate_shared_prefixes,
                 prefill = (300.0 * config.scoring_error).round() as u32,
                 running = (500.0 * config.scoring_error).round() as u32,
                 tie = config

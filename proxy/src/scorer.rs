@@ -178,7 +178,7 @@ pub fn decide_for_prompt(
         None => (0, Overlap::default()),
     };
     let mut shares = Vec::new();
-    if let Some(prompt) = prompt {
+    if let Some(prompt) = prompt.filter(|_| pool.config.scoring.replicate_shared_prefixes) {
         let deepest = (overlap.deepest() as usize).min(prompt.hashes.len());
         let held = prompt.hashes.get(..deepest).unwrap_or_default();
         pool.kv.popularity.shares(held, &mut shares);
@@ -1029,6 +1029,29 @@ mod tests {
         let lookup = overlap(pool, &history);
         let _queued = PendingPrefill::start(&pool.workers[1], 60);
         let decision = decide(pool, 400, 0, &lookup, &shares, &[]).unwrap();
+        assert_eq!((decision.chosen, decision.outcome), (1, Outcome::CacheHit));
+        assert!(decision.scores.iter().all(|s| s.replicated_tokens == 0));
+    }
+
+    #[test]
+    fn a_pool_can_turn_the_copies_off() {
+        use crate::prompt::PromptInfo;
+        let table = table_with(", scoring: {replicateSharedPrefixes: false}");
+        let pool = table.pools().next().unwrap();
+        let system: Vec<u32> = (0..380).collect();
+        store(pool, 1, &system);
+        let mut tokens = system.clone();
+        tokens.extend(10_000..10_020);
+        for _ in 0..64 {
+            pool.kv.popularity.record(&sequence_hashes(&tokens, 4), 20);
+        }
+        let _queued = PendingPrefill::start(&pool.workers[1], 250);
+        let prompt = PromptInfo {
+            tokens: 400,
+            hashes: sequence_hashes(&tokens, 4),
+            unfinished: None,
+        };
+        let decision = decide_for_prompt(pool, Some(&prompt), 0, &[]).unwrap();
         assert_eq!((decision.chosen, decision.outcome), (1, Outcome::CacheHit));
         assert!(decision.scores.iter().all(|s| s.replicated_tokens == 0));
     }

@@ -141,6 +141,12 @@ pub struct ScoringSpec {
     /// by default; `false` keeps the configured coefficients as they are.
     #[serde(default = "default_true")]
     pub learn_coefficients: bool,
+    /// Copy a prefix whose requests bring more of the pool's recent prefill than its holders'
+    /// fair share (a system prompt every conversation opens with, held by one worker) to the
+    /// worker where the request waits least, its prefill not charged in the choice. On by
+    /// default; `false` charges every copy in full, as for a prompt no other request shares.
+    #[serde(default = "default_true")]
+    pub replicate_shared_prefixes: bool,
 }
 
 fn default_true() -> bool {
@@ -165,6 +171,7 @@ impl Default for ScoringSpec {
             tie_tolerance_micros: default_tie_micros(),
             learn_worker_speed: false,
             learn_coefficients: true,
+            replicate_shared_prefixes: true,
         }
     }
 }

@@ -168,6 +168,10 @@ struct CompareArgs {
     /// answers (`scoring.learnCoefficients: false`).
     #[arg(long)]
     no_learn_coefficients: bool,
+    /// Switchyard's pool charges every copy of a prefix in full, shared by the traffic or not
+    /// (`scoring.replicateSharedPrefixes: false`).
+    #[arg(long)]
+    no_replicate_shared_prefixes: bool,
     /// Configure switchyard's pool with the default TTFT coefficients times this factor (2: a
     /// model 2x off), to measure what learning them is worth.
     #[arg(long, default_value_t = 1.0)]
@@ -591,6 +595,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                     .unwrap_or_else(|| args.worker_speed.clone()),
                 learn_worker_speed: args.learn_worker_speed,
                 learn_coefficients: !args.no_learn_coefficients,
+                replicate_shared_prefixes: !args.no_replicate_shared_prefixes,
                 scoring_error: args.scoring_error,
                 tie_tolerance_us: args.tie_tolerance_us,
                 peer_interval_ms: args
