@@ -568,15 +568,10 @@ impl PromptTokenizer {
     /// does: one-byte words included) gives the tokens of the whole, for every text of both
     /// check lists and for all of them joined by line breaks.
     fn all_cuts_are_exact(&self) -> bool {
-        let joined = CUT_CHECKS
+        let texts: Vec<&str> = CUT_CHECKS.iter().chain(WORD_CUT_CHECKS).copied().collect();
+        let joined = texts.join("\n");
+        texts
             .iter()
-            .chain(WORD_CUT_CHECKS)
-            .copied()
-            .collect::<Vec<_>>()
-            .join("\n");
-        CUT_CHECKS
-            .iter()
-            .chain(WORD_CUT_CHECKS)
             .copied()
             .chain(std::iter::once(joined.as_str()))
             .all(|text| {

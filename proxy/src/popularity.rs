@@ -43,7 +43,7 @@ pub const MAX_PREFIXES: usize = 1 << 16;
 /// half-lives ago, once) are forgotten when the table is full.
 const FORGET_BELOW: f64 = 0.25;
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct PrefixPopularity {
     state: Mutex<State>,
 }
@@ -64,31 +64,29 @@ fn fade_per_request() -> f64 {
     (-std::f64::consts::LN_2 / HALF_LIFE_REQUESTS).exp()
 }
 
+/// A count last brought up to date at request `at`, faded to request `now`.
+fn faded(count: f64, at: u64, now: u64) -> f64 {
+    count * fade_per_request().powf(now.saturating_sub(at) as f64)
+}
+
 impl State {
-    fn faded(&self, count: f64, at: u64) -> f64 {
-        let elapsed = self.requests.saturating_sub(at);
-        count * fade_per_request().powf(elapsed as f64)
+    /// A request's average work lately (0 before the first).
+    fn average_work(&self) -> f64 {
+        if self.faded_requests > 0.0 {
+            self.total / self.faded_requests
+        } else {
+            0.0
+        }
     }
 
     /// Forget the faded prefixes, more of them while the table stays above half its size.
     fn forget(&mut self) {
-        let average = self.total / self.faded_requests.max(1.0);
-        let mut below = FORGET_BELOW * average.max(1.0);
+        let mut below = FORGET_BELOW * self.average_work().max(1.0);
+        let now = self.requests;
         while self.prefixes.len() > MAX_PREFIXES / 2 {
-            let requests = self.requests;
-            let fade = fade_per_request();
-            self.prefixes.retain(|_, (count, at)| {
-                *count * fade.powf(requests.saturating_sub(*at) as f64) >= below
-            });
+            self.prefixes
+                .retain(|_, (count, at)| faded(*count, *at, now) >= below);
             below *= 2.0;
-        }
-    }
-}
-
-impl Default for PrefixPopularity {
-    fn default() -> Self {
-        PrefixPopularity {
-            state: Mutex::new(State::default()),
         }
     }
 }
@@ -107,8 +105,7 @@ impl PrefixPopularity {
         let now = state.requests;
         for hash in hashes.iter().take(MAX_BLOCKS) {
             let entry = state.prefixes.entry(*hash).or_insert((0.0, now));
-            let elapsed = now.saturating_sub(entry.1);
-            *entry = (entry.0 * fade.powf(elapsed as f64) + work, now);
+            *entry = (faded(entry.0, entry.1, now) + work, now);
         }
         if state.prefixes.len() > MAX_PREFIXES {
             state.forget();
@@ -123,12 +120,11 @@ impl PrefixPopularity {
         if state.faded_requests <= 0.0 {
             return;
         }
-        let average = state.total / state.faded_requests;
-        let total = state.total + PRIOR_REQUESTS * average;
+        let total = state.total + PRIOR_REQUESTS * state.average_work();
         let mut last = 1.0_f64;
         for hash in hashes.iter().take(MAX_BLOCKS) {
             let share = match state.prefixes.get(hash) {
-                Some((count, at)) => state.faded(*count, *at) / total,
+                Some((count, at)) => faded(*count, *at, state.requests) / total,
                 None => 0.0,
             };
             // A deeper prefix is used by no more requests than the one it extends (its count

@@ -261,6 +261,11 @@ fn replicable_blocks(
         .collect()
 }
 
+/// The prefill of a choice's copy of a shared prefix, which its cost does not charge.
+fn copy_credit_s(score: &WorkerScore, prefill_cost: f64) -> f64 {
+    score.relative_speed * prefill_cost * score.replicated_tokens as f64
+}
+
 /// Output tokens a request counts for in the KV cache at most (2^24: past every model's
 /// context). A larger `max_tokens`, which the worker will refuse, counts as this bound, not as
 /// an overflow of the ledger's reservations.
@@ -413,8 +418,7 @@ pub fn decide(
             .filter(|under| **under)
             .count();
         score.replicated_tokens = (missing * block_size).min(score.uncached_tokens);
-        score.cost_s = score.predicted_ttft_s
-            - score.relative_speed * prefill_cost * score.replicated_tokens as f64
+        score.cost_s = score.predicted_ttft_s - copy_credit_s(score, prefill_cost)
             + behind * score.relative_speed * prefill_cost * score.uncached_tokens as f64;
     }
     let best = scores
@@ -463,7 +467,7 @@ pub fn decide(
     let copies = scores.iter().any(|s| {
         s.position == chosen.0
             && s.replicated_tokens > 0
-            && s.cost_s + s.relative_speed * prefill_cost * s.replicated_tokens as f64 > best_holder
+            && s.cost_s + copy_credit_s(s, prefill_cost) > best_holder
     });
     let outcome = if most_matched > chosen.1 && copies {
         Outcome::Replicate
