@@ -60,6 +60,9 @@ struct Predicted {
     /// ([`Predictions::prefilling`]): before its first token the worker's KV events have not
     /// stored its blocks, so they can learn of them only from this replica. `None` after.
     told: Option<Samples>,
+    /// Leading blocks stored by the worker's KV events or known when routed, as far as
+    /// [`Predictions::unstored_blocks`] last looked (it goes on from there).
+    stored: usize,
 }
 
 /// Sampled `(blocks, hash)` of a prompt past what was known of it ([`sample_blocks`]).
@@ -103,6 +106,7 @@ impl Predictions {
             prompt,
             known,
             told,
+            stored: known,
         });
         Prediction {
             predictions: self.clone(),
@@ -193,6 +197,46 @@ impl Predictions {
         if let Some(entry) = lock(&self.entries).iter_mut().find(|e| e.id == id) {
             entry.told = None;
         }
+    }
+
+    /// Per worker slot (below `slots`), the blocks of the prompts this replica is having
+    /// prefilled there (before their first token) that `index` does not hold for that worker
+    /// yet, past the blocks it held or was sent when each was routed. vLLM stores a block's hash
+    /// (and publishes its `BlockStored`) when it schedules the block's tokens, before it computes
+    /// them: what is not stored yet is work the worker certainly has still to do, however fast
+    /// the elapsed time says it goes. Only the prompt as far as it is tokenized counts.
+    pub fn unstored_blocks(&self, index: &PrefixIndex, slots: usize) -> Vec<usize> {
+        let prefilling: Vec<(u64, WorkerId, Arc<crate::prompt::PromptInfo>, usize)> =
+            lock(&self.entries)
+                .iter()
+                .filter(|e| e.told.is_some() && e.prompt.hashes.len() > e.stored)
+                .map(|e| (e.id, e.worker, e.prompt.clone(), e.stored))
+                .collect();
+        let mut unstored = vec![0; slots];
+        let mut advanced = Vec::new();
+        let mut overlap = switchyard_kv::index::Overlap::default();
+        for (id, worker, prompt, from) in prefilling {
+            // Walked without the lock, from where the last look stopped (a block's hash stands
+            // for the whole prefix before it): each block is looked up about once while it is
+            // prefilled, however many decisions are made meanwhile.
+            let rest = prompt.hashes.get(from..).unwrap_or_default();
+            index.overlap_into(rest, slots, &mut overlap);
+            let stored = from + overlap.depth(worker) as usize;
+            if stored > from {
+                advanced.push((id, stored));
+            }
+            if let Some(blocks) = unstored.get_mut(usize::from(worker.0)) {
+                *blocks += prompt.hashes.len().saturating_sub(stored);
+            }
+        }
+        if !advanced.is_empty() {
+            for entry in lock(&self.entries).iter_mut() {
+                if let Some((_, stored)) = advanced.iter().find(|(id, _)| *id == entry.id) {
+                    entry.stored = entry.stored.max(*stored);
+                }
+            }
+        }
+        unstored
     }
 
     /// What the other replicas need to know of the prompts this one is having prefilled, per
@@ -403,6 +447,25 @@ impl PoolKv {
     /// The prompts the other replicas are having prefilled, by worker (replacing the last).
     pub(crate) fn set_peer_prefixes(&self, prefixes: PeerPrefixes) {
         *lock(&self.peer_prefixes) = Arc::new(prefixes);
+    }
+
+    /// Per worker slot, blocks of this replica's prompts in prefill there that the worker's
+    /// KV events have not stored yet ([`Predictions::unstored_blocks`]); zero for a worker whose
+    /// events have never arrived (it publishes none, or not yet: nothing is known of it).
+    pub fn unstored_prefill_blocks(&self) -> Vec<usize> {
+        let slots = self.slot_count();
+        let mut unstored = self.predictions.unstored_blocks(&self.index, slots);
+        let streams = lock(&self.streams);
+        for (slot, blocks) in unstored.iter_mut().enumerate() {
+            let live = u16::try_from(slot)
+                .ok()
+                .and_then(|slot| streams.get(&WorkerId(slot)))
+                .is_some_and(|stats| stats.batches.load(Ordering::Relaxed) > 0);
+            if !live {
+                *blocks = 0;
+            }
+        }
+        unstored
     }
 
     /// Whether some worker holds (or is being sent) every one of `hashes`. A request in flight

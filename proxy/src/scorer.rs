@@ -299,6 +299,7 @@ pub fn decide(
     } else {
         None
     };
+    let unstored_blocks = pool.kv.unstored_prefill_blocks();
     let mut scores = Vec::with_capacity(pool.workers.len());
     for (position, worker) in pool.workers.iter().enumerate() {
         if exclude.contains(&position) || worker.socket.is_none() {
@@ -340,9 +341,18 @@ pub fn decide(
         let peers_elapsed = std::time::Duration::from_micros(peers.prefill_elapsed_us);
         let done =
             done_in(worker.prefill_elapsed(), own_tokens).max(done_in(peers_elapsed, peer_tokens));
+        // The elapsed time says how far the worker got if the model's cost per token is right;
+        // its KV events say what it has not even scheduled yet (a long prompt it is still
+        // chunking while the model, learned mostly from short ones, takes it for done).
+        let unstored = pool
+            .slots
+            .get(position)
+            .and_then(|slot| unstored_blocks.get(usize::from(slot.0)))
+            .map_or(0, |blocks| (blocks * block_size).min(own_tokens));
         let queued_tokens = own_tokens
             .saturating_add(peer_tokens)
             .saturating_sub(done)
+            .max(unstored)
             .saturating_add(others_queue);
         let in_flight = worker.in_flight();
         let own_decoding = (in_flight as u64).saturating_sub(load.own_pending());
@@ -634,6 +644,52 @@ mod tests {
         assert_eq!(
             decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[0].running,
             2
+        );
+    }
+
+    #[test]
+    fn what_the_workers_events_have_not_stored_stays_queued_whatever_the_time_says() {
+        // A model that takes a token for a microsecond's work.
+        let table = table_with(", scoring: {prefillMicrosPerToken: 1}");
+        let pool = table.pools().next().unwrap();
+        let lookup = overlap(pool, &[1, 2, 3, 4]);
+        // Worker 1 is sent a cold prompt of 4,000 tokens (1,000 blocks of 4) and has been on it
+        // for 20 ms: by the model's cost the time says it is done.
+        let long: Vec<u32> = (10_000..14_000).collect();
+        let info = crate::prompt::PromptInfo {
+            tokens: long.len(),
+            hashes: sequence_hashes(&long, 4),
+            unfinished: None,
+        };
+        let _pending = PendingPrefill::start(&pool.workers[1], long.len());
+        let prediction = pool.kv.predictions.add(pool.slots[1], Arc::new(info), 0);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let queued = |pool: &PoolRuntime| {
+            decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens
+        };
+        assert_eq!(queued(pool), 0);
+        // Its KV events have stored the first 100 blocks only (vLLM stores a block when it
+        // schedules it): 900 blocks are still to come.
+        store(pool, 1, &long[..400]);
+        assert_eq!(
+            queued(pool),
+            0,
+            "a worker without a live event feed: the time decides"
+        );
+        pool.kv
+            .stream_stats(pool.slots[1])
+            .batches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(queued(pool), 3_600);
+        store(pool, 1, &long[..3_000]);
+        assert_eq!(queued(pool), 1_000);
+        // Past its first token the prompt is no longer waited for, stored or not.
+        prediction.prefilled();
+        assert_eq!(queued(pool), 0);
+        // The other workers are not charged for it.
+        assert_eq!(
+            decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[0].queued_tokens,
+            0
         );
     }
 
