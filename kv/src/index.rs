@@ -507,6 +507,31 @@ impl PrefixIndex {
             }
         }
     }
+
+    /// How many leading blocks of `request` `worker` holds: one worker's walk, which stops at
+    /// the first block it lacks (where [`PrefixIndex::overlap_into`] goes on while any worker
+    /// matches). Hashes are chained, so `request` may start anywhere in a prompt.
+    pub fn held_depth(&self, worker: WorkerId, request: &[SequenceHash]) -> usize {
+        let mut guards: [Option<
+            std::sync::RwLockReadGuard<'_, HashMap<SequenceHash, WorkerSet, BuildIdentity>>,
+        >; SHARDS] = std::array::from_fn(|_| None);
+        for (depth, hash) in request.iter().enumerate() {
+            let shard_index = shard_of(*hash);
+            let (Some(slot), Some(lock)) =
+                (guards.get_mut(shard_index), self.shards.get(shard_index))
+            else {
+                return depth;
+            };
+            let shard = slot.get_or_insert_with(|| match lock.read() {
+                Ok(guard) => guard,
+                Err(poisoned) => poisoned.into_inner(),
+            });
+            if !shard.get(hash).is_some_and(|set| set.contains(worker)) {
+                return depth;
+            }
+        }
+        request.len()
+    }
 }
 
 #[cfg(test)]
@@ -532,6 +557,22 @@ mod tests {
         (0..workers)
             .map(|w| out.depth(WorkerId(w as u16)))
             .collect()
+    }
+
+    #[test]
+    fn held_depth_is_one_workers_match_from_any_block_on() {
+        let index = PrefixIndex::new(4);
+        let tokens: Vec<u32> = (0..16).collect();
+        let hashes = sequence_hashes(&tokens, 4);
+        index.apply(WorkerId(0), &stored(&[1, 2, 3, 4], None, &tokens));
+        index.apply(WorkerId(1), &stored(&[5, 6], None, &tokens[..8]));
+        assert_eq!(index.held_depth(WorkerId(0), &hashes), 4);
+        assert_eq!(index.held_depth(WorkerId(1), &hashes), 2);
+        assert_eq!(index.held_depth(WorkerId(2), &hashes), 0);
+        // From the third block on: worker 1 lacks it, worker 0 holds the rest.
+        assert_eq!(index.held_depth(WorkerId(1), &hashes[2..]), 0);
+        assert_eq!(index.held_depth(WorkerId(0), &hashes[2..]), 2);
+        assert_eq!(overlap(&index, &tokens, 3), vec![4, 2, 0]);
     }
 
     #[test]

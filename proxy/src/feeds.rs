@@ -67,6 +67,9 @@ async fn on_message(
     }
     index.apply_batch(target.slot, batch);
     stats.batches.fetch_add(1, Ordering::Relaxed);
+    stats
+        .last_batch_us
+        .store(crate::kv::clock_micros().max(1), Ordering::Relaxed);
     seq + 1
 }
 

@@ -22,7 +22,26 @@ pub struct StreamStats {
     pub gaps_cleared: AtomicU64,
     pub publisher_restarts: AtomicU64,
     pub decode_errors: AtomicU64,
+    /// When the last batch was applied ([`clock_micros`]; 0: never).
+    pub last_batch_us: AtomicU64,
 }
+
+impl StreamStats {
+    /// The stream's state as [`Predictions::unstored_blocks`] reads it: `None` unless a batch
+    /// came within [`LIVE_EVENTS`], else the count of times the worker's entries were dropped
+    /// (gaps that could not be filled, publisher restarts).
+    fn epoch(&self) -> Option<u64> {
+        let last = self.last_batch_us.load(Ordering::Relaxed);
+        (last > 0 && elapsed_since(last) <= LIVE_EVENTS).then(|| {
+            self.gaps_cleared.load(Ordering::Relaxed)
+                + self.publisher_restarts.load(Ordering::Relaxed)
+        })
+    }
+}
+
+/// A worker that is scheduling a prompt's blocks publishes events every step: one whose stream
+/// has been silent this long tells nothing of a prefill's progress.
+const LIVE_EVENTS: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Routing decisions of a pool, by what decided them.
 #[derive(Debug, Default)]
@@ -63,6 +82,9 @@ struct Predicted {
     /// Leading blocks stored by the worker's KV events or known when routed, as far as
     /// [`Predictions::unstored_blocks`] last looked (it goes on from there).
     stored: usize,
+    /// The worker's stream epoch ([`StreamStats`]) when its events first stored a block of the
+    /// prompt past `known`; `None` before.
+    seen: Option<u64>,
 }
 
 /// Sampled `(blocks, hash)` of a prompt past what was known of it ([`sample_blocks`]).
@@ -107,6 +129,7 @@ impl Predictions {
             known,
             told,
             stored: known,
+            seen: None,
         });
         Prediction {
             predictions: self.clone(),
@@ -199,44 +222,61 @@ impl Predictions {
         }
     }
 
-    /// Per worker slot (below `slots`), the blocks of the prompts this replica is having
-    /// prefilled there (before their first token) that `index` does not hold for that worker
-    /// yet, past the blocks it held or was sent when each was routed. vLLM stores a block's hash
-    /// (and publishes its `BlockStored`) when it schedules the block's tokens, before it computes
-    /// them: what is not stored yet is work the worker certainly has still to do, however fast
-    /// the elapsed time says it goes. Only the prompt as far as it is tokenized counts.
-    pub fn unstored_blocks(&self, index: &PrefixIndex, slots: usize) -> Vec<usize> {
+    /// Per worker slot, the blocks of the prompts this replica is having prefilled there (before
+    /// their first token) that the worker's KV events have not stored yet, past the blocks it
+    /// held or was sent when each was routed. vLLM stores a block's hash, and publishes its
+    /// `BlockStored`, when it schedules the block's tokens: what is not stored yet is work the
+    /// worker has still to do, however fast the elapsed time says it goes. `epochs`: each
+    /// slot's stream epoch ([`StreamStats`]), `None` for a silent stream.
+    ///
+    /// A prompt counts once the worker has stored a block of it, and only while its stream
+    /// stays live in the epoch of that block: a prompt whose hashes the worker's never match (a
+    /// template or adapter the gateway cannot reproduce) or a stream that lost its entries says
+    /// nothing, and must not hold the prompt in the queue until its first token. Only the prompt
+    /// as far as it is tokenized counts.
+    pub fn unstored_blocks(&self, index: &PrefixIndex, epochs: &[Option<u64>]) -> Vec<usize> {
+        let epoch = |worker: WorkerId| epochs.get(usize::from(worker.0)).copied().flatten();
         let prefilling: Vec<(u64, WorkerId, Arc<crate::prompt::PromptInfo>, usize)> =
             lock(&self.entries)
                 .iter()
                 .filter(|e| e.told.is_some() && e.prompt.hashes.len() > e.stored)
+                .filter(|e| epoch(e.worker).is_some_and(|now| e.seen.is_none_or(|s| s == now)))
                 .map(|e| (e.id, e.worker, e.prompt.clone(), e.stored))
                 .collect();
-        let mut unstored = vec![0; slots];
-        let mut advanced = Vec::new();
-        let mut overlap = switchyard_kv::index::Overlap::default();
+        let mut walked = HashMap::with_capacity(prefilling.len());
         for (id, worker, prompt, from) in prefilling {
-            // Walked without the lock, from where the last look stopped (a block's hash stands
-            // for the whole prefix before it): each block is looked up about once while it is
-            // prefilled, however many decisions are made meanwhile.
+            // Without the lock, from where the last look stopped: each block is looked up about
+            // once while it is prefilled, however many decisions are made meanwhile.
             let rest = prompt.hashes.get(from..).unwrap_or_default();
-            index.overlap_into(rest, slots, &mut overlap);
-            let stored = from + overlap.depth(worker) as usize;
-            if stored > from {
-                advanced.push((id, stored));
-            }
-            if let Some(blocks) = unstored.get_mut(usize::from(worker.0)) {
-                *blocks += prompt.hashes.len().saturating_sub(stored);
-            }
+            walked.insert(id, from + index.held_depth(worker, rest));
         }
-        if !advanced.is_empty() {
-            for entry in lock(&self.entries).iter_mut() {
-                if let Some((_, stored)) = advanced.iter().find(|(id, _)| *id == entry.id) {
-                    entry.stored = entry.stored.max(*stored);
-                }
+        let mut unstored = vec![0; epochs.len()];
+        for entry in lock(&self.entries).iter_mut() {
+            let Some(stored) = walked.get(&entry.id) else {
+                continue;
+            };
+            entry.stored = entry.stored.max(*stored);
+            if entry.stored > entry.known && entry.seen.is_none() {
+                entry.seen = epoch(entry.worker);
+            }
+            if entry.seen.is_some()
+                && let Some(count) = unstored.get_mut(usize::from(entry.worker.0))
+            {
+                *count += entry.prompt.hashes.len().saturating_sub(entry.stored);
             }
         }
         unstored
+    }
+
+    /// Predictions for `worker` are no longer waited for: it left the pool (its slot may be
+    /// given to another worker).
+    pub fn forget_worker(&self, worker: WorkerId) {
+        for entry in lock(&self.entries)
+            .iter_mut()
+            .filter(|e| e.worker == worker)
+        {
+            entry.told = None;
+        }
     }
 
     /// What the other replicas need to know of the prompts this one is having prefilled, per
@@ -451,21 +491,19 @@ impl PoolKv {
 
     /// Per worker slot, blocks of this replica's prompts in prefill there that the worker's
     /// KV events have not stored yet ([`Predictions::unstored_blocks`]); zero for a worker whose
-    /// events have never arrived (it publishes none, or not yet: nothing is known of it).
+    /// stream is silent.
     pub fn unstored_prefill_blocks(&self) -> Vec<usize> {
         let slots = self.slot_count();
-        let mut unstored = self.predictions.unstored_blocks(&self.index, slots);
-        let streams = lock(&self.streams);
-        for (slot, blocks) in unstored.iter_mut().enumerate() {
-            let live = u16::try_from(slot)
-                .ok()
-                .and_then(|slot| streams.get(&WorkerId(slot)))
-                .is_some_and(|stats| stats.batches.load(Ordering::Relaxed) > 0);
-            if !live {
-                *blocks = 0;
-            }
-        }
-        unstored
+        let epochs: Vec<Option<u64>> = {
+            let streams = lock(&self.streams);
+            (0..slots)
+                .map(|slot| {
+                    let slot = WorkerId(u16::try_from(slot).ok()?);
+                    streams.get(&slot)?.epoch()
+                })
+                .collect()
+        };
+        self.predictions.unstored_blocks(&self.index, &epochs)
     }
 
     /// Whether some worker holds (or is being sent) every one of `hashes`. A request in flight
@@ -503,6 +541,7 @@ impl PoolKv {
         if let Some(slot) = lock(&self.slots).remove(address) {
             self.index.remove_worker(slot);
             lock(&self.streams).remove(&slot);
+            self.predictions.forget_worker(slot);
         }
     }
 

@@ -649,48 +649,77 @@ mod tests {
 
     #[test]
     fn what_the_workers_events_have_not_stored_stays_queued_whatever_the_time_says() {
+        use std::sync::atomic::Ordering;
         // A model that takes a token for a microsecond's work.
         let table = table_with(", scoring: {prefillMicrosPerToken: 1}");
         let pool = table.pools().next().unwrap();
         let lookup = overlap(pool, &[1, 2, 3, 4]);
-        // Worker 1 is sent a cold prompt of 4,000 tokens (1,000 blocks of 4) and has been on it
-        // for 20 ms: by the model's cost the time says it is done.
+        let prompt = |tokens: &[u32]| {
+            Arc::new(crate::prompt::PromptInfo {
+                tokens: tokens.len(),
+                hashes: sequence_hashes(tokens, 4),
+                unfinished: None,
+            })
+        };
+        // Worker 1 is sent a cold prompt of 4,000 tokens (1,000 blocks of 4) and one of 2,000
+        // whose hashes its events will never match (a template the gateway cannot reproduce),
+        // and has been on them for 20 ms: by the model's cost the time says both are done.
         let long: Vec<u32> = (10_000..14_000).collect();
-        let info = crate::prompt::PromptInfo {
-            tokens: long.len(),
-            hashes: sequence_hashes(&long, 4),
-            unfinished: None,
-        };
+        let unmatched: Vec<u32> = (20_000..22_000).collect();
         let _pending = PendingPrefill::start(&pool.workers[1], long.len());
-        let prediction = pool.kv.predictions.add(pool.slots[1], Arc::new(info), 0);
+        let _other = PendingPrefill::start(&pool.workers[1], unmatched.len());
+        let prediction = pool.kv.predictions.add(pool.slots[1], prompt(&long), 0);
+        let _never = pool
+            .kv
+            .predictions
+            .add(pool.slots[1], prompt(&unmatched), 0);
+        // Worker 0, a prompt of 200 tokens, of which 100 are pending there.
+        let short: Vec<u32> = (30_000..30_200).collect();
+        let _short = PendingPrefill::start(&pool.workers[0], 100);
+        let _short_prediction = pool.kv.predictions.add(pool.slots[0], prompt(&short), 0);
         std::thread::sleep(std::time::Duration::from_millis(20));
-        let queued = |pool: &PoolRuntime| {
-            decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens
+        let queued = |pool: &PoolRuntime, position: usize| {
+            decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[position].queued_tokens
         };
-        assert_eq!(queued(pool), 0);
-        // Its KV events have stored the first 100 blocks only (vLLM stores a block when it
-        // schedules it): 900 blocks are still to come.
+        assert_eq!((queued(pool, 0), queued(pool, 1)), (0, 0));
+        // Its KV events have stored the first 100 blocks of the long one (vLLM stores a block
+        // when it schedules it): 900 are still to come.
         store(pool, 1, &long[..400]);
         assert_eq!(
-            queued(pool),
+            queued(pool, 1),
             0,
-            "a worker without a live event feed: the time decides"
+            "a silent event stream: the time decides"
         );
+        // A batch has just come: the stream is live.
         pool.kv
             .stream_stats(pool.slots[1])
-            .batches
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        assert_eq!(queued(pool), 3_600);
+            .last_batch_us
+            .store(crate::kv::clock_micros().max(1), Ordering::Relaxed);
+        assert_eq!(
+            queued(pool, 1),
+            3_600,
+            "the unmatched prompt is not counted"
+        );
         store(pool, 1, &long[..3_000]);
-        assert_eq!(queued(pool), 1_000);
+        assert_eq!(queued(pool, 1), 1_000);
+        // Worker 0 is not charged for them; its own prompt, of which its events have stored 10
+        // of 50 blocks, counts as far as it is pending here (100 tokens).
+        assert_eq!(queued(pool, 0), 0, "worker 0's stream is silent");
+        store(pool, 0, &short[..40]);
+        pool.kv
+            .stream_stats(pool.slots[0])
+            .last_batch_us
+            .store(crate::kv::clock_micros().max(1), Ordering::Relaxed);
+        assert_eq!(queued(pool, 0), 100);
+        assert_eq!(queued(pool, 1), 1_000);
         // Past its first token the prompt is no longer waited for, stored or not.
         prediction.prefilled();
-        assert_eq!(queued(pool), 0);
-        // The other workers are not charged for it.
-        assert_eq!(
-            decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[0].queued_tokens,
-            0
-        );
+        assert_eq!(queued(pool, 1), 0);
+        // Worker 0's entries were dropped (a gap its replay could not fill): what its events
+        // said of the prompt before no longer counts.
+        let stream = pool.kv.stream_stats(pool.slots[0]);
+        stream.gaps_cleared.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(queued(pool, 0), 0);
     }
 
     #[test]
