@@ -305,10 +305,8 @@ pub fn decide(
         if exclude.contains(&position) || worker.socket.is_none() {
             continue;
         }
-        let matched_blocks = pool
-            .slots
-            .get(position)
-            .map_or(0, |slot| overlap.depth(*slot));
+        let slot = pool.slots.get(position);
+        let matched_blocks = slot.map_or(0, |slot| overlap.depth(*slot));
         let cached_tokens = (matched_blocks as usize * block_size).min(prompt_tokens);
         let uncached_tokens = prompt_tokens - cached_tokens;
         // This proxy's requests count live; a scrape adds only what they do not explain.
@@ -344,9 +342,7 @@ pub fn decide(
         // The elapsed time says how far the worker got if the model's cost per token is right;
         // its KV events say what it has not even scheduled yet (a long prompt it is still
         // chunking while the model, learned mostly from short ones, takes it for done).
-        let unstored = pool
-            .slots
-            .get(position)
+        let unstored = slot
             .and_then(|slot| unstored_blocks.get(usize::from(slot.0)))
             .map_or(0, |blocks| (blocks * block_size).min(own_tokens));
         let queued_tokens = own_tokens
