@@ -192,6 +192,24 @@ impl Answer {
     }
 }
 
+/// The head of an answer whose body the gateway rewrites: the upstream's length no longer holds,
+/// so the body is sent chunked. Pingora chooses the framing before the response filter runs and,
+/// finding neither a length nor chunking after it, would end the body by closing the
+/// connection (while the head still says `Connection: keep-alive`): every such answer would
+/// cost the client a new connection, and a TLS handshake with it. HTTP/2 answers drop the field.
+fn rewritten_length(response: &mut ResponseHeader) -> pingora_error::Result<()> {
+    if response
+        .remove_header(&http::header::CONTENT_LENGTH)
+        .is_some()
+        && !response
+            .headers
+            .contains_key(http::header::TRANSFER_ENCODING)
+    {
+        response.insert_header(http::header::TRANSFER_ENCODING, "chunked")?;
+    }
+    Ok(())
+}
+
 impl Answer {
     /// The upstream's response head (`status`), for a client of the other API when `translate`
     /// says so, delivered as `delivery` says. Answers name the model as the client did
@@ -217,7 +235,7 @@ impl Answer {
             && status < 400
             && streamed
         {
-            response.remove_header(&http::header::CONTENT_LENGTH);
+            rewritten_length(response)?;
             response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
             self.mode = Mode::Assemble {
                 assembler: Box::new(Assembler::new(kind)),
@@ -229,7 +247,7 @@ impl Answer {
             if let Some(within) = model_within
                 && client_model != upstream_model
             {
-                response.remove_header(&http::header::CONTENT_LENGTH);
+                rewritten_length(response)?;
                 let from = upstream_model.to_owned();
                 self.mode = if stream && status < 400 {
                     Mode::AliasStream {
@@ -248,7 +266,7 @@ impl Answer {
             }
             return Ok(());
         }
-        response.remove_header(&http::header::CONTENT_LENGTH);
+        rewritten_length(response)?;
         self.mode = if stream && status < 400 {
             response.insert_header(http::header::CONTENT_TYPE, "text/event-stream")?;
             Mode::TranslateStream(match translate {
@@ -581,6 +599,64 @@ mod tests {
             )
             .unwrap();
         assert!(response.headers.get("content-length").is_none());
+        // Rewritten, so chunked: not framed by closing the connection.
+        assert_eq!(response.headers["transfer-encoding"], "chunked");
+    }
+
+    #[test]
+    fn a_rewritten_answer_is_chunked_and_an_untouched_one_keeps_its_length() {
+        let whole = |translate, delivery, client_model| {
+            let mut response = ResponseHeader::build(200, None).unwrap();
+            response.insert_header("content-length", "10").unwrap();
+            response
+                .insert_header("content-type", "application/json")
+                .unwrap();
+            answer()
+                .head(
+                    &mut response,
+                    translate,
+                    delivery,
+                    client_model,
+                    "org/served",
+                    Some(ALIAS_HEAD_BYTES),
+                )
+                .unwrap();
+            response
+        };
+        // Renamed, translated: the length no longer holds.
+        for response in [
+            whole(Translation::None, Delivery::Whole, "alias"),
+            whole(Translation::ChatToMessages, Delivery::Whole, "alias"),
+        ] {
+            assert!(response.headers.get("content-length").is_none());
+            assert_eq!(response.headers["transfer-encoding"], "chunked");
+        }
+        // Passed as it came: its length stands.
+        let untouched = whole(Translation::None, Delivery::Whole, "org/served");
+        assert_eq!(untouched.headers["content-length"], "10");
+        assert!(untouched.headers.get("transfer-encoding").is_none());
+        // A stream was chunked already: chunked once.
+        let mut response = ResponseHeader::build(200, None).unwrap();
+        response
+            .insert_header("transfer-encoding", "chunked")
+            .unwrap();
+        response
+            .insert_header("content-type", "text/event-stream")
+            .unwrap();
+        answer()
+            .head(
+                &mut response,
+                Translation::None,
+                Delivery::Stream,
+                "alias",
+                "org/served",
+                Some(ALIAS_HEAD_BYTES),
+            )
+            .unwrap();
+        assert_eq!(
+            response.headers.get_all("transfer-encoding").iter().count(),
+            1
+        );
     }
 
     #[test]

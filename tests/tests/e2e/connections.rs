@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use switchyard_e2e::{Proxy, one_worker_proxy};
+use switchyard_e2e::{Proxy, Upstream, UpstreamOptions, one_worker_proxy, pool_config};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -217,6 +217,72 @@ async fn framing_errors_close_and_pipelined_requests_are_all_answered() {
     let health = raw.find("{\"status\":\"ok\"}").expect("health answer");
     assert!(models < health, "answers out of order: {raw}");
     assert_eq!(worker.received().len(), 1);
+}
+
+/// Two requests pipelined on one connection, the second asking to close it: everything the proxy
+/// answered before it closed.
+async fn two_on_one_connection(proxy: &Proxy, path: &str, body: &Value) -> String {
+    let body = body.to_string();
+    let request = |close: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{close}\r\n{body}",
+            body.len()
+        )
+    };
+    let mut stream = connect(proxy).await;
+    let pipeline = request("") + &request("connection: close\r\n");
+    stream.write_all(pipeline.as_bytes()).await.unwrap();
+    read_to_close(&mut stream, LONG).await
+}
+
+#[tokio::test]
+async fn answers_the_gateway_rewrites_keep_the_connection_open() {
+    // The worker answers whole with a Content-Length under its own model name; the gateway
+    // renames the model to the client's alias, so the length changes and the body goes chunked.
+    // Framed by closing the connection instead, the first answer would be the only one.
+    let worker = Upstream::start("w1").await;
+    let proxy = Proxy::start(
+        &pool_config(
+            "p",
+            "org/served",
+            &[worker.endpoint()],
+            "  task: embed\n",
+            &["alias"],
+        ),
+        &[],
+    )
+    .await;
+    let embed = json!({"model": "alias", "input": "hello"});
+    let raw = two_on_one_connection(&proxy, "/v1/embeddings", &embed).await;
+    assert_eq!(raw.matches("HTTP/1.1 200").count(), 2, "{raw}");
+    assert_eq!(raw.matches("\"model\":\"alias\"").count(), 2, "{raw}");
+    assert!(!raw.contains("org/served\""), "{raw}");
+    assert_eq!(
+        raw.to_ascii_lowercase()
+            .matches("transfer-encoding: chunked")
+            .count(),
+        2,
+        "{raw}"
+    );
+
+    // An error the worker answered whole is rewritten the same way.
+    let failing = Upstream::start_with(
+        "w2",
+        UpstreamOptions {
+            fail_with: Some(400),
+            ..Default::default()
+        },
+    )
+    .await;
+    let proxy = Proxy::start(
+        &pool_config("p", "org/served", &[failing.endpoint()], "", &["alias"]),
+        &[],
+    )
+    .await;
+    let chat = json!({"model": "alias", "messages": [{"role": "user", "content": "hi"}]});
+    let raw = two_on_one_connection(&proxy, "/v1/chat/completions", &chat).await;
+    assert_eq!(raw.matches("HTTP/1.1 400").count(), 2, "{raw}");
+    assert_eq!(failing.received().len(), 2);
 }
 
 #[tokio::test]
