@@ -87,6 +87,12 @@ impl UsageTap {
         }
     }
 
+    /// Whether the bytes the client gets may be fewer than the upstream sent (a stream's
+    /// injected usage chunk removed).
+    pub fn strips(&self) -> bool {
+        self.stream && self.strip_injected_usage
+    }
+
     /// Take a chunk on its way to the client; returns what to send instead.
     pub fn feed(&mut self, chunk: Bytes) -> Bytes {
         if !self.stream {

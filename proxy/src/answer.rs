@@ -192,21 +192,35 @@ impl Answer {
     }
 }
 
-/// The head of an answer whose body the gateway rewrites: the upstream's length no longer holds,
-/// so the body is sent chunked. Pingora chooses the framing before the response filter runs and,
-/// finding neither a length nor chunking after it, would end the body by closing the
-/// connection (while the head still says `Connection: keep-alive`): every such answer would
-/// cost the client a new connection, and a TLS handshake with it. HTTP/2 answers drop the field.
-fn rewritten_length(response: &mut ResponseHeader) -> pingora_error::Result<()> {
-    if response
-        .remove_header(&http::header::CONTENT_LENGTH)
-        .is_some()
-        && !response
+/// The framing of an answer whose body the gateway changed (`had_length`: the upstream sent the
+/// `Content-Length` that [`Answer::head`] then removed), for a client speaking `client`.
+///
+/// Pingora picks HTTP/1.1 framing before the response filter runs and, finding neither a length
+/// nor chunking after it, ends the body by closing the connection (while the head still says
+/// `Connection: keep-alive`): every such answer would cost its client a new connection, and a
+/// TLS handshake with it. So an HTTP/1.1 client gets the body chunked (the head then says
+/// HTTP/1.1 whatever the upstream spoke, as Pingora does when it chunks). An HTTP/1.0 client
+/// cannot take chunks and keeps the close; HTTP/2 frames bodies itself; a status without a body
+/// needs no framing.
+pub fn frame_rewritten(
+    response: &mut ResponseHeader,
+    had_length: bool,
+    client: http::Version,
+) -> pingora_error::Result<()> {
+    let bodiless =
+        response.status.is_informational() || matches!(response.status.as_u16(), 204 | 304);
+    if !had_length
+        || bodiless
+        || client != http::Version::HTTP_11
+        || response.headers.contains_key(http::header::CONTENT_LENGTH)
+        || response
             .headers
             .contains_key(http::header::TRANSFER_ENCODING)
     {
-        response.insert_header(http::header::TRANSFER_ENCODING, "chunked")?;
+        return Ok(());
     }
+    response.set_version(http::Version::HTTP_11);
+    response.insert_header(http::header::TRANSFER_ENCODING, "chunked")?;
     Ok(())
 }
 
@@ -235,7 +249,7 @@ impl Answer {
             && status < 400
             && streamed
         {
-            rewritten_length(response)?;
+            response.remove_header(&http::header::CONTENT_LENGTH);
             response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
             self.mode = Mode::Assemble {
                 assembler: Box::new(Assembler::new(kind)),
@@ -247,7 +261,7 @@ impl Answer {
             if let Some(within) = model_within
                 && client_model != upstream_model
             {
-                rewritten_length(response)?;
+                response.remove_header(&http::header::CONTENT_LENGTH);
                 let from = upstream_model.to_owned();
                 self.mode = if stream && status < 400 {
                     Mode::AliasStream {
@@ -263,10 +277,13 @@ impl Answer {
                         done: false,
                     }
                 };
+            } else if self.usage.strips() {
+                // Passed as it came but for the usage chunk the gateway asked for itself.
+                response.remove_header(&http::header::CONTENT_LENGTH);
             }
             return Ok(());
         }
-        rewritten_length(response)?;
+        response.remove_header(&http::header::CONTENT_LENGTH);
         self.mode = if stream && status < 400 {
             response.insert_header(http::header::CONTENT_TYPE, "text/event-stream")?;
             Mode::TranslateStream(match translate {
@@ -599,19 +616,17 @@ mod tests {
             )
             .unwrap();
         assert!(response.headers.get("content-length").is_none());
-        // Rewritten, so chunked: not framed by closing the connection.
-        assert_eq!(response.headers["transfer-encoding"], "chunked");
     }
 
     #[test]
-    fn a_rewritten_answer_is_chunked_and_an_untouched_one_keeps_its_length() {
-        let whole = |translate, delivery, client_model| {
+    fn a_changed_body_loses_its_length_and_an_untouched_one_keeps_it() {
+        let head = |usage, translate, delivery, client_model| {
             let mut response = ResponseHeader::build(200, None).unwrap();
             response.insert_header("content-length", "10").unwrap();
             response
                 .insert_header("content-type", "application/json")
                 .unwrap();
-            answer()
+            Answer::new(usage)
                 .head(
                     &mut response,
                     translate,
@@ -621,38 +636,64 @@ mod tests {
                     Some(ALIAS_HEAD_BYTES),
                 )
                 .unwrap();
-            response
+            response.headers.get("content-length").cloned()
         };
-        // Renamed, translated: the length no longer holds.
-        for response in [
-            whole(Translation::None, Delivery::Whole, "alias"),
-            whole(Translation::ChatToMessages, Delivery::Whole, "alias"),
-        ] {
-            assert!(response.headers.get("content-length").is_none());
-            assert_eq!(response.headers["transfer-encoding"], "chunked");
-        }
+        let plain = || UsageTap::new(false, false);
+        // Renamed, translated, the injected usage chunk removed: the length no longer holds.
+        assert_eq!(
+            head(plain(), Translation::None, Delivery::Whole, "alias"),
+            None
+        );
+        assert_eq!(
+            head(
+                plain(),
+                Translation::ChatToMessages,
+                Delivery::Whole,
+                "alias"
+            ),
+            None
+        );
+        let stripping = UsageTap::new(true, true);
+        assert_eq!(
+            head(stripping, Translation::None, Delivery::Stream, "org/served"),
+            None
+        );
         // Passed as it came: its length stands.
-        let untouched = whole(Translation::None, Delivery::Whole, "org/served");
-        assert_eq!(untouched.headers["content-length"], "10");
-        assert!(untouched.headers.get("transfer-encoding").is_none());
-        // A stream was chunked already: chunked once.
+        assert!(head(plain(), Translation::None, Delivery::Whole, "org/served").is_some());
+    }
+
+    #[test]
+    fn a_body_that_lost_its_length_goes_chunked_to_http11_clients_only() {
+        use http::Version;
+        let framed = |status: u16, upstream: Version, had_length, client| {
+            let mut response = ResponseHeader::build(status, None).unwrap();
+            response.set_version(upstream);
+            frame_rewritten(&mut response, had_length, client).unwrap();
+            let chunked = response.headers.get_all("transfer-encoding").iter().count();
+            (chunked, response.version)
+        };
+        // An HTTP/1.1 client: chunked, under an HTTP/1.1 head even from an HTTP/1.0 upstream.
+        assert_eq!(
+            framed(200, Version::HTTP_11, true, Version::HTTP_11),
+            (1, Version::HTTP_11)
+        );
+        assert_eq!(
+            framed(400, Version::HTTP_10, true, Version::HTTP_11),
+            (1, Version::HTTP_11)
+        );
+        // An HTTP/1.0 client cannot take chunks; HTTP/2 frames bodies itself.
+        assert_eq!(framed(200, Version::HTTP_11, true, Version::HTTP_10).0, 0);
+        assert_eq!(framed(200, Version::HTTP_11, true, Version::HTTP_2).0, 0);
+        // No length was removed (Pingora framed it already), or there is no body.
+        assert_eq!(framed(200, Version::HTTP_11, false, Version::HTTP_11).0, 0);
+        assert_eq!(framed(204, Version::HTTP_11, true, Version::HTTP_11).0, 0);
+        assert_eq!(framed(304, Version::HTTP_11, true, Version::HTTP_11).0, 0);
+        // A stream chunked already stays chunked once.
         let mut response = ResponseHeader::build(200, None).unwrap();
         response
             .insert_header("transfer-encoding", "chunked")
             .unwrap();
-        response
-            .insert_header("content-type", "text/event-stream")
-            .unwrap();
-        answer()
-            .head(
-                &mut response,
-                Translation::None,
-                Delivery::Stream,
-                "alias",
-                "org/served",
-                Some(ALIAS_HEAD_BYTES),
-            )
-            .unwrap();
+        frame_rewritten(&mut response, true, Version::HTTP_11).unwrap();
         assert_eq!(
             response.headers.get_all("transfer-encoding").iter().count(),
             1

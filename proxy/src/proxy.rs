@@ -16,6 +16,7 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 
 use crate::admit::{self, Explain};
+use crate::answer;
 use crate::api::{ApiError, Endpoint, ErrorKind, client_format, client_text};
 use crate::cors;
 use crate::gateway::{Gateway, Phase, RequestCtx};
@@ -196,7 +197,7 @@ impl ProxyHttp for Gateway {
 
     async fn response_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         upstream_response: &mut ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
@@ -215,10 +216,13 @@ impl ProxyHttp for Gateway {
         }
         ctx.status = status;
         cors::rewrite_upstream(upstream_response, ctx.cors_allow.as_deref())?;
-        match ctx.exchange() {
-            Some(exchange) => exchange.answer_head(upstream_response, &request_id),
-            None => Ok(()),
+        let had_length = upstream_response
+            .headers
+            .contains_key(http::header::CONTENT_LENGTH);
+        if let Some(exchange) = ctx.exchange() {
+            exchange.answer_head(upstream_response, &request_id)?;
         }
+        answer::frame_rewritten(upstream_response, had_length, session.req_header().version)
     }
 
     fn response_body_filter(

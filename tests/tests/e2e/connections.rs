@@ -265,6 +265,24 @@ async fn answers_the_gateway_rewrites_keep_the_connection_open() {
         "{raw}"
     );
 
+    // An HTTP/1.0 client cannot take chunks: its answer ends with the connection, whole.
+    let body = embed.to_string();
+    let raw = exchange(
+        &proxy,
+        format!(
+            "POST /v1/embeddings HTTP/1.0\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await;
+    let (status, answer) = answer(&raw);
+    assert_eq!((status, &answer["model"]), (200, &json!("alias")), "{raw}");
+    assert!(
+        !raw.to_ascii_lowercase().contains("transfer-encoding"),
+        "{raw}"
+    );
+
     // An error the worker answered whole is rewritten the same way.
     let failing = Upstream::start_with(
         "w2",
@@ -282,6 +300,13 @@ async fn answers_the_gateway_rewrites_keep_the_connection_open() {
     let chat = json!({"model": "alias", "messages": [{"role": "user", "content": "hi"}]});
     let raw = two_on_one_connection(&proxy, "/v1/chat/completions", &chat).await;
     assert_eq!(raw.matches("HTTP/1.1 400").count(), 2, "{raw}");
+    assert_eq!(
+        raw.to_ascii_lowercase()
+            .matches("transfer-encoding: chunked")
+            .count(),
+        2,
+        "{raw}"
+    );
     assert_eq!(failing.received().len(), 2);
 }
 
