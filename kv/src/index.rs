@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Mutex, RwLock, RwLockReadGuard};
 
 use crate::events::{BlockStored, ExternalBlockHash, KvEvent, KvEventBatch};
 use crate::hash::{SequenceHash, block_hash, first_block_salt};
@@ -134,6 +134,36 @@ type Shard = RwLock<HashMap<SequenceHash, WorkerSet, BuildIdentity>>;
 /// The top bits pick the shard; the map uses the whole hash.
 fn shard_of(hash: SequenceHash) -> usize {
     (hash.0 >> 58) as usize % SHARDS
+}
+
+/// The shards one lookup has read: each read-locked at most once per lookup and held until it
+/// returns, so a writer waits for one lookup at most, a lookup for one node update at most.
+struct ShardReads<'a> {
+    shards: &'a [Shard],
+    guards: [Option<RwLockReadGuard<'a, HashMap<SequenceHash, WorkerSet, BuildIdentity>>>; SHARDS],
+}
+
+impl<'a> ShardReads<'a> {
+    fn new(shards: &'a [Shard]) -> Self {
+        ShardReads {
+            shards,
+            guards: std::array::from_fn(|_| None),
+        }
+    }
+
+    /// Which workers hold `hash`, from its shard (locked now if this lookup had not yet).
+    fn holders(&mut self, hash: SequenceHash) -> Option<&WorkerSet> {
+        let index = shard_of(hash);
+        let slot = self.guards.get_mut(index)?;
+        if slot.is_none() {
+            let lock = self.shards.get(index)?;
+            *slot = Some(match lock.read() {
+                Ok(guard) => guard,
+                Err(poisoned) => poisoned.into_inner(),
+            });
+        }
+        slot.as_ref()?.get(&hash)
+    }
 }
 
 /// Per worker: vLLM's hash of each block it holds → our hash of it.
@@ -451,29 +481,9 @@ impl PrefixIndex {
                 &mut active_heap
             }
         };
-        // Each shard is read-locked at most once per lookup and held until it returns: a writer
-        // waits for one lookup at most, a lookup for one node update at most.
-        let mut guards: [Option<
-            std::sync::RwLockReadGuard<'_, HashMap<SequenceHash, WorkerSet, BuildIdentity>>,
-        >; SHARDS] = std::array::from_fn(|_| None);
+        let mut reads = ShardReads::new(&self.shards);
         for (depth, hash) in request.iter().enumerate() {
-            let shard_index = shard_of(*hash);
-            let Some(slot) = guards.get_mut(shard_index) else {
-                return;
-            };
-            let shard = match slot {
-                Some(guard) => guard,
-                None => {
-                    let Some(lock) = self.shards.get(shard_index) else {
-                        return;
-                    };
-                    slot.insert(match lock.read() {
-                        Ok(guard) => guard,
-                        Err(poisoned) => poisoned.into_inner(),
-                    })
-                }
-            };
-            let set = shard.get(hash);
+            let set = reads.holders(*hash);
             let mut any = false;
             for (i, word) in active.iter_mut().enumerate() {
                 let here = set.map_or(0, |s| s.word(i));
@@ -512,25 +522,11 @@ impl PrefixIndex {
     /// the first block it lacks (where [`PrefixIndex::overlap_into`] goes on while any worker
     /// matches). Hashes are chained, so `request` may start anywhere in a prompt.
     pub fn held_depth(&self, worker: WorkerId, request: &[SequenceHash]) -> usize {
-        let mut guards: [Option<
-            std::sync::RwLockReadGuard<'_, HashMap<SequenceHash, WorkerSet, BuildIdentity>>,
-        >; SHARDS] = std::array::from_fn(|_| None);
-        for (depth, hash) in request.iter().enumerate() {
-            let shard_index = shard_of(*hash);
-            let (Some(slot), Some(lock)) =
-                (guards.get_mut(shard_index), self.shards.get(shard_index))
-            else {
-                return depth;
-            };
-            let shard = slot.get_or_insert_with(|| match lock.read() {
-                Ok(guard) => guard,
-                Err(poisoned) => poisoned.into_inner(),
-            });
-            if !shard.get(hash).is_some_and(|set| set.contains(worker)) {
-                return depth;
-            }
-        }
-        request.len()
+        let mut reads = ShardReads::new(&self.shards);
+        request
+            .iter()
+            .position(|hash| !reads.holders(*hash).is_some_and(|set| set.contains(worker)))
+            .unwrap_or(request.len())
     }
 }
 
