@@ -66,10 +66,7 @@ async fn on_message(
         None => {}
     }
     index.apply_batch(target.slot, batch);
-    stats.batches.fetch_add(1, Ordering::Relaxed);
-    stats
-        .last_batch_us
-        .store(crate::kv::clock_micros().max(1), Ordering::Relaxed);
+    stats.batch_applied();
     seq + 1
 }
 

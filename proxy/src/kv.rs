@@ -27,6 +27,14 @@ pub struct StreamStats {
 }
 
 impl StreamStats {
+    /// A batch was applied now.
+    pub fn batch_applied(&self) {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        // 0 means never.
+        self.last_batch_us
+            .store(clock_micros().max(1), Ordering::Relaxed);
+    }
+
     /// The stream's state as [`Predictions::unstored_blocks`] reads it: `None` unless a batch
     /// came within [`LIVE_EVENTS`], else the count of times the worker's entries were dropped
     /// (gaps that could not be filled, publisher restarts).

@@ -6,9 +6,10 @@
 //! pool's (plus a prior, [`PRIOR_REQUESTS`]): about 0.92 for a system prompt every request
 //! opens with, about 1/16 of that for each of sixteen equally used ones, 1/n for a
 //! conversation's own history among n conversations, and little for a popular document whose
-//! requests are cache hits among cold prompts that bring most of the prefill. The scorer compares a prefix's share with how many workers hold it: a prefix
-//! whose traffic brings more work than its holders' fair share of the pool is worth a copy on
-//! another worker ([`crate::scorer`]).
+//! requests are cache hits among cold prompts that bring most of the prefill. The scorer
+//! compares a prefix's share with how many workers hold it: a prefix whose traffic brings more
+//! work than its holders' fair share of the pool is worth a copy on another worker
+//! ([`crate::scorer`]).
 //!
 //! Fading per request rather than per second makes the share a fraction of the traffic at any
 //! rate. Each gateway replica counts what it routes: with clients spread over the replicas,

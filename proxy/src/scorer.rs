@@ -687,10 +687,7 @@ mod tests {
             "a silent event stream: the time decides"
         );
         // A batch has just come: the stream is live.
-        pool.kv
-            .stream_stats(pool.slots[1])
-            .last_batch_us
-            .store(crate::kv::clock_micros().max(1), Ordering::Relaxed);
+        pool.kv.stream_stats(pool.slots[1]).batch_applied();
         assert_eq!(
             queued(pool, 1),
             3_600,
@@ -702,10 +699,7 @@ mod tests {
         // of 50 blocks, counts as far as it is pending here (100 tokens).
         assert_eq!(queued(pool, 0), 0, "worker 0's stream is silent");
         store(pool, 0, &short[..40]);
-        pool.kv
-            .stream_stats(pool.slots[0])
-            .last_batch_us
-            .store(crate::kv::clock_micros().max(1), Ordering::Relaxed);
+        pool.kv.stream_stats(pool.slots[0]).batch_applied();
         assert_eq!(queued(pool, 0), 100);
         assert_eq!(queued(pool, 1), 1_000);
         // Past its first token the prompt is no longer waited for, stored or not.
