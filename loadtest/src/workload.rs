@@ -14,7 +14,11 @@
 //! - bursty: shared-prefix requests arriving in bursts (same mean rate);
 //! - varied-output: shared-prefix requests with heavy-tailed output lengths, so decode load
 //!   differs widely between requests;
-//! - heterogeneous: shared-prefix requests on a fleet where every third worker is 1.5x slower.
+//! - heterogeneous: shared-prefix requests on a fleet where every third worker is 1.5x slower;
+//! - mixed: three teams behind one endpoint, each conversation drawn from one of them: an
+//!   assistant's multi-turn conversations, questions over the shared-prefix system prompts, and
+//!   one-off documents whose lengths are lognormal around the prompt size (a few hundred tokens
+//!   to several thousand), so cache affinity, queues and prompt sizes all pull at once.
 //!
 //! Every size is counted in content tokens (the message text alone, before the chat template adds
 //! its role markers) with the tokenizer the simulator and the proxy use, so "2000 tokens" means
@@ -25,7 +29,7 @@ use std::collections::HashMap;
 
 use anyhow::Context;
 use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
+use rand::seq::{IndexedRandom, SliceRandom};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use switchyard_kv::tokenize::PromptTokenizer;
@@ -41,6 +45,7 @@ pub enum WorkloadKind {
     Bursty,
     VariedOutput,
     Heterogeneous,
+    Mixed,
 }
 
 impl WorkloadKind {
@@ -54,11 +59,12 @@ impl WorkloadKind {
             WorkloadKind::Bursty => "bursty",
             WorkloadKind::VariedOutput => "varied-output",
             WorkloadKind::Heterogeneous => "heterogeneous",
+            WorkloadKind::Mixed => "mixed",
         }
     }
 
     /// Every workload, in the order the benchmark runs them.
-    pub const ALL: [WorkloadKind; 8] = [
+    pub const ALL: [WorkloadKind; 9] = [
         WorkloadKind::SharedPrefix,
         WorkloadKind::MultiTurn,
         WorkloadKind::NoShared,
@@ -67,6 +73,7 @@ impl WorkloadKind {
         WorkloadKind::Bursty,
         WorkloadKind::VariedOutput,
         WorkloadKind::Heterogeneous,
+        WorkloadKind::Mixed,
     ];
 
     /// Conversations that start together (bursty: `size.burst`; else 1, one at a time).
@@ -329,6 +336,40 @@ impl Conversation {
     }
 }
 
+/// mixed: sigma of the normal under the lognormal length of a one-off document (its mean is the
+/// prompt size; 0.8 puts a tenth of them under 0.4x the mean and a tenth over 2.2x).
+const DOCUMENT_SIGMA: f64 = 0.8;
+
+/// A multi-turn conversation over `system`: `size.turns` user turns of `size.turn_tokens`, each
+/// after an exponential think time but the first.
+fn conversation(
+    rng: &mut StdRng,
+    text: &mut TextGenerator<'_>,
+    system: &str,
+    size: &WorkloadSize,
+) -> anyhow::Result<Conversation> {
+    let turns = (0..size.turns.max(1))
+        .map(|turn| {
+            let user = text.text(rng, size.turn_tokens)?;
+            let output_tokens = output_length(rng, size.output_tokens, size.output_sigma);
+            let think_s = if turn == 0 {
+                0.0
+            } else {
+                exponential(rng, size.think_time_s)
+            };
+            Ok(Turn {
+                user,
+                output_tokens,
+                think_s,
+            })
+        })
+        .collect::<anyhow::Result<Vec<Turn>>>()?;
+    Ok(Conversation {
+        system: Some(system.to_owned()),
+        turns,
+    })
+}
+
 /// Conversations in the order they start.
 pub fn generate(
     kind: WorkloadKind,
@@ -401,31 +442,41 @@ pub fn generate(
             conversations
         }
         WorkloadKind::MultiTurn => {
-            let turns = size.turns.max(1);
             // One system prompt for every conversation, as one product's assistant would have.
             let system = text.text(&mut rng, size.system_prompt_tokens)?;
+            (0..size.requests.div_ceil(size.turns.max(1)))
+                .map(|_| conversation(&mut rng, &mut text, &system, &size))
+                .collect::<anyhow::Result<Vec<Conversation>>>()?
+        }
+        WorkloadKind::Mixed => {
+            let assistant = text.text(&mut rng, size.system_prompt_tokens)?;
+            let systems = (0..size.groups.max(1))
+                .map(|_| text.text(&mut rng, size.prompt_tokens))
+                .collect::<anyhow::Result<Vec<String>>>()?;
             let mut conversations = Vec::new();
-            for _ in 0..size.requests.div_ceil(turns) {
-                let mut conversation = Conversation {
-                    system: Some(system.clone()),
-                    turns: Vec::with_capacity(turns),
+            let mut requests = 0;
+            while requests < size.requests {
+                let next = match rng.random_range(0..3) {
+                    0 => conversation(&mut rng, &mut text, &assistant, &size)?,
+                    1 => {
+                        let system = systems.choose(&mut rng).cloned();
+                        let question = text.text(&mut rng, size.question_tokens)?;
+                        Conversation {
+                            system,
+                            turns: vec![single(&mut rng, question)],
+                        }
+                    }
+                    _ => {
+                        let tokens = output_length(&mut rng, size.prompt_tokens, DOCUMENT_SIGMA);
+                        let document = text.text(&mut rng, tokens)?;
+                        Conversation {
+                            system: None,
+                            turns: vec![single(&mut rng, document)],
+                        }
+                    }
                 };
-                for turn in 0..turns {
-                    let user = text.text(&mut rng, size.turn_tokens)?;
-                    let output_tokens =
-                        output_length(&mut rng, size.output_tokens, size.output_sigma);
-                    let think_s = if turn == 0 {
-                        0.0
-                    } else {
-                        exponential(&mut rng, size.think_time_s)
-                    };
-                    conversation.turns.push(Turn {
-                        user,
-                        output_tokens,
-                        think_s,
-                    });
-                }
-                conversations.push(conversation);
+                requests += next.requests();
+                conversations.push(next);
             }
             conversations
         }
@@ -618,6 +669,44 @@ mod tests {
         let systems: std::collections::HashSet<_> = hot.iter().map(|c| c.system.clone()).collect();
         assert_eq!(systems.len(), 1);
         assert!(hot.iter().all(|c| tokens(&c.turns[0].user) == 25));
+    }
+
+    #[test]
+    fn mixed_draws_each_conversation_from_one_of_three_teams() {
+        let mut size = size();
+        size.requests = 300;
+        let mixed = generate(WorkloadKind::Mixed, size, 6, tokenizer()).unwrap();
+        let requests: usize = mixed.iter().map(Conversation::requests).sum();
+        assert!((300..300 + size.turns).contains(&requests), "{requests}");
+        let assistant: Vec<&Conversation> = mixed.iter().filter(|c| c.turns.len() > 1).collect();
+        let questions: Vec<&Conversation> = mixed
+            .iter()
+            .filter(|c| c.turns.len() == 1 && c.system.is_some())
+            .collect();
+        let documents: Vec<usize> = mixed
+            .iter()
+            .filter(|c| c.system.is_none())
+            .map(|c| tokens(&c.turns[0].user))
+            .collect();
+        // Each team draws about a third of the conversations.
+        for team in [assistant.len(), questions.len(), documents.len()] {
+            assert!(team * 5 > mixed.len(), "{team} of {}", mixed.len());
+        }
+        // The assistant's conversations share its one system prompt, and it is none of the groups'.
+        let prompts: std::collections::HashSet<_> = assistant.iter().map(|c| &c.system).collect();
+        assert_eq!(prompts.len(), 1);
+        assert!(assistant.iter().all(|c| c.turns.len() == size.turns));
+        let groups: std::collections::HashSet<_> = questions.iter().map(|c| &c.system).collect();
+        assert_eq!(groups.len(), size.groups);
+        assert!(groups.iter().all(|g| !prompts.contains(g)));
+        assert!(questions.iter().all(|c| tokens(&c.turns[0].user) == size.question_tokens));
+        // Documents are lognormal around the prompt size: some well under it, some well over.
+        assert!(documents.iter().any(|t| *t * 2 < size.prompt_tokens), "{documents:?}");
+        assert!(documents.iter().any(|t| *t > 2 * size.prompt_tokens), "{documents:?}");
+        assert!(documents.iter().all(|t| (1..=8 * size.prompt_tokens).contains(t)));
+        let again = generate(WorkloadKind::Mixed, size, 6, tokenizer()).unwrap();
+        assert_eq!(mixed.len(), again.len());
+        assert!(mixed.iter().zip(&again).all(|(a, b)| a.turns == b.turns));
     }
 
     #[test]

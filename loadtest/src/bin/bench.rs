@@ -60,8 +60,8 @@ struct CompareArgs {
     /// Workloads to run (default: the three published ones; see --all-workloads).
     #[arg(long, value_enum, num_args = 1.., default_values_t = [WorkloadKind::SharedPrefix, WorkloadKind::MultiTurn, WorkloadKind::NoShared])]
     workloads: Vec<WorkloadKind>,
-    /// Every workload: the published three, then zipf-prefix, hot-prefix, bursty, varied-output
-    /// and heterogeneous (about 2.5x as long).
+    /// Every workload: the published three, then zipf-prefix, hot-prefix, bursty, varied-output,
+    /// heterogeneous and mixed (about 3x as long).
     #[arg(long, conflicts_with = "workloads")]
     all_workloads: bool,
     #[arg(long, value_enum, num_args = 1.., default_values_t = [RouterKind::Random, RouterKind::RoundRobin, RouterKind::LeastOutstanding, RouterKind::Switchyard, RouterKind::VllmRouter, RouterKind::VllmRouterPow2, RouterKind::VllmRouterKv, RouterKind::Llmd, RouterKind::Dynamo, RouterKind::Oracle])]
