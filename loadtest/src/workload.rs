@@ -699,11 +699,25 @@ mod tests {
         let groups: std::collections::HashSet<_> = questions.iter().map(|c| &c.system).collect();
         assert_eq!(groups.len(), size.groups);
         assert!(groups.iter().all(|g| !prompts.contains(g)));
-        assert!(questions.iter().all(|c| tokens(&c.turns[0].user) == size.question_tokens));
+        assert!(
+            questions
+                .iter()
+                .all(|c| tokens(&c.turns[0].user) == size.question_tokens)
+        );
         // Documents are lognormal around the prompt size: some well under it, some well over.
-        assert!(documents.iter().any(|t| *t * 2 < size.prompt_tokens), "{documents:?}");
-        assert!(documents.iter().any(|t| *t > 2 * size.prompt_tokens), "{documents:?}");
-        assert!(documents.iter().all(|t| (1..=8 * size.prompt_tokens).contains(t)));
+        assert!(
+            documents.iter().any(|t| *t * 2 < size.prompt_tokens),
+            "{documents:?}"
+        );
+        assert!(
+            documents.iter().any(|t| *t > 2 * size.prompt_tokens),
+            "{documents:?}"
+        );
+        assert!(
+            documents
+                .iter()
+                .all(|t| (1..=8 * size.prompt_tokens).contains(t))
+        );
         let again = generate(WorkloadKind::Mixed, size, 6, tokenizer()).unwrap();
         assert_eq!(mixed.len(), again.len());
         assert!(mixed.iter().zip(&again).all(|(a, b)| a.turns == b.turns));
