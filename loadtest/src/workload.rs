@@ -337,7 +337,7 @@ impl Conversation {
 }
 
 /// mixed: sigma of the normal under the lognormal length of a one-off document (its mean is the
-/// prompt size; 0.8 puts a tenth of them under 0.4x the mean and a tenth over 2.2x).
+/// prompt size; 0.8 puts a tenth of them under 0.26x the mean and a tenth over 2x).
 const DOCUMENT_SIGMA: f64 = 0.8;
 
 /// A multi-turn conversation over `system`: `size.turns` user turns of `size.turn_tokens`, each
