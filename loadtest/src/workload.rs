@@ -201,6 +201,16 @@ impl<'a> TextGenerator<'a> {
         Ok(cost)
     }
 
+    /// `count` random texts of `target` tokens each (the system prompts a workload shares).
+    pub fn texts(
+        &mut self,
+        rng: &mut StdRng,
+        count: usize,
+        target: usize,
+    ) -> anyhow::Result<Vec<String>> {
+        (0..count).map(|_| self.text(rng, target)).collect()
+    }
+
     /// Random text of `target` tokens. Pieces are costed one at a time, which is exact for the
     /// shipped tokenizer (it pre-splits on spaces and isolates digits, so tokens never span two
     /// pieces); the whole text is then counted, and trimmed or extended should another tokenizer
@@ -342,7 +352,7 @@ const DOCUMENT_SIGMA: f64 = 0.8;
 
 /// A multi-turn conversation over `system`: `size.turns` user turns of `size.turn_tokens`, each
 /// after an exponential think time but the first.
-fn conversation(
+fn assistant_conversation(
     rng: &mut StdRng,
     text: &mut TextGenerator<'_>,
     system: &str,
@@ -395,9 +405,7 @@ pub fn generate(
                 WorkloadKind::VariedOutput => size.varied_output_sigma,
                 _ => size.output_sigma,
             };
-            let systems = (0..size.groups.max(1))
-                .map(|_| text.text(&mut rng, size.prompt_tokens))
-                .collect::<anyhow::Result<Vec<String>>>()?;
+            let systems = text.texts(&mut rng, size.groups.max(1), size.prompt_tokens)?;
             let mut conversations = Vec::with_capacity(size.requests);
             for i in 0..size.requests {
                 let question = text.text(&mut rng, size.question_tokens)?;
@@ -410,9 +418,7 @@ pub fn generate(
             conversations
         }
         WorkloadKind::ZipfPrefix => {
-            let systems = (0..size.zipf_prefixes.max(1))
-                .map(|_| text.text(&mut rng, size.prompt_tokens))
-                .collect::<anyhow::Result<Vec<String>>>()?;
+            let systems = text.texts(&mut rng, size.zipf_prefixes.max(1), size.prompt_tokens)?;
             let cumulative = zipf_cumulative(systems.len(), size.zipf_exponent);
             // Ranks are drawn, then mapped through a shuffle so popularity is not creation order.
             let mut order: Vec<usize> = (0..systems.len()).collect();
@@ -445,19 +451,17 @@ pub fn generate(
             // One system prompt for every conversation, as one product's assistant would have.
             let system = text.text(&mut rng, size.system_prompt_tokens)?;
             (0..size.requests.div_ceil(size.turns.max(1)))
-                .map(|_| conversation(&mut rng, &mut text, &system, &size))
+                .map(|_| assistant_conversation(&mut rng, &mut text, &system, &size))
                 .collect::<anyhow::Result<Vec<Conversation>>>()?
         }
         WorkloadKind::Mixed => {
             let assistant = text.text(&mut rng, size.system_prompt_tokens)?;
-            let systems = (0..size.groups.max(1))
-                .map(|_| text.text(&mut rng, size.prompt_tokens))
-                .collect::<anyhow::Result<Vec<String>>>()?;
+            let systems = text.texts(&mut rng, size.groups.max(1), size.prompt_tokens)?;
             let mut conversations = Vec::new();
             let mut requests = 0;
             while requests < size.requests {
                 let next = match rng.random_range(0..3) {
-                    0 => conversation(&mut rng, &mut text, &assistant, &size)?,
+                    0 => assistant_conversation(&mut rng, &mut text, &assistant, &size)?,
                     1 => {
                         let system = systems.choose(&mut rng).cloned();
                         let question = text.text(&mut rng, size.question_tokens)?;
