@@ -87,6 +87,14 @@ impl RouterKind {
         }
     }
 
+    /// Whether it routes by the workers' KV events (and cannot run without them).
+    pub fn needs_kv_events(self) -> bool {
+        matches!(
+            self,
+            RouterKind::VllmRouterKv | RouterKind::Llmd | RouterKind::Dynamo
+        )
+    }
+
     /// Whether it needs the `vllm-router` executable.
     pub fn is_vllm_router(self) -> bool {
         matches!(self.launch(), Launch::VllmRouter(_))
@@ -212,6 +220,9 @@ pub struct RunConfig {
     /// The share of conversations whose client asks for whole answers (`stream: false`),
     /// spread evenly among the others ([`asks_whole`]).
     pub whole_answers: f64,
+    /// The workers publish KV events (`false`: vLLM without `--kv-events-config`; switchyard's
+    /// pool then names none, and routers that need them cannot run).
+    pub kv_events: bool,
 }
 
 /// Whether conversation `index` asks for whole answers when `share` of them do: every
@@ -372,6 +383,7 @@ fn start_sim(config: &RunConfig) -> anyhow::Result<Sim> {
                 .into_iter()
                 .flatten(),
         )
+        .args((!config.kv_events).then_some("--no-kv-events"))
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -423,9 +435,13 @@ async fn start_router(
                 .workers
                 .iter()
                 .map(|(http, events, replay)| {
-                    format!(
-                        "{{address: \"{http}\", kvEvents: \"{events}\", kvReplay: \"{replay}\"}}"
-                    )
+                    if events.is_empty() {
+                        format!("\"{http}\"")
+                    } else {
+                        format!(
+                            "{{address: \"{http}\", kvEvents: \"{events}\", kvReplay: \"{replay}\"}}"
+                        )
+                    }
                 })
                 .collect();
             let yaml = format!(

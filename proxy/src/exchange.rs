@@ -424,6 +424,18 @@ impl Exchange {
                     .filter(|_| attempt.tried.len() == 1);
                 let known = score.map_or(0, |score| score.matched_blocks as usize);
                 let prediction = pool.kv.predictions.add(*slot, prompt, known);
+                // Without KV events nothing else will say what the worker holds afterwards.
+                if pool
+                    .config
+                    .endpoints
+                    .get(index)
+                    .is_some_and(|endpoint| endpoint.kv_events.is_none())
+                {
+                    prediction.remember(match worker.load.capacity_blocks() {
+                        0 => crate::history::UNREPORTED_CAPACITY_BLOCKS,
+                        blocks => usize::try_from(blocks).unwrap_or(usize::MAX),
+                    });
+                }
                 // The other replicas know the prompt only as far as this one tells them: while
                 // it is prefilled, the whole of it. (If the background queue refuses it now,
                 // the first token tries again.)

@@ -72,6 +72,8 @@ pub struct DecisionStats {
 pub struct Predictions {
     entries: Mutex<Vec<Predicted>>,
     next_id: AtomicU64,
+    /// What workers without a KV event feed are assumed to hold once their requests end.
+    pub history: crate::history::RoutedHistory,
 }
 
 /// One prompt in flight to a worker.
@@ -93,6 +95,11 @@ struct Predicted {
     /// The worker's stream epoch ([`StreamStats`]) when its events first stored a block of the
     /// prompt past `known`; `None` before.
     seen: Option<u64>,
+    /// The prompt has its first token: the worker computed (and caches) its blocks.
+    prefilled: bool,
+    /// The worker publishes no KV events: when the request ends, its prompt goes to the
+    /// [`crate::history::RoutedHistory`] of a cache of this many blocks.
+    remember: Option<usize>,
 }
 
 /// Sampled `(blocks, hash)` of a prompt past what was known of it ([`sample_blocks`]).
@@ -138,6 +145,8 @@ impl Predictions {
             told,
             stored: known,
             seen: None,
+            prefilled: false,
+            remember: None,
         });
         Prediction {
             predictions: self.clone(),
@@ -227,6 +236,35 @@ impl Predictions {
     pub fn prefilled(&self, id: u64) {
         if let Some(entry) = lock(&self.entries).iter_mut().find(|e| e.id == id) {
             entry.told = None;
+            entry.prefilled = true;
+        }
+    }
+
+    /// Prediction `id`'s worker publishes no KV events: once its request ends, a prompt it
+    /// prefilled is assumed held there, in a cache of `capacity_blocks`
+    /// ([`crate::history::RoutedHistory`]).
+    pub fn remember(&self, id: u64, capacity_blocks: usize) {
+        if let Some(entry) = lock(&self.entries).iter_mut().find(|e| e.id == id) {
+            entry.remember = Some(capacity_blocks);
+        }
+    }
+
+    /// Prediction `id`'s request ended.
+    fn end(&self, id: u64) {
+        let ended = {
+            let mut entries = lock(&self.entries);
+            let at = entries.iter().position(|e| e.id == id);
+            at.map(|at| entries.remove(at))
+        };
+        if let Some(Predicted {
+            worker,
+            prompt,
+            prefilled: true,
+            remember: Some(capacity),
+            ..
+        }) = ended
+        {
+            self.history.freed(worker, &prompt.hashes, capacity);
         }
     }
 
@@ -391,11 +429,16 @@ impl Prediction {
     pub fn prefilled(&self) {
         self.predictions.prefilled(self.id);
     }
+
+    /// Its worker publishes no KV events (see [`Predictions::remember`]).
+    pub fn remember(&self, capacity_blocks: usize) {
+        self.predictions.remember(self.id, capacity_blocks);
+    }
 }
 
 impl Drop for Prediction {
     fn drop(&mut self) {
-        lock(&self.predictions.entries).retain(|e| e.id != self.id);
+        self.predictions.end(self.id);
     }
 }
 
@@ -487,6 +530,7 @@ impl PoolKv {
         self.index
             .overlap_into(hashes, self.slot_count(), &mut overlap);
         self.predictions.raise(hashes, &mut overlap);
+        self.predictions.history.raise(hashes, &mut overlap);
         let peers = lock(&self.peer_prefixes).clone();
         let peer_depth = peers.raise(hashes, &mut overlap);
         (overlap, peer_depth)
@@ -550,6 +594,7 @@ impl PoolKv {
             self.index.remove_worker(slot);
             lock(&self.streams).remove(&slot);
             self.predictions.forget_worker(slot);
+            self.predictions.history.forget(slot);
         }
     }
 
@@ -865,6 +910,10 @@ impl WorkerLoad {
             self.own_kv_blocks().saturating_add(peers.kv_blocks),
         )
     }
+    /// Usable KV blocks of the worker as its metrics report them (0: not reported).
+    pub fn capacity_blocks(&self) -> u64 {
+        self.capacity_blocks.load(Ordering::Relaxed)
+    }
     /// KV blocks free for a new request: the worker's usable blocks less others' use at the last
     /// scrape and this proxy's reservations now. `None` when the worker does not report its
     /// cache size. Cached blocks nobody uses count as free, as vLLM counts them (it evicts them
@@ -1008,6 +1057,36 @@ mod tests {
         assert_eq!(long.len(), MAX_PEER_HASHES);
         assert_eq!(long.first(), Some(&SequenceHash(102)));
         assert_eq!(long.get(1), Some(&SequenceHash(1_003)));
+    }
+
+    #[test]
+    fn a_worker_without_events_is_assumed_to_hold_what_it_prefilled_once_the_request_ends() {
+        use switchyard_kv::hash::SequenceHash;
+        let kv = KvRegistry::default().pool(&PoolId::new("ns", "p"), 16);
+        let (fed, unfed) = (kv.slot("10.0.0.1:8000"), kv.slot("10.0.0.2:8000"));
+        let request: Vec<SequenceHash> = (0..12).map(SequenceHash).collect();
+        let depths = |kv: &PoolKv| {
+            let overlap = kv.overlap(&request);
+            (overlap.depth(fed), overlap.depth(unfed))
+        };
+        // In flight, both are predicted to hold what they were sent.
+        let on_fed = kv.predictions.add(fed, prompt(0..10), 0);
+        let on_unfed = kv.predictions.add(unfed, prompt(0..8), 0);
+        on_unfed.remember(1_000);
+        assert_eq!(depths(&kv), (10, 8));
+        on_fed.prefilled();
+        on_unfed.prefilled();
+        drop((on_fed, on_unfed));
+        // After: the fed worker's events (none here) say; the other keeps its prompt.
+        assert_eq!(depths(&kv), (0, 8));
+        // A request that failed before its first token computed nothing.
+        let failed = kv.predictions.add(unfed, prompt(0..12), 0);
+        failed.remember(1_000);
+        drop(failed);
+        assert_eq!(depths(&kv), (0, 8));
+        // A worker that leaves takes its history with it.
+        kv.release("10.0.0.2:8000");
+        assert_eq!(kv.overlap(&request).deepest(), 0);
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub mod exchange;
 pub mod feeds;
 pub mod gateway;
 pub mod headers;
+pub mod history;
 pub mod kv;
 pub mod limits;
 pub mod logging;

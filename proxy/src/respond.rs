@@ -310,6 +310,8 @@ fn explanation(exchange: &Exchange, chosen: Option<usize>) -> serde_json::Value 
                 "running": score.running,
                 "in_flight": score.in_flight,
                 "healthy": score.healthy,
+                "kv_blocks_needed": score.kv_blocks_needed,
+                "kv_blocks_free": score.kv_blocks_free,
                 "predicted_ttft_ms": score.predicted_ttft_s * 1000.0,
                 "formula_ttft_ms": score.formula_ttft_s * 1000.0,
                 "learned_speed": {

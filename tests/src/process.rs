@@ -413,8 +413,12 @@ impl SimWorker {
         format!("http://{}", self.http)
     }
 
-    /// This worker as a pool endpoint in YAML flow style: its address, KV events and replay.
+    /// This worker as a pool endpoint in YAML flow style: its address, KV events and replay
+    /// (its address alone when it publishes none: `--no-kv-events`).
     pub fn endpoint_yaml(&self) -> String {
+        if self.kv_events.is_none() {
+            return format!("\"{}\"", self.http);
+        }
         format!(
             "{{address: \"{}\", kvEvents: \"{}\", kvReplay: \"{}\"}}",
             self.http,

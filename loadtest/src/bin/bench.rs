@@ -191,6 +191,11 @@ struct CompareArgs {
     /// client-side TTFT columns (a whole answer shows its client no first token).
     #[arg(long, default_value_t = 0.0)]
     whole_answers: f64,
+    /// The simulated workers publish no KV events, as vLLM without `--kv-events-config`:
+    /// switchyard's pool names none (it is left with what it routed), and the routers that
+    /// need them (vllm-router-kv, llm-d, dynamo) are refused.
+    #[arg(long)]
+    no_kv_events: bool,
     /// Results as JSON.
     #[arg(long, default_value = "bench-results/compare.json")]
     json: PathBuf,
@@ -508,6 +513,14 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
     if args.all_workloads {
         args.workloads = WorkloadKind::ALL.to_vec();
     }
+    if args.no_kv_events
+        && let Some(router) = args.routers.iter().find(|r| r.needs_kv_events())
+    {
+        bail!(
+            "{} routes by the workers' KV events, which --no-kv-events turns off: leave it out",
+            router.name()
+        );
+    }
     if args.quick {
         args.workloads = vec![WorkloadKind::SharedPrefix];
         args.routers = vec![RouterKind::Random, RouterKind::Switchyard];
@@ -603,6 +616,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                     .unwrap_or(((100.0 * args.time_scale).round() as u64).max(1)),
                 vllm_router: vllm_router.clone(),
                 whole_answers: args.whole_answers,
+                kv_events: !args.no_kv_events,
             };
             runs.push((config, conversations));
         }
@@ -633,7 +647,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
         let output_tokens_mean = weighted(|r| r.output_tokens_mean);
         compare::print_table(
             &format!(
-                "{} ({} requests{}, {arrival_text}, {} workers{}, seeds {seeds_text}; prompts {prompt_tokens_mean:.0} tokens on average with the chat template (usage.prompt_tokens), outputs {output_tokens_mean:.1})",
+                "{} ({} requests{}, {arrival_text}, {} workers{}{}, seeds {seeds_text}; prompts {prompt_tokens_mean:.0} tokens on average with the chat template (usage.prompt_tokens), outputs {output_tokens_mean:.1})",
                 kind.name(),
                 args.requests,
                 if args.whole_answers > 0.0 {
@@ -652,6 +666,11 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                         format!(" (step time x{})", speeds.join(","))
                     }
                     _ => String::new(),
+                },
+                if args.no_kv_events {
+                    " publishing no KV events"
+                } else {
+                    ""
                 },
             ),
             &summaries,
@@ -727,6 +746,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 "size": size,
                 "arrival": arrival,
                 "whole_answers": args.whole_answers,
+                "kv_events": !args.no_kv_events,
                 "seeds": args.seeds,
                 "prompt_tokens_mean": prompt_tokens_mean,
                 "output_tokens_mean": output_tokens_mean,

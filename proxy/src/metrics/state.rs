@@ -56,6 +56,12 @@ impl Collector for StateCollector {
         )?;
         family(
             encoder,
+            "switchyard_kv_assumed_blocks",
+            "Blocks workers without KV events are assumed to hold, from the prompts they prefilled.",
+            per_pool(|p| p.predictions.history.blocks() as u64).map(gauge),
+        )?;
+        family(
+            encoder,
             "switchyard_kv_index_prefixes",
             "Distinct block prefixes in the index.",
             per_pool(|p| p.index.nodes() as u64).map(gauge),

@@ -161,6 +161,7 @@ fn the_collector_reads_the_live_table_when_scraped() {
         "# TYPE switchyard_kv_index_blocks gauge",
         "switchyard_kv_index_blocks{pool=\"default/p\"} 0",
         "switchyard_kv_index_prefixes{pool=\"default/p\"} 0",
+        "switchyard_kv_assumed_blocks{pool=\"default/p\"} 0",
         "# TYPE switchyard_kv_events_applied counter",
         "switchyard_kv_events_applied_total{pool=\"default/p\"} 0",
         "switchyard_kv_orphan_blocks_total{pool=\"default/p\"} 0",

@@ -182,6 +182,89 @@ async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after
     );
 }
 
+/// vLLM without `--kv-events-config`: the pool names no events, and the proxy places prompts
+/// by what it had each worker prefill, within the cache size the worker reports.
+#[tokio::test]
+async fn without_kv_events_requests_follow_what_the_proxy_had_a_worker_prefill() {
+    let sim = Sim::start(&[
+        "--workers",
+        "3",
+        "--time-scale",
+        "0.01",
+        "--num-blocks",
+        "96",
+        "--block-size",
+        "16",
+        "--no-kv-events",
+    ]);
+    assert!(sim.workers.iter().all(|w| w.kv_events.is_none()));
+    let yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  endpoints: [{}]\n{}",
+        sim.model,
+        sim.endpoints_yaml(),
+        switchyard_e2e::model_doc("default", "sim", None)
+    );
+    let proxy = Proxy::start(&yaml, &[]).await;
+    let system = system_prompt();
+    let probe = chat("default", &system, "question 1");
+    // Every worker's cache size is scraped (95 usable blocks) before the first request.
+    wait_for(&proxy, &probe, "the workers' cache sizes", |e| {
+        e["scores"].as_array().is_some_and(|scores| {
+            scores.len() == sim.workers.len()
+                && scores
+                    .iter()
+                    .all(|s| s["kv_blocks_free"].as_u64().is_some_and(|free| free > 0))
+        })
+    })
+    .await;
+
+    // Nothing is known before the first request; once it is over, its worker holds the prompt.
+    let warm = send(&proxy, &chat("default", &system, "question 0")).await;
+    // (The request ends in the proxy just after its client has the last byte.)
+    let explained = wait_for(&proxy, &probe, "the prompt to be assumed held", |e| {
+        matched(e, &warm) >= 10
+    })
+    .await;
+    for worker in sim.workers.iter().filter(|w| w.http != warm) {
+        assert_eq!(matched(&explained, &worker.http), 0, "{explained}");
+    }
+    assert_eq!(explained["chosen"], warm.as_str());
+    assert_eq!(explained["outcome"], "CacheHit");
+    for i in 1..5 {
+        assert_eq!(
+            send(&proxy, &chat("default", &system, &format!("question {i}"))).await,
+            warm
+        );
+    }
+    let metrics = proxy.metrics().await;
+    let assumed = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("switchyard_kv_assumed_blocks{pool=\"default/sim\"} "))
+        .and_then(|v| v.parse::<u64>().ok());
+    assert!(assumed.is_some_and(|blocks| blocks >= 10), "{metrics}");
+
+    // Other prompts the proxy has that worker prefill (over 20 blocks each), past its 95
+    // blocks, push the oldest out: the warm prefix was last used before all of them.
+    let mut fillers_on_warm = 0;
+    for i in 0..200 {
+        let filler: String = (0..60).map(|j| format!("filler {i} item {j}; ")).collect();
+        if send(&proxy, &chat("default", &filler, "x")).await == warm {
+            fillers_on_warm += 1;
+            if fillers_on_warm == 8 {
+                break;
+            }
+        }
+    }
+    assert_eq!(fillers_on_warm, 8);
+    wait_for(
+        &proxy,
+        &probe,
+        "the warm prefix to be assumed evicted",
+        |e| matched(e, &warm) < 10,
+    )
+    .await;
+}
+
 /// A KV-event publisher under the test's control, encoding exactly as vLLM does.
 struct Publisher {
     socket: zeromq::PubSocket,

@@ -1,0 +1,187 @@
+//! What a worker without a KV event feed is assumed to hold: the prompts this proxy had it
+//! prefill, kept the way vLLM keeps them.
+//!
+//! vLLM publishes KV events only when started with `--kv-events-config`. For a worker that
+//! does not (its endpoint names no `kvEvents`) the prefix index learns nothing, and what this
+//! proxy sent it counts ([`crate::kv::Predictions`]) only while the request runs: a
+//! conversation's next turn, or the next question under a system prompt after a quiet moment,
+//! would find no worker holding its prefix and be placed by queue alone, its history prefilled
+//! again wherever that sends it. So for such a worker the proxy keeps, when a request that was
+//! prefilled there ends, the blocks of its prompt (as far as it was tokenized) in the order
+//! vLLM frees them. vLLM's block pool puts a finished request's blocks at the tail of its free
+//! queue, the last block first, and evicts from the head when it needs room; a block a later
+//! request reuses leaves the queue and comes back at the tail when that one ends. The blocks
+//! kept here are therefore the most recently freed ones, as many as the worker's cache has
+//! (`vllm:cache_config_info`), a prompt's first blocks the last of it to go.
+//!
+//! It is a guess from routed requests alone, as the cache-aware policies of routers without KV
+//! events make it (vllm-router's `cache_aware` tree, Dynamo's approximate indexer): what other
+//! clients and other gateway replicas put in the worker's cache, and the blocks its answers
+//! take, are not seen, so it errs toward holding more than the worker does. A wrong guess
+//! costs the request a cold prefill, as having no guess would. A worker that has a feed is
+//! never guessed about: its events say what it holds.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+use switchyard_kv::hash::SequenceHash;
+use switchyard_kv::index::{Overlap, WorkerId};
+
+use crate::lock;
+
+/// The cache assumed for a worker that does not report its size (`vllm:cache_config_info`,
+/// which every vLLM since 0.6 serves): 1,024 blocks, 65,536 tokens at vLLM's default block
+/// size, about what a 48 GB card leaves a 27B model.
+pub const UNREPORTED_CAPACITY_BLOCKS: usize = 1024;
+
+/// Per worker, the blocks of the prompts it prefilled for this proxy, most recently freed last.
+#[derive(Debug, Default)]
+pub struct RoutedHistory {
+    workers: Mutex<HashMap<WorkerId, Freed>>,
+}
+
+/// One worker's assumed cache: a block is held while its last free is among the newest
+/// `capacity` frees.
+#[derive(Debug, Default)]
+struct Freed {
+    /// Each held block's last free.
+    last_freed: HashMap<SequenceHash, u64>,
+    /// Frees in order, oldest first; one whose block was freed again since is stale.
+    queue: VecDeque<(u64, SequenceHash)>,
+    clock: u64,
+}
+
+impl Freed {
+    /// A request that held `blocks` (a prompt's, first to last) ended: vLLM frees them last
+    /// block first; then, past `capacity`, the oldest go.
+    fn free(&mut self, blocks: &[SequenceHash], capacity: usize) {
+        for hash in blocks.iter().rev() {
+            self.clock += 1;
+            self.last_freed.insert(*hash, self.clock);
+            self.queue.push_back((self.clock, *hash));
+        }
+        while self.last_freed.len() > capacity {
+            let Some((at, hash)) = self.queue.pop_front() else {
+                break;
+            };
+            if self.last_freed.get(&hash) == Some(&at) {
+                self.last_freed.remove(&hash);
+            }
+        }
+        // Blocks freed again leave stale entries behind: drop them once they outnumber the live.
+        if self.queue.len() > 2 * self.last_freed.len() + 64 {
+            let last_freed = &self.last_freed;
+            self.queue
+                .retain(|(at, hash)| last_freed.get(hash) == Some(at));
+        }
+    }
+
+    /// How many leading blocks of `request` are held.
+    fn depth(&self, request: &[SequenceHash]) -> usize {
+        request
+            .iter()
+            .take_while(|hash| self.last_freed.contains_key(hash))
+            .count()
+    }
+}
+
+impl RoutedHistory {
+    /// A request prefilled at `worker` ended: it is assumed to hold `blocks` (the prompt's
+    /// block hashes, in order) now, in a cache of `capacity` blocks.
+    pub fn freed(&self, worker: WorkerId, blocks: &[SequenceHash], capacity: usize) {
+        if blocks.is_empty() {
+            return;
+        }
+        lock(&self.workers)
+            .entry(worker)
+            .or_default()
+            .free(blocks, capacity.max(1));
+    }
+
+    /// Raise each worker's depth in `overlap` to the leading blocks of `request` it is assumed
+    /// to hold.
+    pub fn raise(&self, request: &[SequenceHash], overlap: &mut Overlap) {
+        for (worker, freed) in lock(&self.workers).iter() {
+            let depth = freed.depth(request);
+            if depth > 0 {
+                overlap.raise(*worker, u32::try_from(depth).unwrap_or(u32::MAX));
+            }
+        }
+    }
+
+    /// Forget what `worker` is assumed to hold (it left the pool, or its KV events now say).
+    pub fn forget(&self, worker: WorkerId) {
+        lock(&self.workers).remove(&worker);
+    }
+
+    /// Blocks assumed held, over all workers (for metrics).
+    pub fn blocks(&self) -> usize {
+        lock(&self.workers)
+            .values()
+            .map(|freed| freed.last_freed.len())
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hashes(range: std::ops::Range<u64>) -> Vec<SequenceHash> {
+        range.map(SequenceHash).collect()
+    }
+
+    fn depths(history: &RoutedHistory, request: &[SequenceHash]) -> Vec<u32> {
+        let mut overlap = Overlap::default();
+        history.raise(request, &mut overlap);
+        (0..3).map(|w| overlap.depth(WorkerId(w))).collect()
+    }
+
+    #[test]
+    fn a_prompt_is_held_where_it_was_prefilled_as_far_as_it_goes() {
+        let history = RoutedHistory::default();
+        history.freed(WorkerId(1), &hashes(0..6), 100);
+        // The same prefix, then a different turn.
+        let mut next = hashes(0..4);
+        next.extend(hashes(50..53));
+        assert_eq!(depths(&history, &next), [0, 4, 0]);
+        assert_eq!(depths(&history, &hashes(10..20)), [0, 0, 0]);
+        assert_eq!(history.blocks(), 6);
+        history.forget(WorkerId(1));
+        assert_eq!(depths(&history, &next), [0, 0, 0]);
+    }
+
+    #[test]
+    fn the_least_recently_freed_go_first_a_prompts_tail_before_its_head() {
+        let history = RoutedHistory::default();
+        let (a, b) = (hashes(0..4), hashes(100..104));
+        history.freed(WorkerId(0), &a, 8);
+        history.freed(WorkerId(0), &b, 8);
+        // Reusing `a` frees it again: now `b` is the older.
+        history.freed(WorkerId(0), &a, 8);
+        let c = hashes(200..203);
+        history.freed(WorkerId(0), &c, 8);
+        // Three of `b`'s blocks had to go, its last three (freed before its first).
+        assert_eq!(depths(&history, &b), [1, 0, 0]);
+        assert_eq!(depths(&history, &a), [4, 0, 0]);
+        assert_eq!(depths(&history, &c), [3, 0, 0]);
+        assert_eq!(history.blocks(), 8);
+    }
+
+    #[test]
+    fn frees_of_the_same_blocks_do_not_pile_up() {
+        let history = RoutedHistory::default();
+        let prompt = hashes(0..32);
+        for _ in 0..1_000 {
+            history.freed(WorkerId(2), &prompt, 1_000);
+        }
+        let workers = lock(&history.workers);
+        let freed = workers
+            .get(&WorkerId(2))
+            .map(|f| (f.last_freed.len(), f.queue.len()));
+        assert!(
+            freed.is_some_and(|(held, queued)| held == 32 && queued <= 2 * 32 + 64 + 32),
+            "{freed:?}"
+        );
+    }
+}
