@@ -130,8 +130,15 @@ fn config(
 }
 
 fn body(model: &str, stream: bool) -> serde_json::Value {
-    // Long enough that its uncached prompt is several KV blocks.
-    let content = "the ledger counts this prompt until its first token ".repeat(40);
+    // Long enough that its uncached prompt is several KV blocks, and new to every worker: these
+    // pools name no KV events, so a worker is assumed to keep the prompts it prefilled, and a
+    // prompt sent before would count only its last, partial block.
+    static SENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nth = SENT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let content = format!(
+        "request {nth}: {}",
+        "the ledger counts this prompt until its first token ".repeat(40)
+    );
     json!({"model": model, "stream": stream, "max_tokens": 64,
            "messages": [{"role": "user", "content": content}]})
 }
