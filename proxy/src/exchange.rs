@@ -143,9 +143,10 @@ impl Attempt {
 
     /// The worker is past the prompt's prefill: its queue no longer holds it, and its KV
     /// events (not this replica's prediction) tell the other replicas where its blocks are.
-    fn prefilled(&mut self) {
+    /// `computed`: it answered with output, not an error (which computed nothing).
+    fn prefilled(&mut self, computed: bool) {
         if let Some(prediction) = &self.prediction {
-            prediction.prefilled();
+            prediction.prefilled(computed);
         }
         self.pending = None;
     }
@@ -608,7 +609,7 @@ impl Exchange {
         }
         if !self.upstream_streams() {
             // A non-streamed answer arrives whole: its prefill is long over.
-            self.attempt.prefilled();
+            self.attempt.prefilled(response.status.as_u16() < 400);
         }
         let target = &self.plan.target;
         // The client's alias names the model in answers; the header says what served it.
@@ -644,7 +645,7 @@ impl Exchange {
         {
             // Asked for a stream, the worker answered whole after all: as for any whole
             // answer, its prefill is over, and its time to the first byte is no first token.
-            self.attempt.prefilled();
+            self.attempt.prefilled(true);
             self.attempt.ttft = None;
         }
         Ok(())
@@ -682,7 +683,7 @@ impl Exchange {
         // The first token (vLLM streams nothing before it but a Responses stream's opening
         // events, which `answer` passes over): the prefill is done, and the worker's queue no
         // longer holds it (decoding is counted by `current`).
-        self.attempt.prefilled();
+        self.attempt.prefilled(status < 400);
         if let (Some(unfinished), Some(prediction), Some(pool)) = (
             self.attempt.unfinished.take(),
             self.attempt.prediction.as_ref(),
@@ -786,13 +787,19 @@ fn finish_prompt(
     let kv = pool.kv.clone();
     let (predictions, id) = prediction.handle();
     let whole = move || {
-        // The request may be over already, or its prompt finished: then nobody needs the whole.
-        if predictions.is_head(id)
+        if predictions.is_head(id) {
+            if let Some(whole) = prompt::finish(&tokenizer, &kv.prompts, &unfinished) {
+                predictions.finish(id, whole);
+                crate::worker::ledger_changed();
+            }
+        } else if let Some((worker, capacity)) = predictions.take_ended_head(id)
             && let Some(whole) = prompt::finish(&tokenizer, &kv.prompts, &unfinished)
         {
-            predictions.finish(id, whole);
-            crate::worker::ledger_changed();
+            // Over before this ran (a whole answer ends at its first token), at a worker
+            // without KV events: what it holds now is the whole prompt, not its head.
+            predictions.history.freed(worker, &whole.hashes, capacity);
         }
+        // Otherwise the prompt was finished already, or nobody needs the whole.
     };
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {

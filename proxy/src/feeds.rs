@@ -326,9 +326,13 @@ impl Feeds {
             }
         }
         for (id, (key, target)) in wanted_subscribers {
-            self.subscribers.entry(id).or_insert_with(|| Running {
-                key,
-                task: tokio::spawn(run_subscriber(target)),
+            self.subscribers.entry(id).or_insert_with(|| {
+                // Its events say what it holds from now on, not what it was assumed to.
+                target.pool.predictions.history.forget(target.slot);
+                Running {
+                    key,
+                    task: tokio::spawn(run_subscriber(target)),
+                }
             });
         }
         self.scrapers.retain(|address, running| {

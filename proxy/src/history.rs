@@ -30,8 +30,8 @@ use switchyard_kv::index::{Overlap, WorkerId};
 use crate::lock;
 
 /// The cache assumed for a worker that does not report its size (`vllm:cache_config_info`,
-/// which every vLLM since 0.6 serves): 1,024 blocks, 65,536 tokens at vLLM's default block
-/// size, about what a 48 GB card leaves a 27B model.
+/// which vLLM serves): 1,024 blocks (65,536 tokens of 64-token blocks), a small cache for a
+/// data-centre card, so that a guess without the size errs toward forgetting.
 pub const UNREPORTED_CAPACITY_BLOCKS: usize = 1024;
 
 /// Per worker, the blocks of the prompts it prefilled for this proxy, most recently freed last.
@@ -40,8 +40,8 @@ pub struct RoutedHistory {
     workers: Mutex<HashMap<WorkerId, Freed>>,
 }
 
-/// One worker's assumed cache: a block is held while its last free is among the newest
-/// `capacity` frees.
+/// One worker's assumed cache: the `capacity` blocks most recently freed (a block freed again
+/// counts from its last free).
 #[derive(Debug, Default)]
 struct Freed {
     /// Each held block's last free.

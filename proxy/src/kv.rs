@@ -74,7 +74,15 @@ pub struct Predictions {
     next_id: AtomicU64,
     /// What workers without a KV event feed are assumed to hold once their requests end.
     pub history: crate::history::RoutedHistory,
+    /// Remembered requests that ended known by their prompt's head only (a whole answer ends
+    /// at its first token, before the whole is tokenized): id, worker and cache size, until
+    /// the whole is ([`Predictions::take_ended_head`]); the newest [`ENDED_HEADS`].
+    ended_heads: Mutex<std::collections::VecDeque<(u64, WorkerId, usize)>>,
 }
+
+/// Remembered requests that ended by their head waiting for the whole at most: the background
+/// queue that tokenizes them holds sixteen jobs, so older ones were dropped anyway.
+const ENDED_HEADS: usize = 64;
 
 /// One prompt in flight to a worker.
 #[derive(Debug)]
@@ -95,7 +103,8 @@ struct Predicted {
     /// The worker's stream epoch ([`StreamStats`]) when its events first stored a block of the
     /// prompt past `known`; `None` before.
     seen: Option<u64>,
-    /// The prompt has its first token: the worker computed (and caches) its blocks.
+    /// The prompt has its first output (not an error): the worker computed (and caches) its
+    /// blocks.
     prefilled: bool,
     /// The worker publishes no KV events: when the request ends, its prompt goes to the
     /// [`crate::history::RoutedHistory`] of a cache of this many blocks.
@@ -233,10 +242,11 @@ impl Predictions {
 
     /// Prediction `id`'s prompt has its first token: its worker's KV events tell every replica
     /// where its blocks are from now on.
-    pub fn prefilled(&self, id: u64) {
+    /// `computed`: the worker answered with output, not with an error (which computed nothing).
+    pub fn prefilled(&self, id: u64, computed: bool) {
         if let Some(entry) = lock(&self.entries).iter_mut().find(|e| e.id == id) {
             entry.told = None;
-            entry.prefilled = true;
+            entry.prefilled = computed;
         }
     }
 
@@ -265,7 +275,24 @@ impl Predictions {
         }) = ended
         {
             self.history.freed(worker, &prompt.hashes, capacity);
+            if prompt.unfinished.is_some() {
+                let mut heads = lock(&self.ended_heads);
+                if heads.len() == ENDED_HEADS {
+                    heads.pop_front();
+                }
+                heads.push_back((id, worker, capacity));
+            }
         }
+    }
+
+    /// The worker and cache size of remembered request `id` if it ended known by its prompt's
+    /// head only: the whole is to be assumed held there too.
+    pub fn take_ended_head(&self, id: u64) -> Option<(WorkerId, usize)> {
+        let mut heads = lock(&self.ended_heads);
+        let at = heads.iter().position(|(ended, _, _)| *ended == id)?;
+        heads
+            .remove(at)
+            .map(|(_, worker, capacity)| (worker, capacity))
     }
 
     /// Per worker slot, the blocks of the prompts this replica is having prefilled there (before
@@ -322,7 +349,11 @@ impl Predictions {
             .filter(|e| e.worker == worker)
         {
             entry.told = None;
+            // Nor is its history kept: the slot may go to another worker before these end.
+            entry.remember = None;
         }
+        lock(&self.ended_heads).retain(|(_, w, _)| *w != worker);
+        self.history.forget(worker);
     }
 
     /// What the other replicas need to know of the prompts this one is having prefilled, per
@@ -425,9 +456,9 @@ impl Prediction {
         (self.predictions.clone(), self.id)
     }
 
-    /// Its prompt has its first token (see [`Predictions::prefilled`]).
-    pub fn prefilled(&self) {
-        self.predictions.prefilled(self.id);
+    /// Its prompt has its first output, or an error (see [`Predictions::prefilled`]).
+    pub fn prefilled(&self, computed: bool) {
+        self.predictions.prefilled(self.id, computed);
     }
 
     /// Its worker publishes no KV events (see [`Predictions::remember`]).
@@ -594,7 +625,6 @@ impl PoolKv {
             self.index.remove_worker(slot);
             lock(&self.streams).remove(&slot);
             self.predictions.forget_worker(slot);
-            self.predictions.history.forget(slot);
         }
     }
 
@@ -1043,8 +1073,8 @@ mod tests {
             ]
         );
         // Past its first token a prompt is the KV events' to tell.
-        a.prefilled();
-        b.prefilled();
+        a.prefilled(true);
+        b.prefilled(true);
         drop(d);
         assert_eq!(
             predictions.prefilling(),
@@ -1074,19 +1104,54 @@ mod tests {
         let on_unfed = kv.predictions.add(unfed, prompt(0..8), 0);
         on_unfed.remember(1_000);
         assert_eq!(depths(&kv), (10, 8));
-        on_fed.prefilled();
-        on_unfed.prefilled();
+        on_fed.prefilled(true);
+        on_unfed.prefilled(true);
         drop((on_fed, on_unfed));
         // After: the fed worker's events (none here) say; the other keeps its prompt.
         assert_eq!(depths(&kv), (0, 8));
-        // A request that failed before its first token computed nothing.
+        // A request that failed before its first token, or answered with an error, computed
+        // nothing.
         let failed = kv.predictions.add(unfed, prompt(0..12), 0);
         failed.remember(1_000);
         drop(failed);
+        let refused = kv.predictions.add(unfed, prompt(0..12), 0);
+        refused.remember(1_000);
+        refused.prefilled(false);
+        drop(refused);
         assert_eq!(depths(&kv), (0, 8));
-        // A worker that leaves takes its history with it.
+        // A worker that leaves takes its history with it, and a request of it that ends later
+        // gives none to the next worker in its slot.
+        let late = kv.predictions.add(unfed, prompt(0..12), 0);
+        late.remember(1_000);
+        late.prefilled(true);
         kv.release("10.0.0.2:8000");
+        drop(late);
         assert_eq!(kv.overlap(&request).deepest(), 0);
+        assert_eq!(kv.slot("10.0.0.3:8000"), unfed);
+        assert_eq!(kv.overlap(&request).deepest(), 0);
+    }
+
+    #[test]
+    fn a_request_that_ended_by_its_head_is_finished_into_the_history() {
+        use switchyard_kv::hash::SequenceHash;
+        let kv = KvRegistry::default().pool(&PoolId::new("ns", "p"), 16);
+        let worker = kv.slot("10.0.0.1:8000");
+        let unfinished = Arc::new(crate::prompt::Unfinished::for_test("a long prompt"));
+        let head = Arc::new(crate::prompt::PromptInfo {
+            tokens: 32,
+            hashes: (0..2).map(SequenceHash).collect(),
+            unfinished: Some(unfinished),
+        });
+        let prediction = kv.predictions.add(worker, head, 0);
+        prediction.remember(1_000);
+        prediction.prefilled(true);
+        let (_, id) = prediction.handle();
+        drop(prediction);
+        // The head at once; the whole once it is tokenized (by `exchange::finish_prompt`).
+        let request: Vec<SequenceHash> = (0..6).map(SequenceHash).collect();
+        assert_eq!(kv.overlap(&request).depth(worker), 2);
+        assert_eq!(kv.predictions.take_ended_head(id), Some((worker, 1_000)));
+        assert_eq!(kv.predictions.take_ended_head(id), None);
     }
 
     #[test]

@@ -51,6 +51,22 @@ pub struct Unfinished {
     cache_salt: Option<String>,
 }
 
+#[cfg(test)]
+impl Unfinished {
+    /// A prompt known by no head, for tests that only pass one around.
+    pub(crate) fn for_test(text: &str) -> Unfinished {
+        Unfinished {
+            text: text.into(),
+            head: Vec::new(),
+            head_tokens: 0,
+            head_bytes: 0,
+            key: 0,
+            block_size: 16,
+            cache_salt: None,
+        }
+    }
+}
+
 /// Tokens (at least two blocks) tokenized at first, enough to estimate the rest by its bytes;
 /// while some worker holds all of it, the head grows through the text seen before (free), then
 /// by one piece past it, or fourfold when nothing new was seen.
@@ -692,7 +708,7 @@ mod tests {
 
         // Past its first token the worker's KV events say where the prompt is: the first
         // replica stops telling; once its request ends, it holds no prediction either.
-        prediction.prefilled();
+        prediction.prefilled(true);
         assert!(sender.predictions.prefilling().is_empty());
         assert_eq!(sender.predictions.len(), 1);
         drop(prediction);

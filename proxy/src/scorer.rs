@@ -703,7 +703,7 @@ mod tests {
         assert_eq!(queued(pool, 0), 100);
         assert_eq!(queued(pool, 1), 1_000);
         // Past its first token the prompt is no longer waited for, stored or not.
-        prediction.prefilled();
+        prediction.prefilled(true);
         assert_eq!(queued(pool, 1), 0);
         // Worker 0's entries were dropped (a gap its replay could not fill): what its events
         // said of the prompt before no longer counts.

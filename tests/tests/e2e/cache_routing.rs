@@ -218,11 +218,13 @@ async fn without_kv_events_requests_follow_what_the_proxy_had_a_worker_prefill()
     })
     .await;
 
-    // Nothing is known before the first request; once it is over, its worker holds the prompt.
+    // Nothing is known before the first request; once it is over, its worker holds the prompt,
+    // all of it: the system prompt is over 30 blocks, and a whole answer ends at its first
+    // output, when only the head the prompt was routed by (16 blocks) is tokenized.
     let warm = send(&proxy, &chat("default", &system, "question 0")).await;
     // (The request ends in the proxy just after its client has the last byte.)
-    let explained = wait_for(&proxy, &probe, "the prompt to be assumed held", |e| {
-        matched(e, &warm) >= 10
+    let explained = wait_for(&proxy, &probe, "the whole prompt to be assumed held", |e| {
+        matched(e, &warm) >= 28
     })
     .await;
     for worker in sim.workers.iter().filter(|w| w.http != warm) {
