@@ -101,9 +101,23 @@ async fn send(proxy: &Proxy, body: &Value) -> String {
         .to_owned()
 }
 
-#[tokio::test]
-async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after_eviction() {
-    let sim = Sim::start(&[
+/// `explained` (a probe under `system`) chose `warm` for its cache, and so do four requests
+/// sharing the prefix.
+async fn follow(proxy: &Proxy, explained: &Value, system: &str, warm: &str) {
+    assert_eq!(explained["chosen"], warm, "{explained}");
+    assert_eq!(explained["outcome"], "CacheHit", "{explained}");
+    for i in 1..5 {
+        assert_eq!(
+            send(proxy, &chat("default", system, &format!("question {i}"))).await,
+            warm
+        );
+    }
+}
+
+/// Three fast simulated workers of 96 16-token blocks (and `extra` flags), and a proxy with one
+/// cache-aware pool of them.
+async fn small_fleet(extra: &[&str]) -> (Sim, Proxy) {
+    let mut args = vec![
         "--workers",
         "3",
         "--time-scale",
@@ -112,7 +126,9 @@ async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after
         "96",
         "--block-size",
         "16",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let sim = Sim::start(&args);
     let yaml = format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  endpoints: [{}]\n{}",
         sim.model,
@@ -120,6 +136,12 @@ async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after
         switchyard_e2e::model_doc("default", "sim", None)
     );
     let proxy = Proxy::start(&yaml, &[]).await;
+    (sim, proxy)
+}
+
+#[tokio::test]
+async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after_eviction() {
+    let (sim, proxy) = small_fleet(&[]).await;
     proxy.wait_subscribed(sim.workers.len()).await;
     let system = system_prompt();
 
@@ -130,16 +152,8 @@ async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after
         matched(e, &warm) >= 10
     })
     .await;
-    assert_eq!(explained["chosen"], warm.as_str());
-    assert_eq!(explained["outcome"], "CacheHit");
-
     // Requests sharing the prefix go to that worker.
-    for i in 1..5 {
-        assert_eq!(
-            send(&proxy, &chat("default", &system, &format!("question {i}"))).await,
-            warm
-        );
-    }
+    follow(&proxy, &explained, &system, &warm).await;
 
     // The worker evicts the prefix (other prompts sent straight to it fill its 96 blocks)...
     for i in 0..8 {
@@ -186,25 +200,8 @@ async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after
 /// by what it had each worker prefill, within the cache size the worker reports.
 #[tokio::test]
 async fn without_kv_events_requests_follow_what_the_proxy_had_a_worker_prefill() {
-    let sim = Sim::start(&[
-        "--workers",
-        "3",
-        "--time-scale",
-        "0.01",
-        "--num-blocks",
-        "96",
-        "--block-size",
-        "16",
-        "--no-kv-events",
-    ]);
+    let (sim, proxy) = small_fleet(&["--no-kv-events"]).await;
     assert!(sim.workers.iter().all(|w| w.kv_events.is_none()));
-    let yaml = format!(
-        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {}\n  blockSize: 16\n  scrapeIntervalMs: 100\n  endpoints: [{}]\n{}",
-        sim.model,
-        sim.endpoints_yaml(),
-        switchyard_e2e::model_doc("default", "sim", None)
-    );
-    let proxy = Proxy::start(&yaml, &[]).await;
     let system = system_prompt();
     let probe = chat("default", &system, "question 1");
     // Every worker's cache size is scraped (95 usable blocks) before the first request.
@@ -230,14 +227,7 @@ async fn without_kv_events_requests_follow_what_the_proxy_had_a_worker_prefill()
     for worker in sim.workers.iter().filter(|w| w.http != warm) {
         assert_eq!(matched(&explained, &worker.http), 0, "{explained}");
     }
-    assert_eq!(explained["chosen"], warm.as_str());
-    assert_eq!(explained["outcome"], "CacheHit");
-    for i in 1..5 {
-        assert_eq!(
-            send(&proxy, &chat("default", &system, &format!("question {i}"))).await,
-            warm
-        );
-    }
+    follow(&proxy, &explained, &system, &warm).await;
     let metrics = proxy.metrics().await;
     let assumed = metrics
         .lines()
