@@ -18,8 +18,9 @@
 //! events make it (vllm-router's `cache_aware` tree, Dynamo's approximate indexer): what other
 //! clients and other gateway replicas put in the worker's cache, and the blocks its answers
 //! take, are not seen, so it errs toward holding more than the worker does. A wrong guess
-//! costs the request a cold prefill, as having no guess would. A worker that has a feed is
-//! never guessed about: its events say what it holds.
+//! costs the request a cold prefill, as having no guess would, on a worker chosen for a cache
+//! it no longer has. A worker that has a feed is never guessed about: its events say what it
+//! holds.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
