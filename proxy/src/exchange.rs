@@ -426,16 +426,8 @@ impl Exchange {
                 let known = score.map_or(0, |score| score.matched_blocks as usize);
                 let prediction = pool.kv.predictions.add(*slot, prompt, known);
                 // Without KV events nothing else will say what the worker holds afterwards.
-                if pool
-                    .config
-                    .endpoints
-                    .get(index)
-                    .is_some_and(|endpoint| endpoint.kv_events.is_none())
-                {
-                    prediction.remember(match worker.load.capacity_blocks() {
-                        0 => crate::history::UNREPORTED_CAPACITY_BLOCKS,
-                        blocks => usize::try_from(blocks).unwrap_or(usize::MAX),
-                    });
+                if let Some(capacity) = pool.history_capacity(index) {
+                    prediction.remember(capacity);
                 }
                 // The other replicas know the prompt only as far as this one tells them: while
                 // it is prefilled, the whole of it. (If the background queue refuses it now,
@@ -797,7 +789,8 @@ fn finish_prompt(
         {
             // Over before this ran (a whole answer ends at its first token), at a worker
             // without KV events: what it holds now is the whole prompt, not its head.
-            predictions.history.freed(worker, &whole.hashes, capacity);
+            predictions.freed(worker, &whole.hashes, capacity);
+            crate::worker::ledger_changed();
         }
         // Otherwise the prompt was finished already, or nobody needs the whole.
     };

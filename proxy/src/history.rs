@@ -45,44 +45,76 @@ pub struct RoutedHistory {
 /// counts from its last free).
 #[derive(Debug, Default)]
 struct Freed {
-    /// Each held block's last free.
-    last_freed: HashMap<SequenceHash, u64>,
+    /// Each held block's last free, and how many blocks it stands for: one, or for a block
+    /// another gateway replica told of by a sample of its prompt, the blocks since the sample
+    /// before it (its hash stands for the whole prefix it ends).
+    last_freed: HashMap<SequenceHash, (u64, usize)>,
     /// Frees in order, oldest first; one whose block was freed again since is stale.
     queue: VecDeque<(u64, SequenceHash)>,
     clock: u64,
+    /// Blocks held: what the held entries stand for, summed.
+    held: usize,
+    /// The most blocks one entry has stood for: a held prefix is found by entries at most this
+    /// far apart.
+    widest: usize,
 }
 
 impl Freed {
-    /// A request that held `blocks` (a prompt's, first to last) ended: vLLM frees them last
-    /// block first; then, past `capacity`, the oldest go.
-    fn free(&mut self, blocks: &[SequenceHash], capacity: usize) {
-        for hash in blocks.iter().rev() {
+    /// A request that held `blocks` (a prompt's, first to last, each with the blocks it stands
+    /// for) ended: vLLM frees them last block first; then, past `capacity`, the oldest go.
+    fn free(&mut self, blocks: &[(SequenceHash, usize)], capacity: usize) {
+        for (hash, span) in blocks.iter().rev() {
             self.clock += 1;
-            self.last_freed.insert(*hash, self.clock);
+            // A block known both ways stands for the fewer.
+            let span = match self.last_freed.get(hash) {
+                Some((_, held)) => {
+                    self.held -= held;
+                    (*span).min(*held)
+                }
+                None => *span,
+            };
+            self.last_freed.insert(*hash, (self.clock, span));
+            self.held += span;
+            self.widest = self.widest.max(span);
             self.queue.push_back((self.clock, *hash));
         }
-        while self.last_freed.len() > capacity {
+        while self.held > capacity {
             let Some((at, hash)) = self.queue.pop_front() else {
                 break;
             };
-            if self.last_freed.get(&hash) == Some(&at) {
+            if let Some((freed, span)) = self.last_freed.get(&hash).copied()
+                && freed == at
+            {
                 self.last_freed.remove(&hash);
+                self.held -= span;
             }
         }
         // Blocks freed again leave stale entries behind: drop them once they outnumber the live.
         if self.queue.len() > 2 * self.last_freed.len() + 64 {
             let last_freed = &self.last_freed;
             self.queue
-                .retain(|(at, hash)| last_freed.get(hash) == Some(at));
+                .retain(|(at, hash)| last_freed.get(hash).is_some_and(|(freed, _)| freed == at));
         }
     }
 
-    /// How many leading blocks of `request` are held.
+    /// How many leading blocks of `request` are held: up to its deepest held block. A prompt's
+    /// first blocks are freed last and so evicted last, and a block freed again frees the
+    /// prefix before it again too: what is held of a prefix is its start, so the held blocks of
+    /// a request lie at most [`Freed::widest`] apart up to the deepest.
     fn depth(&self, request: &[SequenceHash]) -> usize {
-        request
-            .iter()
-            .take_while(|hash| self.last_freed.contains_key(hash))
-            .count()
+        let (mut depth, mut missed) = (0, 0);
+        for (at, hash) in request.iter().enumerate() {
+            if self.last_freed.contains_key(hash) {
+                depth = at + 1;
+                missed = 0;
+            } else {
+                missed += 1;
+                if missed >= self.widest.max(1) {
+                    break;
+                }
+            }
+        }
+        depth
     }
 }
 
@@ -90,6 +122,33 @@ impl RoutedHistory {
     /// A request prefilled at `worker` ended: it is assumed to hold `blocks` (the prompt's
     /// block hashes, in order) now, in a cache of `capacity` blocks.
     pub fn freed(&self, worker: WorkerId, blocks: &[SequenceHash], capacity: usize) {
+        let blocks: Vec<(SequenceHash, usize)> = blocks.iter().map(|hash| (*hash, 1)).collect();
+        self.free(worker, &blocks, capacity);
+    }
+
+    /// Another gateway replica's request prefilled at `worker` ended: it told of the prompt by
+    /// `samples`, the hashes of some of its blocks with the number of blocks up to each (of
+    /// the whole prompt, increasing; [`crate::kv::Predictions::recent_frees`]). Samples out of
+    /// order end it there.
+    pub fn freed_sampled(
+        &self,
+        worker: WorkerId,
+        samples: &[(usize, SequenceHash)],
+        capacity: usize,
+    ) {
+        let mut blocks = Vec::with_capacity(samples.len());
+        let mut before = 0;
+        for (upto, hash) in samples {
+            if *upto <= before {
+                break;
+            }
+            blocks.push((*hash, upto - before));
+            before = *upto;
+        }
+        self.free(worker, &blocks, capacity);
+    }
+
+    fn free(&self, worker: WorkerId, blocks: &[(SequenceHash, usize)], capacity: usize) {
         if blocks.is_empty() {
             return;
         }
@@ -117,10 +176,7 @@ impl RoutedHistory {
 
     /// Blocks assumed held, over all workers (for metrics).
     pub fn blocks(&self) -> usize {
-        lock(&self.workers)
-            .values()
-            .map(|freed| freed.last_freed.len())
-            .sum()
+        lock(&self.workers).values().map(|freed| freed.held).sum()
     }
 }
 
@@ -167,6 +223,44 @@ mod tests {
         assert_eq!(depths(&history, &a), [4, 0, 0]);
         assert_eq!(depths(&history, &c), [3, 0, 0]);
         assert_eq!(history.blocks(), 8);
+    }
+
+    /// `prompt` told by the hashes of the blocks `upto` (counted from 1) end.
+    fn sampled(prompt: &[SequenceHash], upto: &[usize]) -> Vec<(usize, SequenceHash)> {
+        upto.iter().map(|u| (*u, prompt[u - 1])).collect()
+    }
+
+    #[test]
+    fn a_prompt_another_replica_told_of_by_samples_is_held_to_its_deepest_sample() {
+        let history = RoutedHistory::default();
+        // Ten blocks, told by the hashes of the 4th, 8th and 10th.
+        let prompt = hashes(0..10);
+        history.freed_sampled(WorkerId(1), &sampled(&prompt, &[4, 8, 10]), 100);
+        assert_eq!(history.blocks(), 10);
+        assert_eq!(depths(&history, &prompt), [0, 10, 0]);
+        // A request that shares nine of them is held as far as the 8th (a sample's hash stands
+        // for the prefix it ends); one that shares three, not at all.
+        let mut next = hashes(0..9);
+        next.extend(hashes(50..55));
+        assert_eq!(depths(&history, &next), [0, 8, 0]);
+        let mut short = hashes(0..3);
+        short.extend(hashes(60..70));
+        assert_eq!(depths(&history, &short), [0, 0, 0]);
+
+        // This replica's own prompt there counts beside it, and past 12 blocks the least
+        // recently freed goes: the prompt's last sample (freed first), the two blocks it stood for.
+        history.freed(WorkerId(1), &hashes(100..104), 12);
+        assert_eq!(history.blocks(), 12);
+        assert_eq!(depths(&history, &prompt), [0, 8, 0]);
+        assert_eq!(depths(&history, &hashes(100..104)), [0, 4, 0]);
+        // A block known by both stands for the fewer.
+        history.freed(WorkerId(1), &prompt, 100);
+        assert_eq!(history.blocks(), 14);
+        assert_eq!(depths(&history, &prompt), [0, 10, 0]);
+
+        // Samples out of order end the prompt there.
+        history.freed_sampled(WorkerId(2), &sampled(&hashes(200..208), &[4, 4, 8]), 100);
+        assert_eq!(depths(&history, &hashes(200..208)), [0, 0, 4]);
     }
 
     #[test]

@@ -78,7 +78,19 @@ pub struct Predictions {
     /// at its first token, before the whole is tokenized): id, worker and cache size, until
     /// the whole is ([`Predictions::take_ended_head`]); the newest [`ENDED_HEADS`].
     ended_heads: Mutex<std::collections::VecDeque<(u64, WorkerId, usize)>>,
+    /// This replica's latest prompts assumed held by a worker without KV events once their
+    /// requests ended, for the other replicas ([`Predictions::recent_frees`]): the last number
+    /// given, and the newest [`SHARED_FREES`], numbered from 1.
+    frees: Mutex<(u64, std::collections::VecDeque<SharedFree>)>,
 }
+
+/// One request that ended at a worker without KV events, for the other replicas: its number,
+/// its worker, and its prompt's sampled blocks.
+pub type SharedFree = (u64, WorkerId, Samples);
+
+/// The latest ends a replica tells the other replicas of: every ledger datagram carries them
+/// all, and one goes out at every end, so a datagram lost is repaired by the next.
+pub const SHARED_FREES: usize = 8;
 
 /// Remembered requests that ended by their head waiting for the whole at most: the background
 /// queue that tokenizes them holds sixteen jobs, so older ones were dropped anyway.
@@ -107,12 +119,13 @@ struct Predicted {
     /// blocks.
     prefilled: bool,
     /// The worker publishes no KV events: when the request ends, its prompt goes to the
-    /// [`crate::history::RoutedHistory`] of a cache of this many blocks.
+    /// [`crate::history::RoutedHistory`] of a cache of this many blocks (and the other
+    /// replicas are told, as they were while it ran).
     remember: Option<usize>,
 }
 
 /// Sampled `(blocks, hash)` of a prompt past what was known of it ([`sample_blocks`]).
-type Samples = Arc<[(usize, switchyard_kv::hash::SequenceHash)]>;
+pub type Samples = Arc<[(usize, switchyard_kv::hash::SequenceHash)]>;
 
 /// The hash of every [`PEER_SAMPLE_BLOCKS`]-th block of `hashes` and of its last, past the
 /// first `known` blocks, with the blocks each stands for.
@@ -241,11 +254,15 @@ impl Predictions {
     }
 
     /// Prediction `id`'s prompt has its first token: its worker's KV events tell every replica
-    /// where its blocks are from now on.
+    /// where its blocks are from now on. A worker without KV events tells nobody: the other
+    /// replicas are told of a prompt it computed until the request ends, and then of its end
+    /// ([`Predictions::recent_frees`]).
     /// `computed`: the worker answered with output, not with an error (which computed nothing).
     pub fn prefilled(&self, id: u64, computed: bool) {
         if let Some(entry) = lock(&self.entries).iter_mut().find(|e| e.id == id) {
-            entry.told = None;
+            if !(computed && entry.remember.is_some()) {
+                entry.told = None;
+            }
             entry.prefilled = computed;
         }
     }
@@ -274,7 +291,7 @@ impl Predictions {
             ..
         }) = ended
         {
-            self.history.freed(worker, &prompt.hashes, capacity);
+            self.freed(worker, &prompt.hashes, capacity);
             if prompt.unfinished.is_some() {
                 let mut heads = lock(&self.ended_heads);
                 if heads.len() == ENDED_HEADS {
@@ -283,6 +300,38 @@ impl Predictions {
                 heads.push_back((id, worker, capacity));
             }
         }
+    }
+
+    /// A request this replica had `worker` (without KV events) prefill ended, its prompt's
+    /// blocks `hashes`: the worker is assumed to hold them now, in a cache of `capacity`
+    /// blocks, and the other replicas are told.
+    pub fn freed(
+        &self,
+        worker: WorkerId,
+        hashes: &[switchyard_kv::hash::SequenceHash],
+        capacity: usize,
+    ) {
+        self.history.freed(worker, hashes, capacity);
+        let samples = sample_blocks(hashes, 0);
+        if samples.is_empty() {
+            return;
+        }
+        let mut frees = lock(&self.frees);
+        let (last, recent) = &mut *frees;
+        *last += 1;
+        recent.push_back((*last, worker, samples));
+        while recent.len() > SHARED_FREES {
+            recent.pop_front();
+        }
+    }
+
+    /// This replica's latest ends at workers without KV events ([`Predictions::freed`]),
+    /// numbered (increasing): the worker, and the hash of every [`PEER_SAMPLE_BLOCKS`]-th block
+    /// of the prompt and of its last, with the blocks up to each. The other replicas assume
+    /// them held as this one does ([`crate::history::RoutedHistory::freed_sampled`]): each
+    /// sees only its share of the requests, and the worker's cache holds them all.
+    pub fn recent_frees(&self) -> Vec<SharedFree> {
+        lock(&self.frees).1.iter().cloned().collect()
     }
 
     /// The worker and cache size of remembered request `id` if it ended known by its prompt's
@@ -353,6 +402,7 @@ impl Predictions {
             entry.remember = None;
         }
         lock(&self.ended_heads).retain(|(_, w, _)| *w != worker);
+        lock(&self.frees).1.retain(|(_, w, _)| *w != worker);
         self.history.forget(worker);
     }
 
@@ -1129,6 +1179,62 @@ mod tests {
         assert_eq!(kv.overlap(&request).deepest(), 0);
         assert_eq!(kv.slot("10.0.0.3:8000"), unfed);
         assert_eq!(kv.overlap(&request).deepest(), 0);
+    }
+
+    #[test]
+    fn the_other_replicas_are_told_of_a_prompt_at_a_worker_without_events_until_and_after_its_end()
+    {
+        use switchyard_kv::hash::SequenceHash;
+        let hashes = |h: &[u64]| h.iter().copied().map(SequenceHash).collect::<Vec<_>>();
+        let kv = KvRegistry::default().pool(&PoolId::new("ns", "p"), 16);
+        let (fed, unfed) = (kv.slot("10.0.0.1:8000"), kv.slot("10.0.0.2:8000"));
+        let told = |kv: &PoolKv| {
+            let mut told = kv.predictions.prefilling();
+            told.sort_by_key(|(worker, _)| *worker);
+            told
+        };
+        let on_fed = kv.predictions.add(fed, prompt(0..6), 0);
+        let on_unfed = kv.predictions.add(unfed, prompt(10..19), 0);
+        on_unfed.remember(1_000);
+        let unfed_samples = hashes(&[13, 17, 18]);
+        assert_eq!(
+            told(&kv),
+            vec![(fed, hashes(&[3, 5])), (unfed, unfed_samples.clone())]
+        );
+        // Past the first token a worker's events say where the prompt is; a worker without
+        // them says nothing, so this replica goes on telling while the request runs...
+        on_fed.prefilled(true);
+        on_unfed.prefilled(true);
+        assert_eq!(told(&kv), vec![(unfed, unfed_samples.clone())]);
+        assert!(kv.predictions.recent_frees().is_empty());
+        // ...and tells of its end, by the same samples, with the blocks up to each.
+        drop((on_fed, on_unfed));
+        assert!(told(&kv).is_empty());
+        let ended = kv.predictions.recent_frees();
+        let upto: Vec<(usize, SequenceHash)> =
+            vec![4, 8, 9].into_iter().zip(unfed_samples).collect();
+        assert_eq!(ended.len(), 1);
+        assert_eq!(
+            (ended[0].0, ended[0].1, ended[0].2.to_vec()),
+            (1, unfed, upto)
+        );
+        // An error computed nothing: neither told past it nor at its end.
+        let refused = kv.predictions.add(unfed, prompt(30..40), 0);
+        refused.remember(1_000);
+        refused.prefilled(false);
+        assert!(told(&kv).is_empty());
+        drop(refused);
+        assert_eq!(kv.predictions.recent_frees().len(), 1);
+        // The newest SHARED_FREES are kept, numbered on; a worker that leaves takes its own.
+        for _ in 0..SHARED_FREES + 2 {
+            let again = kv.predictions.add(unfed, prompt(10..19), 0);
+            again.remember(1_000);
+            again.prefilled(true);
+        }
+        let numbers: Vec<u64> = kv.predictions.recent_frees().iter().map(|f| f.0).collect();
+        assert_eq!(numbers, (4..4 + SHARED_FREES as u64).collect::<Vec<_>>());
+        kv.release("10.0.0.2:8000");
+        assert!(kv.predictions.recent_frees().is_empty());
     }
 
     #[test]

@@ -42,6 +42,7 @@ use serde::{Deserialize, Serialize};
 use tokio::net::UdpSocket;
 
 use switchyard_kv::hash::SequenceHash;
+use switchyard_kv::index::WorkerId;
 
 use crate::calibration::{Coefficients, Observation, Speed};
 use crate::config::ConfigStore;
@@ -95,7 +96,25 @@ pub struct ReplicaLedger {
     /// pool id ([`PoolCalibration::recent`](crate::calibration::PoolCalibration::recent));
     /// taught once each when heard, never summed.
     pub observations: HashMap<String, Vec<(u64, Observation)>>,
+    /// The replica's latest requests that ended at a worker without KV events, numbered, per
+    /// pool id: the worker's address and the prompt's sampled blocks `(blocks up to, hash)`
+    /// ([`crate::kv::Predictions::recent_frees`]); assumed held once each when heard, never
+    /// summed.
+    pub freed: HashMap<String, Vec<Freed>>,
 }
+
+/// One request that ended at a worker without KV events: its number, the worker's address,
+/// and its prompt's sampled blocks.
+pub type Freed = (u64, String, Sampled);
+
+/// A prompt's sampled blocks: `(blocks up to, hash)`, increasing.
+pub type Sampled = Vec<(usize, u64)>;
+
+/// A [`Freed`] in a datagram: the pool's id first.
+type PoolFreed = (String, u64, String, Sampled);
+
+/// A [`Freed`] heard of, not yet assumed held: the pool's id, the worker's address, the samples.
+type Unheld = (String, String, Sampled);
 
 impl ReplicaLedger {
     fn add(&mut self, other: &ReplicaLedger) {
@@ -146,6 +165,23 @@ impl ReplicaLedger {
             if !recent.is_empty() {
                 own.observations.insert(pool.config.id.0.clone(), recent);
             }
+            let address = |slot: WorkerId| {
+                let at = pool.slots.iter().position(|s| *s == slot)?;
+                Some(pool.workers.get(at)?.address.clone())
+            };
+            let freed: Vec<Freed> = pool
+                .kv
+                .predictions
+                .recent_frees()
+                .into_iter()
+                .filter_map(|(n, slot, samples)| {
+                    let samples = samples.iter().map(|(upto, hash)| (*upto, hash.0)).collect();
+                    Some((n, address(slot)?, samples))
+                })
+                .collect();
+            if !freed.is_empty() {
+                own.freed.insert(pool.config.id.0.clone(), freed);
+            }
             let told: HashMap<_, _> = pool.kv.predictions.prefilling().into_iter().collect();
             for (worker, slot) in pool.workers.iter().zip(&pool.slots) {
                 if let Some(hashes) = told.get(slot) {
@@ -183,6 +219,10 @@ struct Datagram {
     /// sender's latest answers.
     #[serde(default)]
     observations: Vec<(String, u64, f64, f64, f64)>,
+    /// `[pool, number, address, [[blocks up to, hash], ...]]` of the sender's latest requests
+    /// that ended at a worker without KV events.
+    #[serde(default)]
+    freed: Vec<PoolFreed>,
 }
 
 impl Datagram {
@@ -232,6 +272,16 @@ impl Datagram {
             .collect();
         // The latest first: those are what a cut keeps.
         observations.sort_by(|a, b| (b.1, &a.0).cmp(&(a.1, &b.0)));
+        let mut freed: Vec<PoolFreed> = ledger
+            .freed
+            .iter()
+            .flat_map(|(pool, recent)| {
+                recent.iter().map(|(n, address, samples)| {
+                    (pool.clone(), *n, address.clone(), samples.clone())
+                })
+            })
+            .collect();
+        freed.sort_by(|a, b| (b.1, &a.0).cmp(&(a.1, &b.0)));
         let mut datagram = Datagram {
             v: VERSION,
             instance: instance_id().to_owned(),
@@ -242,6 +292,7 @@ impl Datagram {
             prefixes,
             speeds,
             observations,
+            freed,
         };
         loop {
             let bytes = serde_json::to_vec(&datagram).unwrap_or_default();
@@ -253,6 +304,11 @@ impl Datagram {
                     hashes.truncate(hashes.len() / 2);
                 }
                 datagram.prefixes.retain(|(_, hashes)| !hashes.is_empty());
+                continue;
+            }
+            if !datagram.freed.is_empty() {
+                // The oldest go first; one this long datagram cannot carry, the next cannot either.
+                datagram.freed.truncate(datagram.freed.len() / 2);
                 continue;
             }
             if !datagram.speeds.is_empty() {
@@ -334,12 +390,20 @@ impl Datagram {
                 .or_default()
                 .push((*n, observation));
         }
+        let mut freed: HashMap<String, Vec<Freed>> = HashMap::new();
+        for (pool, n, address, samples) in &self.freed {
+            freed
+                .entry(pool.clone())
+                .or_default()
+                .push((*n, address.clone(), samples.clone()));
+        }
         ReplicaLedger {
             workers,
             arrival_rates,
             prefixes,
             speeds,
             observations,
+            freed,
         }
     }
 }
@@ -355,21 +419,29 @@ struct Heard {
     ledger: ReplicaLedger,
 }
 
-/// The replicas heard from, by instance id; and the answers they observed that this replica's
-/// pools have not learned from yet (pool id, observation).
+/// The replicas heard from, and what they told that this replica has not taken in yet.
 #[derive(Debug, Default)]
-struct Replicas(HashMap<String, Heard>, Vec<(String, Observation)>);
+struct Replicas {
+    /// By instance id.
+    heard: HashMap<String, Heard>,
+    /// The answers they observed that this replica's pools have not learned from yet (pool id,
+    /// observation).
+    untaught: Vec<(String, Observation)>,
+    /// Their requests that ended at a worker without KV events that this replica's pools do
+    /// not assume held yet (pool id, worker address, sampled blocks).
+    unheld: Vec<Unheld>,
+}
 
 impl Replicas {
     /// Keep a datagram unless an equal or later one of its replica is already here. A new
     /// instance at the address of another is that replica restarted: the old one's ledger ends.
     fn hear(&mut self, datagram: Datagram, from: SocketAddr, at: Instant) -> bool {
-        match self.0.get(&datagram.instance) {
+        match self.heard.get(&datagram.instance) {
             Some(heard) if heard.seq >= datagram.seq => return false,
             Some(_) => {}
             None => {
-                self.0.retain(|_, heard| heard.from != from);
-                if self.0.len() >= MAX_REPLICAS {
+                self.heard.retain(|_, heard| heard.from != from);
+                if self.heard.len() >= MAX_REPLICAS {
                     return false;
                 }
             }
@@ -377,7 +449,7 @@ impl Replicas {
         let ledger = datagram.ledger();
         // Each answer teaches once: those numbered past the last this replica heard.
         let taught = |pool: &str| {
-            self.0
+            self.heard
                 .get(&datagram.instance)
                 .and_then(|heard| heard.ledger.observations.get(pool))
                 .and_then(|recent| recent.iter().map(|(n, _)| *n).max())
@@ -392,10 +464,29 @@ impl Replicas {
             new.sort_by_key(|(n, _)| *n);
             fresh.extend(new.into_iter().map(|(_, o)| (pool.clone(), *o)));
         }
-        self.1.extend(fresh);
+        self.untaught.extend(fresh);
+        // Each end is assumed held once too, in the order of the ends.
+        let held = |pool: &str| {
+            self.heard
+                .get(&datagram.instance)
+                .and_then(|heard| heard.ledger.freed.get(pool))
+                .and_then(|recent| recent.iter().map(|(n, _, _)| *n).max())
+                .unwrap_or(0)
+        };
+        let mut ended = Vec::new();
+        for (pool, recent) in &ledger.freed {
+            let after = held(pool);
+            let mut new: Vec<&Freed> = recent.iter().filter(|(n, _, _)| *n > after).collect();
+            new.sort_by_key(|(n, _, _)| *n);
+            ended.extend(
+                new.into_iter()
+                    .map(|(_, address, samples)| (pool.clone(), address.clone(), samples.clone())),
+            );
+        }
+        self.unheld.extend(ended);
         let silence = (datagram.interval_ms > 0)
             .then(|| Duration::from_millis(datagram.interval_ms) * SILENT_INTERVALS);
-        self.0.insert(
+        self.heard.insert(
             datagram.instance,
             Heard {
                 seq: datagram.seq,
@@ -411,21 +502,27 @@ impl Replicas {
     /// Forget replicas silent for longer than their own allowance (`silence` for those that
     /// do not say).
     fn forget_silent(&mut self, now: Instant, silence: Duration) {
-        self.0.retain(|_, heard| {
+        self.heard.retain(|_, heard| {
             now.saturating_duration_since(heard.at) <= heard.silence.unwrap_or(silence)
         });
     }
 
     /// The answers heard of since the last call, to learn from once.
     fn untaught(&mut self) -> Vec<(String, Observation)> {
-        std::mem::take(&mut self.1)
+        std::mem::take(&mut self.untaught)
+    }
+
+    /// The requests heard of since the last call that ended at workers without KV events, to
+    /// assume held once.
+    fn unheld(&mut self) -> Vec<Unheld> {
+        std::mem::take(&mut self.unheld)
     }
 
     /// Every replica's ledger summed as of `now`: a worker's time on the oldest pending prefill
     /// grows by the time since its replica reported it (their observations are not summed).
     fn total(&self, now: Instant) -> ReplicaLedger {
         let mut total = ReplicaLedger::default();
-        for heard in self.0.values() {
+        for heard in self.heard.values() {
             let since = now.saturating_duration_since(heard.at).as_micros() as u64;
             let mut ledger = heard.ledger.clone();
             for worker in ledger.workers.values_mut() {
@@ -439,7 +536,7 @@ impl Replicas {
     }
 
     fn addresses(&self) -> impl Iterator<Item = SocketAddr> + '_ {
-        self.0.values().map(|heard| heard.from)
+        self.heard.values().map(|heard| heard.from)
     }
 }
 
@@ -493,11 +590,11 @@ impl PeerService {
     }
 
     fn apply(&self, shared: &Shared) {
-        let (peers, untaught) = {
+        let (peers, untaught, unheld) = {
             let mut replicas = crate::lock(&shared.replicas);
             let now = Instant::now();
             replicas.forget_silent(now, self.interval * SILENT_INTERVALS);
-            (replicas.total(now), replicas.untaught())
+            (replicas.total(now), replicas.untaught(), replicas.unheld())
         };
         // (Before the first table the answers heard teach nothing, and are not kept.)
         let Some(table) = self.store.current() else {
@@ -509,6 +606,28 @@ impl PeerService {
             if let Some(pool) = table.pools().find(|p| p.config.id.0 == *id) {
                 let configured = Coefficients::configured(&pool.config.scoring);
                 pool.kv.calibration.observe_peer(configured, observation);
+            }
+        }
+        // What another replica had a worker without KV events prefill is in its cache as much
+        // as what this one had it prefill (and pushes out as much).
+        for (id, address, samples) in &unheld {
+            let Some(pool) = table.pools().find(|p| p.config.id.0 == *id) else {
+                continue;
+            };
+            let Some(index) = pool.workers.iter().position(|w| w.address == *address) else {
+                continue;
+            };
+            if let (Some(capacity), Some(slot)) =
+                (pool.history_capacity(index), pool.slots.get(index))
+            {
+                let samples: Vec<(usize, SequenceHash)> = samples
+                    .iter()
+                    .map(|(upto, hash)| (*upto, SequenceHash(*hash)))
+                    .collect();
+                pool.kv
+                    .predictions
+                    .history
+                    .freed_sampled(*slot, &samples, capacity);
             }
         }
         // The prompts in prefill are indexed anew only when they (or the table) changed: most
@@ -716,6 +835,71 @@ mod tests {
         assert!(replicas.total(now).observations.is_empty());
     }
 
+    #[test]
+    fn another_replicas_ends_at_workers_without_events_are_assumed_held_once_each() {
+        let one: SocketAddr = "10.0.0.1:9090".parse().unwrap();
+        let latest = |numbers: std::ops::RangeInclusive<u64>| ReplicaLedger {
+            freed: HashMap::from([(
+                "default/a".to_owned(),
+                numbers
+                    .map(|n| {
+                        (
+                            n,
+                            format!("10.0.1.{n}:8000"),
+                            vec![(4, n * 10), (5, n * 10 + 1)],
+                        )
+                    })
+                    .collect(),
+            )]),
+            ..Default::default()
+        };
+        let now = Instant::now();
+        let mut replicas = Replicas::default();
+        let workers = |replicas: &mut Replicas| -> Vec<String> {
+            replicas
+                .unheld()
+                .into_iter()
+                .map(|(pool, address, samples)| {
+                    assert_eq!(pool, "default/a");
+                    assert_eq!(samples.len(), 2);
+                    address
+                })
+                .collect()
+        };
+        assert!(replicas.hear(from("r1", 1, &latest(1..=2)), one, now));
+        assert_eq!(workers(&mut replicas), ["10.0.1.1:8000", "10.0.1.2:8000"]);
+        assert!(workers(&mut replicas).is_empty());
+        // Repeated in the next datagram (one may be lost): only the new ones count, in order.
+        assert!(replicas.hear(from("r1", 3, &latest(2..=4)), one, now));
+        assert_eq!(workers(&mut replicas), ["10.0.1.3:8000", "10.0.1.4:8000"]);
+        assert!(!replicas.hear(from("r1", 2, &latest(1..=3)), one, now));
+        assert!(workers(&mut replicas).is_empty());
+        // Never summed into the ledger.
+        assert!(replicas.total(now).freed.is_empty());
+    }
+
+    #[test]
+    fn a_ledger_too_long_for_one_datagram_gives_up_the_oldest_ends_after_prompt_samples() {
+        let samples: Vec<(usize, u64)> = (1..=500).map(|b| (b * 4, u64::MAX - b as u64)).collect();
+        let replica = ReplicaLedger {
+            workers: HashMap::from([("w".to_owned(), ledger(5, 0))]),
+            freed: HashMap::from([(
+                "default/a".to_owned(),
+                (1..=8)
+                    .map(|n| (n, "w".to_owned(), samples.clone()))
+                    .collect(),
+            )]),
+            ..Default::default()
+        };
+        let bytes = Datagram::encode(&replica, 1, Duration::from_millis(100));
+        assert!(bytes.len() <= MAX_DATAGRAM);
+        let kept = serde_json::from_slice::<Datagram>(&bytes).unwrap().ledger();
+        assert_eq!(kept.workers.len(), 1);
+        let mut numbers: Vec<u64> = kept.freed["default/a"].iter().map(|f| f.0).collect();
+        numbers.sort();
+        assert_eq!(numbers, [5, 6, 7, 8]);
+    }
+
     /// `replica`'s datagram as another process would send it.
     fn from(instance: &str, seq: u64, replica: &ReplicaLedger) -> Datagram {
         let mut datagram: Datagram =
@@ -742,6 +926,10 @@ mod tests {
             prefixes: HashMap::from([("10.0.0.1:8000".to_owned(), vec![u64::MAX, 7, 11])]),
             speeds: HashMap::from([("10.0.0.2:8000".to_owned(), vec![(1.5, 12)])]),
             observations: HashMap::from([("default/a".to_owned(), vec![(3, answer(0.25))])]),
+            freed: HashMap::from([(
+                "default/a".to_owned(),
+                vec![(9, "10.0.0.2:8000".to_owned(), vec![(4, u64::MAX), (6, 5)])],
+            )]),
         };
         let bytes = Datagram::encode(&replica, 7, Duration::from_millis(100));
         assert_eq!(Datagram::decode(&bytes), None, "this process's own");
@@ -829,7 +1017,7 @@ mod tests {
             arrival_rates: HashMap::from([("default/a".to_owned(), rate)]),
             prefixes: HashMap::from([("w".to_owned(), vec![tokens])]),
             speeds: HashMap::from([("w".to_owned(), vec![(rate, 5)])]),
-            observations: HashMap::new(),
+            ..Default::default()
         };
         let start = Instant::now();
         let mut replicas = Replicas::default();

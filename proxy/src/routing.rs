@@ -35,6 +35,23 @@ pub struct PoolRuntime {
 }
 
 impl PoolRuntime {
+    /// For the worker at `index` when it publishes no KV events (its endpoint names no
+    /// `kvEvents`), the cache size its [`crate::history::RoutedHistory`] is kept to: its usable
+    /// blocks as its metrics report them, else
+    /// [`crate::history::UNREPORTED_CAPACITY_BLOCKS`]. `None` for a worker whose events say what
+    /// it holds.
+    pub fn history_capacity(&self, index: usize) -> Option<usize> {
+        let endpoint = self.config.endpoints.get(index)?;
+        let worker = self.workers.get(index)?;
+        endpoint
+            .kv_events
+            .is_none()
+            .then(|| match worker.load.capacity_blocks() {
+                0 => crate::history::UNREPORTED_CAPACITY_BLOCKS,
+                blocks => usize::try_from(blocks).unwrap_or(usize::MAX),
+            })
+    }
+
     /// Choose a worker not in `exclude` (indexes into `workers`), by the pool's policy.
     pub fn pick(&self, exclude: &[usize]) -> Option<usize> {
         let eligible = |index: &usize| {

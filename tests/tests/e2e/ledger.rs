@@ -620,7 +620,7 @@ async fn matched_at(proxy: &Proxy, body: &serde_json::Value, worker: &str) -> u6
 }
 
 #[tokio::test]
-async fn a_replica_follows_a_prefix_another_replica_is_having_prefilled() {
+async fn a_replica_follows_a_prefix_another_replica_had_a_worker_without_events_prefill() {
     // Two workers that publish no KV events: what one replica sent where, the other can learn
     // only from that replica.
     let (one, two) = (
@@ -689,18 +689,36 @@ async fn a_replica_follows_a_prefix_another_replica_is_having_prefilled() {
     }
     assert_eq!(matched_at(&second, &probe, &other.endpoint()).await, 0);
 
-    // Past the first token the worker's own KV events tell where the prompt is (these workers
-    // publish none): the first replica stops telling.
+    // Past the first token a worker's KV events would tell where the prompt is; these publish
+    // none, so the first replica goes on telling while the request runs...
     let mut chunks = response.bytes_stream();
     holder.release(1);
     chunks.next().await.unwrap().unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while matched_at(&second, &probe, &holder.endpoint()).await > 0 {
-        assert!(std::time::Instant::now() < deadline, "still told");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(matched_at(&second, &probe, &holder.endpoint()).await + 4 > system_blocks);
     holder.release(16);
     while let Some(chunk) = chunks.next().await {
         chunk.unwrap();
     }
+    // ...and once it ended, tells of its end: the second replica assumes the worker holds the
+    // prompt as the first does (in its own history of that worker's cache, from the samples).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while assumed_blocks(&second).await < system_blocks {
+        assert!(std::time::Instant::now() < deadline, "the end not told");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(assumed_blocks(&first).await >= system_blocks);
+    assert!(matched_at(&second, &probe, &holder.endpoint()).await + 4 > system_blocks);
+    assert_eq!(matched_at(&second, &probe, &other.endpoint()).await, 0);
+}
+
+/// Blocks `proxy` assumes the workers of the pool `pair` hold (they publish no KV events).
+async fn assumed_blocks(proxy: &Proxy) -> u64 {
+    proxy
+        .metrics()
+        .await
+        .lines()
+        .find_map(|l| l.strip_prefix("switchyard_kv_assumed_blocks{pool=\"default/pair\"} "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
