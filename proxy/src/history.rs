@@ -159,14 +159,19 @@ impl RoutedHistory {
     }
 
     /// Raise each worker's depth in `overlap` to the leading blocks of `request` it is assumed
-    /// to hold.
-    pub fn raise(&self, request: &[SequenceHash], overlap: &mut Overlap) {
+    /// to hold. Returns how far they may reach: a block another replica told of by a sample
+    /// may be followed by as many as the samples stand for (so `request`, a prompt's head, may
+    /// be held further than its blocks known here say).
+    pub fn raise(&self, request: &[SequenceHash], overlap: &mut Overlap) -> usize {
+        let mut reach = 0;
         for (worker, freed) in lock(&self.workers).iter() {
             let depth = freed.depth(request);
             if depth > 0 {
                 overlap.raise(*worker, u32::try_from(depth).unwrap_or(u32::MAX));
+                reach = reach.max(depth + freed.widest.max(1) - 1);
             }
         }
+        reach
     }
 
     /// Forget what `worker` is assumed to hold (it left the pool, or its KV events now say).
@@ -233,19 +238,23 @@ mod tests {
     #[test]
     fn a_prompt_another_replica_told_of_by_samples_is_held_to_its_deepest_sample() {
         let history = RoutedHistory::default();
-        // Ten blocks, told by the hashes of the 4th, 8th and 10th.
+        // Ten blocks, told by the hashes of the 1st, 4th, 8th and 10th.
         let prompt = hashes(0..10);
-        history.freed_sampled(WorkerId(1), &sampled(&prompt, &[4, 8, 10]), 100);
+        history.freed_sampled(WorkerId(1), &sampled(&prompt, &[1, 4, 8, 10]), 100);
         assert_eq!(history.blocks(), 10);
         assert_eq!(depths(&history, &prompt), [0, 10, 0]);
+        // A head of two blocks is held as far as the first, and may be held up to the 4th.
+        let mut overlap = Overlap::default();
+        assert_eq!(history.raise(&prompt[..2], &mut overlap), 4);
+        assert_eq!(overlap.depth(WorkerId(1)), 1);
         // A request that shares nine of them is held as far as the 8th (a sample's hash stands
-        // for the prefix it ends); one that shares three, not at all.
+        // for the prefix it ends); one that shares three, as far as the 1st.
         let mut next = hashes(0..9);
         next.extend(hashes(50..55));
         assert_eq!(depths(&history, &next), [0, 8, 0]);
         let mut short = hashes(0..3);
         short.extend(hashes(60..70));
-        assert_eq!(depths(&history, &short), [0, 0, 0]);
+        assert_eq!(depths(&history, &short), [0, 1, 0]);
 
         // This replica's own prompt there counts beside it, and past 12 blocks the least
         // recently freed goes: the prompt's last sample (freed first), the two blocks it stood for.

@@ -127,15 +127,18 @@ struct Predicted {
 /// Sampled `(blocks, hash)` of a prompt past what was known of it ([`sample_blocks`]).
 pub type Samples = Arc<[(usize, switchyard_kv::hash::SequenceHash)]>;
 
-/// The hash of every [`PEER_SAMPLE_BLOCKS`]-th block of `hashes` and of its last, past the
-/// first `known` blocks, with the blocks each stands for.
+/// The hash of the first block of `hashes`, of every [`PEER_SAMPLE_BLOCKS`]-th and of its
+/// last, past the first `known` blocks, with the blocks up to each. The first: a prompt is
+/// first known by a head of a few blocks (two of 64 tokens, [`crate::prompt`]), which must
+/// find where it may be held to be tokenized further ([`PoolKv::holds_all`]).
 fn sample_blocks(hashes: &[switchyard_kv::hash::SequenceHash], known: usize) -> Samples {
     hashes
         .iter()
         .enumerate()
         .map(|(at, hash)| (at + 1, *hash))
         .filter(|(blocks, _)| {
-            *blocks > known && (blocks % PEER_SAMPLE_BLOCKS == 0 || *blocks == hashes.len())
+            *blocks > known
+                && (*blocks == 1 || blocks % PEER_SAMPLE_BLOCKS == 0 || *blocks == hashes.len())
         })
         .collect()
 }
@@ -598,12 +601,12 @@ impl PoolKv {
         &self,
         hashes: &[switchyard_kv::hash::SequenceHash],
     ) -> switchyard_kv::index::Overlap {
-        self.overlap_and_peers(hashes).0
+        self.overlap_and_reach(hashes).0
     }
 
-    /// [`Self::overlap`], and the deepest prefix of `hashes` another replica is having
-    /// prefilled somewhere.
-    fn overlap_and_peers(
+    /// [`Self::overlap`], and how far into `hashes` what is known of it by samples (another
+    /// replica's prompts) may reach: a held sample stands for the blocks up to the next.
+    fn overlap_and_reach(
         &self,
         hashes: &[switchyard_kv::hash::SequenceHash],
     ) -> (switchyard_kv::index::Overlap, usize) {
@@ -611,10 +614,14 @@ impl PoolKv {
         self.index
             .overlap_into(hashes, self.slot_count(), &mut overlap);
         self.predictions.raise(hashes, &mut overlap);
-        self.predictions.history.raise(hashes, &mut overlap);
+        let history_reach = self.predictions.history.raise(hashes, &mut overlap);
         let peers = lock(&self.peer_prefixes).clone();
         let peer_depth = peers.raise(hashes, &mut overlap);
-        (overlap, peer_depth)
+        let peer_reach = match peer_depth {
+            0 => 0,
+            depth => depth + PEER_SAMPLE_BLOCKS - 1,
+        };
+        (overlap, history_reach.max(peer_reach))
     }
 
     /// The prompts the other replicas are having prefilled, by worker (replacing the last).
@@ -642,8 +649,9 @@ impl PoolKv {
     /// Whether some worker holds (or is being sent) every one of `hashes`. A request in flight
     /// known only by its head, which `hashes` share and run past, is tokenized whole first
     /// (see [`Predictions::finish_under`]): it may hold more of them. Another replica's prompt
-    /// is known by a sample of its blocks: one that reaches within a sample of the end counts
-    /// (the prompt is then tokenized further, and placed by what it shares).
+    /// is known by a sample of its blocks (in flight, or held by a worker without KV events):
+    /// one that reaches within a sample of the end counts (the prompt is then tokenized
+    /// further, and placed by what it shares).
     pub fn holds_all(
         &self,
         hashes: &[switchyard_kv::hash::SequenceHash],
@@ -655,9 +663,8 @@ impl PoolKv {
         self.predictions.finish_under(hashes, |unfinished| {
             crate::prompt::finish(tokenizer, &self.prompts, unfinished)
         });
-        let (overlap, peer_depth) = self.overlap_and_peers(hashes);
-        overlap.deepest() as usize >= hashes.len()
-            || (peer_depth > 0 && peer_depth + PEER_SAMPLE_BLOCKS > hashes.len())
+        let (overlap, reach) = self.overlap_and_reach(hashes);
+        overlap.deepest() as usize >= hashes.len() || reach >= hashes.len()
     }
 
     /// One past the highest slot in use (the size of an overlap buffer).
@@ -1117,8 +1124,8 @@ mod tests {
         assert_eq!(
             told,
             vec![
-                (WorkerId(0), hashes(&[3, 7, 9])),
-                (WorkerId(1), hashes(&[102])),
+                (WorkerId(0), hashes(&[0, 3, 7, 9])),
+                (WorkerId(1), hashes(&[100, 102])),
                 (WorkerId(2), hashes(&[211])),
             ]
         );
@@ -1128,15 +1135,14 @@ mod tests {
         drop(d);
         assert_eq!(
             predictions.prefilling(),
-            vec![(WorkerId(1), hashes(&[102]))]
+            vec![(WorkerId(1), hashes(&[100, 102]))]
         );
         // At most MAX_PEER_HASHES per worker, the shortest prefixes first.
         let _long = predictions.add(WorkerId(1), prompt(1_000..3_000), 0);
         let told = predictions.prefilling();
         let (_, long) = told.iter().find(|(w, _)| *w == WorkerId(1)).unwrap();
         assert_eq!(long.len(), MAX_PEER_HASHES);
-        assert_eq!(long.first(), Some(&SequenceHash(102)));
-        assert_eq!(long.get(1), Some(&SequenceHash(1_003)));
+        assert_eq!(long.get(..4), Some(&hashes(&[100, 1_000, 102, 1_003])[..]));
     }
 
     #[test]
@@ -1196,10 +1202,10 @@ mod tests {
         let on_fed = kv.predictions.add(fed, prompt(0..6), 0);
         let on_unfed = kv.predictions.add(unfed, prompt(10..19), 0);
         on_unfed.remember(1_000);
-        let unfed_samples = hashes(&[13, 17, 18]);
+        let unfed_samples = hashes(&[10, 13, 17, 18]);
         assert_eq!(
             told(&kv),
-            vec![(fed, hashes(&[3, 5])), (unfed, unfed_samples.clone())]
+            vec![(fed, hashes(&[0, 3, 5])), (unfed, unfed_samples.clone())]
         );
         // Past the first token a worker's events say where the prompt is; a worker without
         // them says nothing, so this replica goes on telling while the request runs...
@@ -1212,7 +1218,7 @@ mod tests {
         assert!(told(&kv).is_empty());
         let ended = kv.predictions.recent_frees();
         let upto: Vec<(usize, SequenceHash)> =
-            vec![4, 8, 9].into_iter().zip(unfed_samples).collect();
+            vec![1, 4, 8, 9].into_iter().zip(unfed_samples).collect();
         assert_eq!(ended.len(), 1);
         assert_eq!(
             (ended[0].0, ended[0].1, ended[0].2.to_vec()),

@@ -637,6 +637,14 @@ mod tests {
 
     #[test]
     fn another_replicas_prompt_in_prefill_is_placed_from_its_sampled_blocks() {
+        // Heads of 16 blocks of 16 tokens, and of two of 128: shorter than a sample's stride,
+        // found by the sample of the first block.
+        for block_size in [16, 128] {
+            placed_from_sampled_blocks(block_size);
+        }
+    }
+
+    fn placed_from_sampled_blocks(block_size: usize) {
         use crate::kv::{KvRegistry, PEER_SAMPLE_BLOCKS, PeerPrefixes};
         use switchyard_kv::index::WorkerId;
         // Each replica its own tokenizer (and segment cache), as two processes have.
@@ -647,8 +655,8 @@ mod tests {
         let pool = switchyard_snapshot::snapshot::PoolId::new("ns", "p");
         // Two replicas in front of the same pool.
         let (sender, receiver) = (
-            KvRegistry::default().pool(&pool, 16),
-            KvRegistry::default().pool(&pool, 16),
+            KvRegistry::default().pool(&pool, block_size),
+            KvRegistry::default().pool(&pool, block_size),
         );
         let system: String = (0..800)
             .map(|i| format!("river{i} mountain garden "))
@@ -663,7 +671,7 @@ mod tests {
             let tokenizer = &tokenizers[replica];
             let parsed = crate::wire::parse(body.as_bytes()).unwrap();
             let held = |hashes: &[SequenceHash]| kv.holds_all(hashes, tokenizer);
-            analyse_chat(tokenizer, &kv.prompts, &parsed, 16, &held)
+            analyse_chat(tokenizer, &kv.prompts, &parsed, block_size, &held)
         };
         let tokenizer = &tokenizers[0];
         // The first replica sends a prompt nobody holds to worker 2, and (as a replica with
@@ -683,9 +691,10 @@ mod tests {
             panic!("{told:?}")
         };
         assert_eq!(*worker, WorkerId(2));
+        // The first block, every fourth, the last.
         assert_eq!(
             sampled.len(),
-            whole.hashes.len().div_ceil(PEER_SAMPLE_BLOCKS)
+            whole.hashes.len().div_ceil(PEER_SAMPLE_BLOCKS) + 1
         );
 
         // Before it hears of it, the other replica knows the prompt by its head only, and no
@@ -693,15 +702,16 @@ mod tests {
         let second = chat("And what is second?");
         let before = analysed(1, &receiver, &second);
         assert!(before.unfinished.is_some());
+        assert_eq!(before.hashes.len(), 256 / block_size);
         assert_eq!(receiver.overlap(&before.hashes).deepest(), 0);
         // Told, it tokenizes its own prompt as far as the first's reaches, and places it on
         // worker 2 with the whole system prompt (to within a sample).
         receiver.set_peer_prefixes(PeerPrefixes::new(&told));
         let after = analysed(1, &receiver, &second);
-        let system_blocks = tokenizer.encode(&system).unwrap().len() / 16;
+        let system_blocks = tokenizer.encode(&system).unwrap().len() / block_size;
         let depth = receiver.overlap(&after.hashes).depth(WorkerId(2)) as usize;
         assert!(
-            depth + PEER_SAMPLE_BLOCKS > system_blocks && depth < after.hashes.len(),
+            depth + PEER_SAMPLE_BLOCKS > system_blocks && depth <= after.hashes.len(),
             "{depth} of {system_blocks}"
         );
         assert_eq!(receiver.overlap(&after.hashes).depth(WorkerId(1)), 0);
