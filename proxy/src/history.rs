@@ -14,10 +14,14 @@
 //! kept here are therefore the most recently freed ones, as many as the worker's cache has
 //! (`vllm:cache_config_info`), a prompt's first blocks the last of it to go.
 //!
+//! Other gateway replicas (`--peers`) tell of the requests they had such a worker prefill when
+//! those end ([`crate::peers`]), by a sample of each prompt's blocks; they are kept here as this
+//! proxy's own, each sampled block standing for the blocks since the one before.
+//!
 //! It is a guess from routed requests alone, as the cache-aware policies of routers without KV
 //! events make it (vllm-router's `cache_aware` tree, Dynamo's approximate indexer): what other
-//! clients and other gateway replicas put in the worker's cache, and the blocks its answers
-//! take, are not seen, so it errs toward holding more than the worker does. A wrong guess
+//! clients put in the worker's cache, and the blocks its answers take, are not seen, so it errs
+//! toward holding more than the worker does. A wrong guess
 //! costs the request a cold prefill, as having no guess would, on a worker chosen for a cache
 //! it no longer has. A worker that has a feed is never guessed about: its events say what it
 //! holds.

@@ -13,7 +13,9 @@
 //! replica. And the prompts each is having prefilled, as a sample of their block hashes per
 //! worker: until the worker's KV events store a prompt's blocks (after its prefill) only the
 //! replica that sent it knows where they will be, and a request sharing the prefix that arrives
-//! at another replica meanwhile would be sent to prefill it a second time elsewhere. And what
+//! at another replica meanwhile would be sent to prefill it a second time elsewhere (at a
+//! worker without KV events, as long as the request runs, and then its end: such a worker's
+//! cache is known only from what the replicas sent it, [`crate::history`]). And what
 //! it learned from its answers ([`crate::calibration`]): how fast each worker answers, and its
 //! latest answers themselves, which the others' pool models learn from once each; each replica
 //! sees only its share of the answers, and alone would learn that much later.
