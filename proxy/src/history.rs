@@ -69,16 +69,14 @@ impl Freed {
     fn free(&mut self, blocks: &[(SequenceHash, usize)], capacity: usize) {
         for (hash, span) in blocks.iter().rev() {
             self.clock += 1;
-            // A block known both ways stands for the fewer.
-            let span = match self.last_freed.get(hash) {
-                Some((_, held)) => {
-                    self.held -= held;
-                    (*span).min(*held)
-                }
-                None => *span,
-            };
-            self.last_freed.insert(*hash, (self.clock, span));
-            self.held += span;
+            // A block stands for what its last free says: freed by a sample, the blocks before
+            // it this free did not name were freed too (they may still be held apart, older,
+            // and count twice until they go).
+            let span = (*span).clamp(1, capacity.max(1));
+            if let Some((_, before)) = self.last_freed.insert(*hash, (self.clock, span)) {
+                self.held = self.held.saturating_sub(before);
+            }
+            self.held = self.held.saturating_add(span);
             self.widest = self.widest.max(span);
             self.queue.push_back((self.clock, *hash));
         }
@@ -90,7 +88,7 @@ impl Freed {
                 && freed == at
             {
                 self.last_freed.remove(&hash);
-                self.held -= span;
+                self.held = self.held.saturating_sub(span);
             }
         }
         // Blocks freed again leave stale entries behind: drop them once they outnumber the live.
@@ -133,7 +131,10 @@ impl RoutedHistory {
     /// Another gateway replica's request prefilled at `worker` ended: it told of the prompt by
     /// `samples`, the hashes of some of its blocks with the number of blocks up to each (of
     /// the whole prompt, increasing; [`crate::kv::Predictions::recent_frees`]). Samples out of
-    /// order end it there.
+    /// order end it there; a sample standing for more blocks than the cache has counts as the
+    /// cache. Prompts that share a prefix (a conversation's turns) are told by samples that
+    /// overlap by up to a sample's blocks where the shorter one ends, so a history fed by the
+    /// other replicas counts a few blocks more than it holds and forgets that much sooner.
     pub fn freed_sampled(
         &self,
         worker: WorkerId,
@@ -172,7 +173,7 @@ impl RoutedHistory {
             let depth = freed.depth(request);
             if depth > 0 {
                 overlap.raise(*worker, u32::try_from(depth).unwrap_or(u32::MAX));
-                reach = reach.max(depth + freed.widest.max(1) - 1);
+                reach = reach.max(depth.saturating_add(freed.widest.max(1) - 1));
             }
         }
         reach
@@ -266,7 +267,7 @@ mod tests {
         assert_eq!(history.blocks(), 12);
         assert_eq!(depths(&history, &prompt), [0, 8, 0]);
         assert_eq!(depths(&history, &hashes(100..104)), [0, 4, 0]);
-        // A block known by both stands for the fewer.
+        // Freed block by block, each sampled block stands for itself.
         history.freed(WorkerId(1), &prompt, 100);
         assert_eq!(history.blocks(), 14);
         assert_eq!(depths(&history, &prompt), [0, 10, 0]);
@@ -274,6 +275,23 @@ mod tests {
         // Samples out of order end the prompt there.
         history.freed_sampled(WorkerId(2), &sampled(&hashes(200..208), &[4, 4, 8]), 100);
         assert_eq!(depths(&history, &hashes(200..208)), [0, 0, 4]);
+    }
+
+    #[test]
+    fn a_prompt_held_block_by_block_then_freed_by_another_replicas_samples_is_held_by_them() {
+        let history = RoutedHistory::default();
+        let prompt = hashes(0..10);
+        history.freed(WorkerId(0), &prompt, 100);
+        // Another replica's request of the same prompt ends: its samples are the latest frees,
+        // the blocks between them (this replica's, freed before) the oldest...
+        history.freed_sampled(WorkerId(0), &sampled(&prompt, &[1, 4, 8, 10]), 100);
+        // ...and go first: the prompt is still held, by the samples, to its end.
+        history.freed(WorkerId(0), &hashes(100..104), 14);
+        assert_eq!(depths(&history, &prompt), [10, 0, 0]);
+        assert_eq!(history.blocks(), 14);
+        // A span past the cache's size counts as the cache.
+        history.freed_sampled(WorkerId(1), &[(usize::MAX, SequenceHash(7))], 50);
+        assert_eq!(history.blocks(), 14 + 50);
     }
 
     #[test]

@@ -79,17 +79,28 @@ pub struct Predictions {
     /// the whole is ([`Predictions::take_ended_head`]); the newest [`ENDED_HEADS`].
     ended_heads: Mutex<std::collections::VecDeque<(u64, WorkerId, usize)>>,
     /// This replica's latest prompts assumed held by a worker without KV events once their
-    /// requests ended, for the other replicas ([`Predictions::recent_frees`]): the last number
-    /// given, and the newest [`SHARED_FREES`], numbered from 1.
-    frees: Mutex<(u64, std::collections::VecDeque<SharedFree>)>,
+    /// requests ended, for the other replicas ([`Predictions::recent_frees`]): the newest
+    /// [`SHARED_FREES`], numbered by [`NEXT_END`].
+    frees: Mutex<std::collections::VecDeque<SharedFree>>,
 }
+
+/// The number of this process's next end told to the other replicas: one count for every pool,
+/// so that a pool made anew (its block size changed, or it was removed and added back) goes on
+/// from the last, and a receiver that heard them does not take the new ones for old.
+static NEXT_END: AtomicU64 = AtomicU64::new(1);
+
+/// Samples of a prompt told at its end at most (the first 512 blocks): a datagram carries
+/// [`SHARED_FREES`] of them beside everything else, and what is shared past them is rarely a
+/// prefix another request needs.
+const MAX_END_SAMPLES: usize = 128;
 
 /// One request that ended at a worker without KV events, for the other replicas: its number,
 /// its worker, and its prompt's sampled blocks.
 pub type SharedFree = (u64, WorkerId, Samples);
 
 /// The latest ends a replica tells the other replicas of: every ledger datagram carries them
-/// all, and one goes out at every end, so a datagram lost is repaired by the next.
+/// (but for the oldest when it would be too long), and one goes out at every end, so a datagram
+/// lost is repaired by the next.
 pub const SHARED_FREES: usize = 8;
 
 /// Remembered requests that ended by their head waiting for the whole at most: the background
@@ -316,13 +327,14 @@ impl Predictions {
     ) {
         self.history.freed(worker, hashes, capacity);
         let samples = sample_blocks(hashes, 0);
+        let samples: Samples = samples
+            .get(..MAX_END_SAMPLES)
+            .map_or(samples.clone(), Arc::from);
         if samples.is_empty() {
             return;
         }
-        let mut frees = lock(&self.frees);
-        let (last, recent) = &mut *frees;
-        *last += 1;
-        recent.push_back((*last, worker, samples));
+        let mut recent = lock(&self.frees);
+        recent.push_back((NEXT_END.fetch_add(1, Ordering::Relaxed), worker, samples));
         while recent.len() > SHARED_FREES {
             recent.pop_front();
         }
@@ -335,7 +347,7 @@ impl Predictions {
     /// them held as this one does ([`crate::history::RoutedHistory::freed_sampled`]): each
     /// sees only its share of the requests, and the worker's cache holds them all.
     pub fn recent_frees(&self) -> Vec<SharedFree> {
-        lock(&self.frees).1.iter().cloned().collect()
+        lock(&self.frees).iter().cloned().collect()
     }
 
     /// The worker and cache size of remembered request `id` if it ended known by its prompt's
@@ -406,7 +418,7 @@ impl Predictions {
             entry.remember = None;
         }
         lock(&self.ended_heads).retain(|(_, w, _)| *w != worker);
-        lock(&self.frees).1.retain(|(_, w, _)| *w != worker);
+        lock(&self.frees).retain(|(_, w, _)| *w != worker);
         self.history.forget(worker);
     }
 
@@ -1221,10 +1233,8 @@ mod tests {
         let upto: Vec<(usize, SequenceHash)> =
             vec![1, 4, 8, 9].into_iter().zip(unfed_samples).collect();
         assert_eq!(ended.len(), 1);
-        assert_eq!(
-            (ended[0].0, ended[0].1, ended[0].2.to_vec()),
-            (1, unfed, upto)
-        );
+        let first = ended[0].0;
+        assert_eq!((ended[0].1, ended[0].2.to_vec()), (unfed, upto));
         // An error computed nothing: neither told past it nor at its end.
         let refused = kv.predictions.add(unfed, prompt(30..40), 0);
         refused.remember(1_000);
@@ -1238,8 +1248,19 @@ mod tests {
             again.remember(1_000);
             again.prefilled(true);
         }
+        // (Numbered by one count for the process: other tests' ends take numbers too.)
         let numbers: Vec<u64> = kv.predictions.recent_frees().iter().map(|f| f.0).collect();
-        assert_eq!(numbers, (4..4 + SHARED_FREES as u64).collect::<Vec<_>>());
+        assert_eq!(numbers.len(), SHARED_FREES);
+        assert!(numbers.windows(2).all(|n| n[0] < n[1]) && numbers[0] > first + 2);
+        // A long prompt is told by its first samples only.
+        let long = kv.predictions.add(unfed, prompt(1_000..3_000), 0);
+        long.remember(1_000);
+        long.prefilled(true);
+        drop(long);
+        let told = kv.predictions.recent_frees();
+        let last = &told.last().unwrap().2;
+        assert_eq!(last.len(), MAX_END_SAMPLES);
+        assert_eq!(last[MAX_END_SAMPLES - 1].0, 4 * (MAX_END_SAMPLES - 1));
         kv.release("10.0.0.2:8000");
         assert!(kv.predictions.recent_frees().is_empty());
     }

@@ -274,16 +274,25 @@ impl Datagram {
             .collect();
         // The latest first: those are what a cut keeps.
         observations.sort_by(|a, b| (b.1, &a.0).cmp(&(a.1, &b.0)));
-        let mut freed: Vec<PoolFreed> = ledger
+        // Each pool's latest first, pool by pool (numbers of different pools say nothing of
+        // which is later): a cut keeps the latest of every pool.
+        let mut ranked: Vec<(usize, PoolFreed)> = ledger
             .freed
             .iter()
             .flat_map(|(pool, recent)| {
-                recent.iter().map(|(n, address, samples)| {
-                    (pool.clone(), *n, address.clone(), samples.clone())
-                })
+                let mut recent: Vec<&Freed> = recent.iter().collect();
+                recent.sort_by_key(|(n, _, _)| std::cmp::Reverse(*n));
+                recent
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, (n, address, samples))| {
+                        (rank, (pool.clone(), *n, address.clone(), samples.clone()))
+                    })
+                    .collect::<Vec<_>>()
             })
             .collect();
-        freed.sort_by(|a, b| (b.1, &a.0).cmp(&(a.1, &b.0)));
+        ranked.sort_by(|(a, x), (b, y)| (a, &x.0).cmp(&(b, &y.0)));
+        let freed: Vec<PoolFreed> = ranked.into_iter().map(|(_, end)| end).collect();
         let mut datagram = Datagram {
             v: VERSION,
             instance: instance_id().to_owned(),
@@ -301,16 +310,16 @@ impl Datagram {
             if bytes.len() <= MAX_DATAGRAM {
                 return bytes;
             }
+            if !datagram.freed.is_empty() {
+                // The oldest of each pool go first: earlier datagrams carried them as the latest.
+                datagram.freed.truncate(datagram.freed.len() / 2);
+                continue;
+            }
             if !datagram.prefixes.is_empty() {
                 for (_, hashes) in &mut datagram.prefixes {
                     hashes.truncate(hashes.len() / 2);
                 }
                 datagram.prefixes.retain(|(_, hashes)| !hashes.is_empty());
-                continue;
-            }
-            if !datagram.freed.is_empty() {
-                // The oldest go first; one this long datagram cannot carry, the next cannot either.
-                datagram.freed.truncate(datagram.freed.len() / 2);
                 continue;
             }
             if !datagram.speeds.is_empty() {
@@ -432,6 +441,9 @@ struct Replicas {
     /// Their requests that ended at a worker without KV events that this replica's pools do
     /// not assume held yet (pool id, worker address, sampled blocks).
     unheld: Vec<Unheld>,
+    /// The latest end heard from each replica (instance id) for each pool (id): those numbered
+    /// up to it are not taken again, whatever the datagrams in between carried.
+    ends_heard: HashMap<(String, String), u64>,
 }
 
 impl Replicas {
@@ -443,6 +455,7 @@ impl Replicas {
             Some(_) => {}
             None => {
                 self.heard.retain(|_, heard| heard.from != from);
+                self.forget_ends();
                 if self.heard.len() >= MAX_REPLICAS {
                     return false;
                 }
@@ -468,24 +481,19 @@ impl Replicas {
         }
         self.untaught.extend(fresh);
         // Each end is assumed held once too, in the order of the ends.
-        let held = |pool: &str| {
-            self.heard
-                .get(&datagram.instance)
-                .and_then(|heard| heard.ledger.freed.get(pool))
-                .and_then(|recent| recent.iter().map(|(n, _, _)| *n).max())
-                .unwrap_or(0)
-        };
-        let mut ended = Vec::new();
         for (pool, recent) in &ledger.freed {
-            let after = held(pool);
+            let key = (datagram.instance.clone(), pool.clone());
+            let after = self.ends_heard.get(&key).copied().unwrap_or(0);
             let mut new: Vec<&Freed> = recent.iter().filter(|(n, _, _)| *n > after).collect();
             new.sort_by_key(|(n, _, _)| *n);
-            ended.extend(
+            if let Some((last, _, _)) = new.last() {
+                self.ends_heard.insert(key, *last);
+            }
+            self.unheld.extend(
                 new.into_iter()
                     .map(|(_, address, samples)| (pool.clone(), address.clone(), samples.clone())),
             );
         }
-        self.unheld.extend(ended);
         let silence = (datagram.interval_ms > 0)
             .then(|| Duration::from_millis(datagram.interval_ms) * SILENT_INTERVALS);
         self.heard.insert(
@@ -507,6 +515,14 @@ impl Replicas {
         self.heard.retain(|_, heard| {
             now.saturating_duration_since(heard.at) <= heard.silence.unwrap_or(silence)
         });
+        self.forget_ends();
+    }
+
+    /// Forget the latest ends of replicas no longer heard (one heard again is taken anew).
+    fn forget_ends(&mut self) {
+        let heard = &self.heard;
+        self.ends_heard
+            .retain(|(instance, _), _| heard.contains_key(instance));
     }
 
     /// The answers heard of since the last call, to learn from once.
@@ -881,25 +897,36 @@ mod tests {
     }
 
     #[test]
-    fn a_ledger_too_long_for_one_datagram_gives_up_the_oldest_ends_after_prompt_samples() {
+    fn a_ledger_too_long_for_one_datagram_gives_up_the_oldest_ends_of_each_pool_first() {
         let samples: Vec<(usize, u64)> = (1..=500).map(|b| (b * 4, u64::MAX - b as u64)).collect();
+        // Two pools' ends, numbered apart: each pool keeps its latest.
+        let ends = |numbers: std::ops::RangeInclusive<u64>| -> Vec<Freed> {
+            numbers
+                .map(|n| (n, "w".to_owned(), samples.clone()))
+                .collect()
+        };
         let replica = ReplicaLedger {
             workers: HashMap::from([("w".to_owned(), ledger(5, 0))]),
-            freed: HashMap::from([(
-                "default/a".to_owned(),
-                (1..=8)
-                    .map(|n| (n, "w".to_owned(), samples.clone()))
-                    .collect(),
-            )]),
+            prefixes: HashMap::from([("w".to_owned(), vec![7, 11])]),
+            freed: HashMap::from([
+                ("default/a".to_owned(), ends(1..=4)),
+                ("default/b".to_owned(), ends(101..=104)),
+            ]),
             ..Default::default()
         };
         let bytes = Datagram::encode(&replica, 1, Duration::from_millis(100));
         assert!(bytes.len() <= MAX_DATAGRAM);
         let kept = serde_json::from_slice::<Datagram>(&bytes).unwrap().ledger();
         assert_eq!(kept.workers.len(), 1);
-        let mut numbers: Vec<u64> = kept.freed["default/a"].iter().map(|f| f.0).collect();
-        numbers.sort();
-        assert_eq!(numbers, [5, 6, 7, 8]);
+        // The prompts in prefill stay: the ends go first.
+        assert_eq!(kept.prefixes, replica.prefixes);
+        let numbers = |pool: &str| {
+            let mut numbers: Vec<u64> = kept.freed[pool].iter().map(|f| f.0).collect();
+            numbers.sort();
+            numbers
+        };
+        assert_eq!(numbers("default/a"), [3, 4]);
+        assert_eq!(numbers("default/b"), [103, 104]);
     }
 
     /// `replica`'s datagram as another process would send it.
