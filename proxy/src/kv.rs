@@ -343,9 +343,9 @@ impl Predictions {
     /// This replica's latest ends at workers without KV events ([`Predictions::freed`]),
     /// numbered (increasing): the worker, and the prompt's sampled blocks ([`sample_blocks`]:
     /// its first, every [`PEER_SAMPLE_BLOCKS`]-th and its last) with the blocks up to each.
-    /// The other replicas assume
-    /// them held as this one does ([`crate::history::RoutedHistory::freed_sampled`]): each
-    /// sees only its share of the requests, and the worker's cache holds them all.
+    /// The other replicas assume them held as this one does
+    /// ([`crate::history::RoutedHistory::freed_sampled`]): each sees only its share of the
+    /// requests, and the worker's cache holds them all.
     pub fn recent_frees(&self) -> Vec<SharedFree> {
         lock(&self.frees).iter().cloned().collect()
     }

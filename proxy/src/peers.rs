@@ -45,6 +45,7 @@ use tokio::net::UdpSocket;
 
 use switchyard_kv::hash::SequenceHash;
 use switchyard_kv::index::WorkerId;
+use switchyard_snapshot::snapshot::PoolId;
 
 use crate::calibration::{Coefficients, Observation, Speed};
 use crate::config::ConfigStore;
@@ -621,7 +622,7 @@ impl PeerService {
         // The other replicas' answers teach this replica's pool models too: each sees only
         // its share of them.
         for (id, observation) in &untaught {
-            if let Some(pool) = table.pools().find(|p| p.config.id.0 == *id) {
+            if let Some(pool) = table.pool(&PoolId(id.clone())) {
                 let configured = Coefficients::configured(&pool.config.scoring);
                 pool.kv.calibration.observe_peer(configured, observation);
             }
@@ -629,7 +630,7 @@ impl PeerService {
         // What another replica had a worker without KV events prefill is in its cache as much
         // as what this one had it prefill (and pushes out as much).
         for (id, address, samples) in &unheld {
-            let Some(pool) = table.pools().find(|p| p.config.id.0 == *id) else {
+            let Some(pool) = table.pool(&PoolId(id.clone())) else {
                 continue;
             };
             let Some(index) = pool.workers.iter().position(|w| w.address == *address) else {
