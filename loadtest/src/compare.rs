@@ -464,8 +464,10 @@ async fn start_router(
             std::fs::write(&path, yaml)?;
             // Replicas share the workers and send each other their ledgers (`--peers`, every
             // replica's operator listener, itself included as a headless Service would list it),
-            // as the Helm chart's pods do.
+            // tagged under a shared key, as the Helm chart's pods do.
             let replicas = replicas.max(1);
+            let key = dir.join("peers-key");
+            std::fs::write(&key, format!("{:032x}", rand::random::<u128>()))?;
             // Replica 0 serves on `port`; the others' and every admin port are distinct from it.
             let more = free_ports(2 * replicas - 1, &[port])?;
             let (admin_ports, replica_ports) = more.split_at(replicas);
@@ -488,6 +490,8 @@ async fn start_router(
                             admins.join(","),
                             "--peer-interval-ms".to_owned(),
                             config.peer_interval_ms.to_string(),
+                            "--peers-key-file".to_owned(),
+                            key.display().to_string(),
                         ],
                     )
                 } else {

@@ -16,7 +16,7 @@ use switchyard_proxy::control::ControlClient;
 use switchyard_proxy::cors::Cors;
 use switchyard_proxy::feeds::KvService;
 use switchyard_proxy::gateway::{Gateway, Settings};
-use switchyard_proxy::peers::PeerService;
+use switchyard_proxy::peers::{PeerKey, PeerService};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -83,6 +83,13 @@ struct Args {
     /// resolves their names, in milliseconds; one silent for ten of these counts for nothing.
     #[arg(long, default_value_t = 100)]
     peer_interval_ms: u64,
+    /// A file holding a key the replicas share (a mounted Secret; at least 16 bytes, leading
+    /// and trailing whitespace aside), read at start: every ledger datagram is tagged with
+    /// HMAC-SHA256 under it, and one that is not (forged, or from a replica with another key)
+    /// or was sent over 30 s ago is dropped. Without it a datagram is believed from any host
+    /// the peers' names resolve to.
+    #[arg(long, env = "SWITCHYARD_PEERS_KEY_FILE")]
+    peers_key_file: Option<PathBuf>,
     /// Responses API: how many response ids the gateway remembers the worker of (each
     /// `previous_response_id` and `/v1/responses/{id}` goes to the worker that made it).
     #[arg(long, default_value_t = 100_000)]
@@ -117,6 +124,18 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     switchyard_proxy::logging::init(args.log_json);
+    // Read once, at start (a new key takes a restart of every replica), and before `--check`
+    // answers, which then catches a bad key file too.
+    let peers_key = match &args.peers_key_file {
+        Some(path) => match PeerKey::from_file(path) {
+            Ok(key) => Some(key),
+            Err(error) => {
+                eprintln!("--peers-key-file: {error}");
+                std::process::exit(2);
+            }
+        },
+        None => None,
+    };
 
     let store = Arc::new(ConfigStore::default());
     // With a control socket the proxy starts empty (not ready) and waits for the first snapshot.
@@ -231,6 +250,11 @@ fn main() -> anyhow::Result<()> {
         .filter(|peer| !peer.is_empty())
         .collect();
     if !peers.is_empty() {
+        if peers_key.is_none() {
+            tracing::warn!(
+                "the ledger datagrams between replicas are not authenticated: give every replica the same --peers-key-file"
+            );
+        }
         server.add_service(background_service(
             "peer ledgers",
             PeerService {
@@ -244,6 +268,8 @@ fn main() -> anyhow::Result<()> {
                     args.admin_listen.clone()
                 },
                 interval: Duration::from_millis(args.peer_interval_ms.max(10)),
+                key: peers_key,
+                datagrams: metrics.peer_datagrams(),
             },
         ));
     }

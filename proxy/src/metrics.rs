@@ -38,6 +38,7 @@ use prometheus_client::registry::{Registry, Unit};
 use crate::accounting::Usage;
 use crate::config::ConfigStore;
 use crate::kv::{PoolKv, StreamStats};
+use crate::peers::PeerDatagrams;
 use crate::routing::RoutingTable;
 
 /// The `Content-Type` of `GET /metrics`: OpenMetrics text 1.0.0, which Prometheus scrapes.
@@ -165,6 +166,7 @@ pub struct Metrics {
     client_disconnects: Counter,
     open_connections: Gauge,
     connections_refused: Family<RefusalLabels, Counter>,
+    peer_datagrams: PeerDatagrams,
     tenants: Arc<TenantFamilies>,
     rejections: CappedFamily<RejectionLabels>,
     series: RwLock<SeriesCache>,
@@ -208,6 +210,15 @@ impl Metrics {
             "Connections refused or closed before a request was read: total_limit, \
              client_limit, head_timeout, head_too_large, malformed_head",
             connections_refused.clone(),
+        );
+        let peer_datagrams = PeerDatagrams::default();
+        registry.register(
+            "switchyard_peer_datagrams",
+            "Ledger datagrams received from other gateway replicas (--peers), by outcome: \
+             heard, unknown_host (not a host the peers resolve to), unauthenticated (not tagged \
+             under this replica's --peers-key-file key), stale (sent over 30 s ago: a replay, or \
+             the hosts' clocks apart), malformed",
+            peer_datagrams.family(),
         );
         let tenants = TenantFamilies {
             requests: Family::default(),
@@ -263,6 +274,7 @@ impl Metrics {
             client_disconnects,
             open_connections,
             connections_refused,
+            peer_datagrams,
             tenants: Arc::new(tenants),
             rejections,
             series: RwLock::default(),
@@ -283,6 +295,11 @@ impl Metrics {
         OpenConnection {
             gauge: &self.open_connections,
         }
+    }
+
+    /// The family the peer service counts the other replicas' datagrams in.
+    pub fn peer_datagrams(&self) -> PeerDatagrams {
+        self.peer_datagrams.clone()
     }
 
     /// Count a connection the gateway refused or closed for `reason` (a fixed label).

@@ -30,16 +30,29 @@
 //! replica it has heard from lately; it hears only hosts its peers resolve to (from any port),
 //! and recognises its own datagrams by its instance id and skips them. A replica not heard from
 //! for [`SILENT_INTERVALS`] of its intervals counts for nothing until it is heard again.
+//!
+//! Who may send one: with a key shared by the replicas (`--peers-key-file`, [`PeerKey`]) every
+//! datagram carries an HMAC-SHA256 tag of its bytes and the time it was sent, and a receiver
+//! drops one whose tag is not the key's (forged, or from a replica with another key) or that was
+//! sent more than [`FRESH_FOR`] ago by its own clock (replayed); a replay within that time is
+//! dropped by its number. Without a key a datagram is believed from any host the peers' names
+//! resolve to. Every datagram received is counted by what became of it
+//! (`switchyard_peer_datagrams_total{outcome}`).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use ring::hmac;
 use serde::{Deserialize, Serialize};
 use tokio::net::UdpSocket;
 
@@ -82,6 +95,159 @@ const MAX_DATAGRAM: usize = 60_000;
 
 /// The format's version: a datagram of another version is ignored.
 const VERSION: u32 = 1;
+
+/// How long after it was sent (by the sender's clock, read by the receiver's) a keyed datagram
+/// is believed: replicas send every interval (100 ms by default), so anything older is a replay,
+/// or the hosts' clocks are further apart than a cluster's should be.
+pub const FRESH_FOR: Duration = Duration::from_secs(30);
+
+/// The replicas' shared secret: every datagram is tagged with HMAC-SHA256 under it.
+#[derive(Clone)]
+pub struct PeerKey(hmac::Key);
+
+impl std::fmt::Debug for PeerKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.write_str("PeerKey(..)")
+    }
+}
+
+impl PeerKey {
+    /// Shortest secret accepted, in bytes.
+    pub const MIN_BYTES: usize = 16;
+
+    /// Bytes of the tag in front of every keyed datagram.
+    const TAG: usize = 32;
+
+    pub fn new(secret: &[u8]) -> PeerKey {
+        PeerKey(hmac::Key::new(hmac::HMAC_SHA256, secret))
+    }
+
+    /// The key in the file at `path` (a mounted Secret): its bytes less leading and trailing
+    /// whitespace (the newline an editor or `echo` leaves), at least [`PeerKey::MIN_BYTES`].
+    pub fn from_file(path: &Path) -> Result<PeerKey, String> {
+        let bytes = std::fs::read(path).map_err(|error| {
+            format!(
+                "cannot read the peers' key file {}: {error}",
+                path.display()
+            )
+        })?;
+        let secret = bytes.trim_ascii();
+        if secret.len() < PeerKey::MIN_BYTES {
+            return Err(format!(
+                "the peers' key file {} holds {} bytes; at least {} are needed (for one: `head -c 32 /dev/urandom | base64 > FILE`)",
+                path.display(),
+                secret.len(),
+                PeerKey::MIN_BYTES
+            ));
+        }
+        Ok(PeerKey::new(secret))
+    }
+
+    /// `body` with its tag in front.
+    fn seal(&self, body: &[u8]) -> Vec<u8> {
+        let tag = hmac::sign(&self.0, body);
+        let mut sealed = Vec::with_capacity(PeerKey::TAG + body.len());
+        sealed.extend_from_slice(tag.as_ref());
+        sealed.extend_from_slice(body);
+        sealed
+    }
+
+    /// The body of a datagram sealed with this key (compared in constant time); `None` for
+    /// any other.
+    fn open<'a>(&self, sealed: &'a [u8]) -> Option<&'a [u8]> {
+        let (tag, body) = sealed.split_at_checked(PeerKey::TAG)?;
+        hmac::verify(&self.0, body, tag).ok()?;
+        Some(body)
+    }
+}
+
+/// Why a datagram received was not heard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refused {
+    /// This process's own (the peers' names resolve to it too): skipped, not counted.
+    Own,
+    /// From a host the peers' names do not resolve to.
+    UnknownHost,
+    /// Its tag is not this replica's key's, or it has none (or has one and this replica none).
+    Unauthenticated,
+    /// Sent longer than [`FRESH_FOR`] ago, or that far in the future.
+    Stale,
+    /// Not a ledger of this version.
+    Malformed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub(crate) struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+/// The other replicas' datagrams received, by what became of them: a handle on the family
+/// `/metrics` encodes (`switchyard_peer_datagrams_total{outcome}`, [`crate::metrics`]).
+#[derive(Debug, Clone, Default)]
+pub struct PeerDatagrams(Family<OutcomeLabels, Counter>);
+
+impl PeerDatagrams {
+    /// The family, to register.
+    pub(crate) fn family(&self) -> Family<OutcomeLabels, Counter> {
+        self.0.clone()
+    }
+
+    fn count(&self, outcome: &'static str) {
+        self.0.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+}
+
+impl Refused {
+    /// Its `outcome` label in `switchyard_peer_datagrams_total` (none for this process's own).
+    fn outcome(self) -> Option<&'static str> {
+        match self {
+            Refused::Own => None,
+            Refused::UnknownHost => Some("unknown_host"),
+            Refused::Unauthenticated => Some("unauthenticated"),
+            Refused::Stale => Some("stale"),
+            Refused::Malformed => Some("malformed"),
+        }
+    }
+}
+
+/// Count one datagram received, and say once per kind why datagrams are being dropped.
+fn count_received(counts: &PeerDatagrams, outcome: Result<(), Refused>) {
+    static UNAUTHENTICATED: OnceLock<()> = OnceLock::new();
+    static STALE: OnceLock<()> = OnceLock::new();
+    match outcome {
+        Err(Refused::Unauthenticated) => {
+            UNAUTHENTICATED.get_or_init(|| {
+                tracing::warn!(
+                    "a datagram from a peer's host failed authentication and was dropped: do all replicas have the same --peers-key-file (or all none)? (warned once)"
+                )
+            });
+        }
+        Err(Refused::Stale) => {
+            STALE.get_or_init(|| {
+                tracing::warn!(
+                    fresh_for_s = FRESH_FOR.as_secs(),
+                    "a peer's datagram was sent too long ago by this host's clock and was dropped: a replay, or the hosts' clocks differ (warned once)"
+                )
+            });
+        }
+        _ => {}
+    }
+    match outcome {
+        Ok(()) => counts.count("heard"),
+        Err(refused) => {
+            if let Some(outcome) = refused.outcome() {
+                counts.count(outcome);
+            }
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch by this host's clock.
+fn unix_ms(now: SystemTime) -> u64 {
+    now.duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64)
+}
 
 /// What one replica reports: its ledger per worker address, and its arrival rate per pool.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -208,6 +374,10 @@ struct Datagram {
     /// The sender's `--peer-interval-ms`: it is forgotten after [`SILENT_INTERVALS`] of these.
     #[serde(default)]
     interval_ms: u64,
+    /// When it was sent, in milliseconds since the Unix epoch by the sender's clock (keyed
+    /// datagrams older than [`FRESH_FOR`] are replays).
+    #[serde(default)]
+    sent_ms: u64,
     /// `[address, prefills, prefill tokens, in flight, KV blocks, prefill elapsed µs]`.
     workers: Vec<(String, u64, u64, u64, u64, u64)>,
     arrival_rates: HashMap<String, f64>,
@@ -299,6 +469,7 @@ impl Datagram {
             instance: instance_id().to_owned(),
             seq,
             interval_ms: interval.as_millis() as u64,
+            sent_ms: unix_ms(SystemTime::now()),
             workers,
             arrival_rates: ledger.arrival_rates.clone(),
             prefixes,
@@ -351,10 +522,43 @@ impl Datagram {
         }
     }
 
-    /// A peer's datagram: `None` when it is not one (another version, not ours, this process's).
-    fn decode(bytes: &[u8]) -> Option<Datagram> {
-        let datagram: Datagram = serde_json::from_slice(bytes).ok()?;
-        (datagram.v == VERSION && datagram.instance != instance_id()).then_some(datagram)
+    /// The bytes sent for `body` (an encoded datagram): tagged under `key`, when there is one.
+    fn seal(body: Vec<u8>, key: Option<&PeerKey>) -> Vec<u8> {
+        match key {
+            Some(key) => key.seal(&body),
+            None => body,
+        }
+    }
+
+    /// The datagram in `bytes` received at `now`, if this replica believes it: with a `key`,
+    /// tagged under it and sent within [`FRESH_FOR`] of `now`.
+    fn open(bytes: &[u8], key: Option<&PeerKey>, now: SystemTime) -> Result<Datagram, Refused> {
+        let body = match key {
+            Some(key) => key.open(bytes).ok_or(Refused::Unauthenticated)?,
+            // A keyed datagram at a replica without a key: not JSON, but not garbage either.
+            None if bytes.first() != Some(&b'{') && bytes.get(PeerKey::TAG) == Some(&b'{') => {
+                return Err(Refused::Unauthenticated);
+            }
+            None => bytes,
+        };
+        let datagram: Datagram = serde_json::from_slice(body).map_err(|_| Refused::Malformed)?;
+        if datagram.v != VERSION {
+            return Err(Refused::Malformed);
+        }
+        if datagram.instance == instance_id() {
+            return Err(Refused::Own);
+        }
+        if key.is_some() {
+            let sent = UNIX_EPOCH + Duration::from_millis(datagram.sent_ms);
+            let apart = match now.duration_since(sent) {
+                Ok(age) => age,
+                Err(ahead) => ahead.duration(),
+            };
+            if apart > FRESH_FOR {
+                return Err(Refused::Stale);
+            }
+        }
+        Ok(datagram)
     }
 
     fn ledger(&self) -> ReplicaLedger {
@@ -567,6 +771,11 @@ pub struct PeerService {
     /// Where this replica receives the others' datagrams (its operator listener's address).
     pub bind: String,
     pub interval: Duration,
+    /// The key every replica's datagrams are tagged with (`--peers-key-file`); `None`: they are
+    /// believed from any host the peers resolve to.
+    pub key: Option<PeerKey>,
+    /// Where the datagrams received are counted (`switchyard_peer_datagrams_total`).
+    pub datagrams: PeerDatagrams,
 }
 
 /// Sampled block hashes of prompts in prefill, by worker address.
@@ -713,7 +922,10 @@ impl PeerService {
                 .map(|table| ReplicaLedger::own(&table))
                 .unwrap_or_default();
             seq += 1;
-            let bytes = Datagram::encode(&own, seq, self.interval);
+            let bytes = Datagram::seal(
+                Datagram::encode(&own, seq, self.interval),
+                self.key.as_ref(),
+            );
             let mut targets = crate::lock(&shared.resolved).clone();
             targets.extend(crate::lock(&shared.replicas).addresses());
             targets.sort();
@@ -748,10 +960,17 @@ impl PeerService {
             let known = crate::lock(&shared.resolved)
                 .iter()
                 .any(|peer| peer.ip().to_canonical() == from.ip().to_canonical());
-            if !known {
-                continue;
-            }
-            let Some(datagram) = buffer.get(..length).and_then(Datagram::decode) else {
+            let opened = if known {
+                let bytes = buffer.get(..length).unwrap_or_default();
+                Datagram::open(bytes, self.key.as_ref(), SystemTime::now())
+            } else {
+                Err(Refused::UnknownHost)
+            };
+            count_received(
+                &self.datagrams,
+                opened.as_ref().map(|_| ()).map_err(|refused| *refused),
+            );
+            let Ok(datagram) = opened else {
                 continue;
             };
             let fresh = crate::lock(&shared.replicas).hear(datagram, from, Instant::now());
@@ -806,6 +1025,12 @@ impl BackgroundService for PeerService {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer's datagram without a key: `None` when it is not one (another version, not ours,
+    /// this process's).
+    fn decode(bytes: &[u8]) -> Option<Datagram> {
+        Datagram::open(bytes, None, SystemTime::now()).ok()
+    }
 
     fn ledger(prefill_tokens: u64, prefill_elapsed_us: u64) -> PeerLedger {
         PeerLedger {
@@ -962,24 +1187,117 @@ mod tests {
             )]),
         };
         let bytes = Datagram::encode(&replica, 7, Duration::from_millis(100));
-        assert_eq!(Datagram::decode(&bytes), None, "this process's own");
+        assert_eq!(decode(&bytes), None, "this process's own");
         let other = from("other", 7, &replica);
         let bytes = serde_json::to_vec(&other).unwrap();
-        let decoded = Datagram::decode(&bytes).unwrap();
+        let decoded = decode(&bytes).unwrap();
         assert_eq!(decoded.seq, 7);
         assert_eq!(decoded.ledger(), replica);
         // Another version, or not a ledger at all, is ignored.
         let newer = String::from_utf8(bytes)
             .unwrap()
             .replace("\"v\":1", "\"v\":2");
-        assert_eq!(Datagram::decode(newer.as_bytes()), None);
-        assert_eq!(Datagram::decode(b"GET / HTTP/1.1"), None);
+        assert_eq!(decode(newer.as_bytes()), None);
+        assert_eq!(decode(b"GET / HTTP/1.1"), None);
         // A replica that shares no prompts (one that predates them) is still heard.
         let older =
             br#"{"v":1,"instance":"old","seq":3,"workers":[["w",1,2,3,4,5]],"arrival_rates":{}}"#;
-        let decoded = Datagram::decode(older).unwrap().ledger();
+        let decoded = decode(older).unwrap().ledger();
         assert_eq!(decoded.workers["w"].kv_blocks, 4);
         assert!(decoded.prefixes.is_empty());
+    }
+
+    #[test]
+    fn a_keyed_replica_hears_only_fresh_datagrams_tagged_with_its_key() {
+        let key = PeerKey::new(b"the replicas' shared secret");
+        let other_key = PeerKey::new(b"another fleet's shared secret");
+        let replica = ReplicaLedger {
+            workers: HashMap::from([("w".to_owned(), ledger(3000, 0))]),
+            ..Default::default()
+        };
+        let body = serde_json::to_vec(&from("other", 3, &replica)).unwrap();
+        let sealed = Datagram::seal(body.clone(), Some(&key));
+        let now = SystemTime::now();
+        let open = |bytes: &[u8], key: Option<&PeerKey>, at: SystemTime| {
+            Datagram::open(bytes, key, at).map(|d| d.ledger())
+        };
+        assert_eq!(open(&sealed, Some(&key), now), Ok(replica.clone()));
+        // Not under another key, nor untagged, nor with any bit of tag or body changed, nor cut.
+        let unauthenticated = Err(Refused::Unauthenticated);
+        assert_eq!(open(&sealed, Some(&other_key), now), unauthenticated);
+        assert_eq!(open(&body, Some(&key), now), unauthenticated);
+        for at in [
+            0,
+            PeerKey::TAG - 1,
+            PeerKey::TAG,
+            sealed.len() / 2,
+            sealed.len() - 1,
+        ] {
+            let mut forged = sealed.clone();
+            forged[at] ^= 1;
+            assert_eq!(
+                open(&forged, Some(&key), now),
+                unauthenticated,
+                "bit at {at}"
+            );
+        }
+        assert_eq!(
+            open(&sealed[..sealed.len() - 1], Some(&key), now),
+            unauthenticated
+        );
+        assert_eq!(
+            open(&sealed[..PeerKey::TAG - 1], Some(&key), now),
+            unauthenticated
+        );
+        // A replica without a key hears none, and knows them for what they are.
+        assert_eq!(open(&sealed, None, now), unauthenticated);
+        // Sent within FRESH_FOR of the receiver's clock, either way, or it is a replay (or the
+        // clocks are apart); without a key the sender's clock is not read.
+        let second = Duration::from_secs(1);
+        assert_eq!(
+            open(&sealed, Some(&key), now + FRESH_FOR - second),
+            Ok(replica.clone())
+        );
+        assert_eq!(
+            open(&sealed, Some(&key), now - FRESH_FOR + second),
+            Ok(replica.clone())
+        );
+        assert_eq!(
+            open(&sealed, Some(&key), now + FRESH_FOR + second),
+            Err(Refused::Stale)
+        );
+        assert_eq!(
+            open(&sealed, Some(&key), now - FRESH_FOR - second),
+            Err(Refused::Stale)
+        );
+        assert_eq!(open(&body, None, now + FRESH_FOR * 10), Ok(replica.clone()));
+        // This process's own, keyed, is skipped (not counted); a ledger of nothing is malformed.
+        let own = Datagram::seal(
+            Datagram::encode(&replica, 4, Duration::from_millis(100)),
+            Some(&key),
+        );
+        assert_eq!(open(&own, Some(&key), now), Err(Refused::Own));
+        let empty = Datagram::seal(b"{}".to_vec(), Some(&key));
+        assert_eq!(open(&empty, Some(&key), now), Err(Refused::Malformed));
+    }
+
+    #[test]
+    fn a_peers_key_file_is_read_less_its_surrounding_whitespace_and_must_be_long_enough() {
+        let path = std::env::temp_dir().join(format!("switchyard-peers-key-{}", instance_id()));
+        std::fs::write(&path, "  the replicas' shared secret\n").unwrap();
+        let key = PeerKey::from_file(&path).unwrap();
+        let body = b"{}".to_vec();
+        assert_eq!(
+            key.seal(&body),
+            PeerKey::new(b"the replicas' shared secret").seal(&body)
+        );
+        assert_eq!(format!("{key:?}"), "PeerKey(..)");
+        std::fs::write(&path, "short key\n\n").unwrap();
+        let error = PeerKey::from_file(&path).unwrap_err();
+        assert!(error.contains("holds 9 bytes; at least 16"), "{error}");
+        std::fs::remove_file(&path).unwrap();
+        let error = PeerKey::from_file(&path).unwrap_err();
+        assert!(error.contains("cannot read the peers' key file"), "{error}");
     }
 
     #[test]

@@ -110,6 +110,12 @@ fn chart_lints_renders_and_keeps_its_promises() {
     // The replicas' ledgers travel as datagrams on the admin port.
     assert_eq!(peers["spec"]["ports"][1]["targetPort"], "ledgers");
     assert_eq!(peers["spec"]["ports"][1]["protocol"], "UDP");
+    // ...tagged under a key of their own, made at install (kept on upgrades through `lookup`,
+    // which `helm template` cannot show), mounted for the proxy only.
+    let secret = of_kind(&docs, "Secret")[0];
+    assert_eq!(secret["metadata"]["name"], "gw-peers-key");
+    let key = secret["data"]["key"].as_str().unwrap();
+    assert!(key.len() >= 64, "{key}: 48 random characters, base64");
     let account = of_kind(&docs, "ServiceAccount")[0];
     assert_eq!(account["automountServiceAccountToken"], false);
 
@@ -123,6 +129,22 @@ fn chart_lints_renders_and_keeps_its_promises() {
         .map(|c| c["name"].as_str().unwrap())
         .collect();
     assert_eq!(names, ["control", "proxy"]);
+    let proxy = &containers[1];
+    let command = proxy["command"].to_string();
+    assert!(
+        command.contains(r#""--peers-key-file","/var/run/switchyard-peers/key""#),
+        "{command}"
+    );
+    let mounted = |container: &Value| container["volumeMounts"].to_string().contains("peers-key");
+    assert!(mounted(proxy) && !mounted(&containers[0]));
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "peers-key")
+        .unwrap();
+    assert_eq!(volume["secret"]["secretName"], "gw-peers-key");
+    assert_eq!(volume["secret"]["defaultMode"], 0o440);
     let socket = "/run/switchyard/control.sock";
     for container in containers {
         let command: Vec<&str> = container["command"]
@@ -291,7 +313,22 @@ fn chart_lints_renders_and_keeps_its_promises() {
     );
     assert!(of_kind(&docs, "ConfigMap").is_empty());
 
-    // One replica has no peers.
+    // A key of the operator's own: no Secret made, theirs mounted.
+    let own_key = documents(&run_helm(&[
+        "template",
+        "gw",
+        "helm/switchyard",
+        "--set",
+        "proxy.peersKeySecret=fleet-key",
+    ]));
+    assert!(of_kind(&own_key, "Secret").is_empty());
+    let deployment = of_kind(&own_key, "Deployment")[0].to_string();
+    assert!(
+        deployment.contains(r#""secretName":"fleet-key""#),
+        "{deployment}"
+    );
+
+    // One replica has no peers, and no key.
     let single = documents(&run_helm(&[
         "template",
         "gw",
@@ -300,9 +337,10 @@ fn chart_lints_renders_and_keeps_its_promises() {
         "replicas=1",
     ]));
     assert_eq!(of_kind(&single, "Service").len(), 1);
+    assert!(of_kind(&single, "Secret").is_empty());
+    let deployment = of_kind(&single, "Deployment")[0].to_string();
     assert!(
-        !of_kind(&single, "Deployment")[0]
-            .to_string()
-            .contains("--peers")
+        !deployment.contains("--peers") && !deployment.contains("peers-key"),
+        "{deployment}"
     );
 }

@@ -89,6 +89,7 @@ async fn install_chart(admin: &kube::Client) {
         .collect();
     for kind in [
         "ServiceAccount",
+        "Secret",
         "Role",
         "RoleBinding",
         "Service",

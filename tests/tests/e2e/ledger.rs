@@ -532,24 +532,63 @@ async fn wait_scored(proxy: &Proxy, worker: &str, wanted: impl Fn((u64, u64)) ->
     }
 }
 
-/// Two replicas with `config`, peers of each other. They push their ledgers at every change;
-/// the interval (a minute here) only repeats an unchanged one, so whatever a test sees of the
-/// other replica came through pushes. The first names no replica that runs, only their host: it
-/// learns of the second's port from the datagram the second sends when it starts, to the
-/// first's operator port (and to a port nobody listens on).
+/// Two replicas with `config`, peers of each other, sharing a key. They push their ledgers at
+/// every change; the interval (a minute here) only repeats an unchanged one, so whatever a test
+/// sees of the other replica came through pushes. The first names no replica that runs, only
+/// their host: it learns of the second's port from the datagram the second sends when it
+/// starts, to the first's operator port (and to a port nobody listens on).
 async fn two_replicas(config: &str) -> (Proxy, Proxy) {
+    let key = key_file("the two replicas' shared secret");
+    let key = key.path().to_str().unwrap();
     let minute = "60000";
     let first = Proxy::start(
         config,
-        &["--peers", "127.0.0.1:1", "--peer-interval-ms", minute],
+        &[
+            "--peers",
+            "127.0.0.1:1",
+            "--peer-interval-ms",
+            minute,
+            "--peers-key-file",
+            key,
+        ],
     )
     .await;
     let peers = format!(
         "{},127.0.0.1:1",
         first.admin_url().trim_start_matches("http://")
     );
-    let second = Proxy::start(config, &["--peers", &peers, "--peer-interval-ms", minute]).await;
+    let second = Proxy::start(
+        config,
+        &[
+            "--peers",
+            &peers,
+            "--peer-interval-ms",
+            minute,
+            "--peers-key-file",
+            key,
+        ],
+    )
+    .await;
+    // (The key is read at start: the file may go.)
     (first, second)
+}
+
+/// A key file holding `secret` and a newline, as `echo` writes one.
+fn key_file(secret: &str) -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), format!("{secret}\n")).unwrap();
+    file
+}
+
+/// `switchyard_peer_datagrams_total{outcome}` of `proxy`.
+async fn datagrams(proxy: &Proxy, outcome: &str) -> u64 {
+    let metrics = proxy.metrics().await;
+    let series = format!("switchyard_peer_datagrams_total{{outcome=\"{outcome}\"}} ");
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series.as_str()))
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| panic!("{series} missing:\n{metrics}"))
 }
 
 #[tokio::test]
@@ -605,6 +644,78 @@ async fn a_replica_counts_another_replicas_requests_like_its_own() {
     }
     wait_scored(&second, &worker, |seen| seen == (0, 0)).await;
     assert_eq!(ledger(&second, &worker).await, Ledger::default());
+}
+
+#[tokio::test]
+async fn a_replica_hears_only_the_replicas_that_share_its_key() {
+    let gated = Upstream::start_with(
+        "gated",
+        UpstreamOptions {
+            gated: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let config = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: gated}}\nspec: {{model: m, scoring: {{prefillMicrosPerToken: 100000}}, endpoints: [\"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: gated}}\nspec: {{modelName: gated, targets: [{{pool: gated}}]}}\n",
+        gated.endpoint()
+    );
+    let worker = gated.endpoint();
+    let (first, second) = two_replicas(&config).await;
+    // A third process on the same host sends the first its ledger under another key, as a pod
+    // of another team that forged one would (or a replica left with an old key).
+    let other_key = key_file("another fleet's shared secret");
+    let intruder = Proxy::start(
+        &config,
+        &[
+            "--peers",
+            first.admin_url().trim_start_matches("http://"),
+            "--peer-interval-ms",
+            "60000",
+            "--peers-key-file",
+            other_key.path().to_str().unwrap(),
+        ],
+    )
+    .await;
+    let refused = datagrams(&first, "unauthenticated").await;
+    let client = reqwest::Client::new();
+    let send = |proxy: &Proxy| {
+        client
+            .post(format!("{}/v1/chat/completions", proxy.url()))
+            .json(&body("gated", true))
+            .send()
+    };
+    // Its request, prefilling at the worker, is sent to the first at once and dropped there...
+    let intruded = send(&intruder).await.unwrap();
+    wait_received(&gated, 1).await;
+    wait_ledger(&intruder, &worker, |l| l.prefills == 1).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while datagrams(&first, "unauthenticated").await <= refused {
+        assert!(std::time::Instant::now() < deadline, "no datagram refused");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(scored(&first, &worker).await, (0, 0));
+    // ...while the second's, under the shared key, counts there as before.
+    let shared = send(&second).await.unwrap();
+    wait_received(&gated, 2).await;
+    let pending = wait_ledger(&second, &worker, |l| l.prefills == 1)
+        .await
+        .prefill_tokens;
+    wait_scored(&first, &worker, |(queued, running)| {
+        queued > pending / 2 && queued <= pending && running <= 1
+    })
+    .await;
+    assert!(datagrams(&first, "heard").await > 0);
+    let (queued, _) = scored(&first, &worker).await;
+    assert!(
+        queued <= pending,
+        "{queued} of {pending}: the intruder's counted"
+    );
+    gated.release(64);
+    for response in [intruded, shared] {
+        response.bytes().await.unwrap();
+    }
 }
 
 /// How many leading blocks of `body`'s prompt `proxy` takes `worker` to hold (`/debug/route`).
