@@ -34,9 +34,11 @@
 //! Who may send one: with a key shared by the replicas (`--peers-key-file`, [`PeerKey`]) every
 //! datagram carries an HMAC-SHA256 tag of its bytes and the time it was sent, and a receiver
 //! drops one whose tag is not the key's (forged, or from a replica with another key) or that was
-//! sent more than [`FRESH_FOR`] ago by its own clock (replayed); a replay within that time is
-//! dropped by its number. Without a key a datagram is believed from any host the peers' names
-//! resolve to. Every datagram received is counted by what became of it
+//! sent more than [`FRESH_FOR`] from its own clock (replayed, or the clocks are apart). Within
+//! that time a replay of a replica still heard is older than its latest and dropped (as a late
+//! one is), and one of a replica that stopped can make it count again for the rest of it.
+//! Without a key a datagram is believed from any host the peers' names resolve to. Every
+//! datagram received but this process's own is counted by what became of it
 //! (`switchyard_peer_datagrams_total{outcome}`).
 
 use std::collections::HashMap;
@@ -89,8 +91,8 @@ pub const SILENT_INTERVALS: u32 = 10;
 /// Replicas remembered at most (a gateway runs tens); datagrams of more are ignored.
 const MAX_REPLICAS: usize = 256;
 
-/// Largest datagram sent; a ledger longer than this (well over a thousand busy workers) keeps
-/// its busiest workers and says so in the log.
+/// Largest ledger sent in one datagram (a keyed one is its tag longer); a ledger longer than
+/// this (well over a thousand busy workers) keeps its busiest workers and says so in the log.
 const MAX_DATAGRAM: usize = 60_000;
 
 /// The format's version: a datagram of another version is ignored.
@@ -175,6 +177,9 @@ enum Refused {
     Stale,
     /// Not a ledger of this version.
     Malformed,
+    /// Its replica's latest heard is as late or later (a duplicate, reordered, replayed, or
+    /// an old instance's at the address of its successor), or it is past [`MAX_REPLICAS`].
+    Late,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -207,6 +212,7 @@ impl Refused {
             Refused::Unauthenticated => Some("unauthenticated"),
             Refused::Stale => Some("stale"),
             Refused::Malformed => Some("malformed"),
+            Refused::Late => Some("late"),
         }
     }
 }
@@ -227,7 +233,7 @@ fn count_received(counts: &PeerDatagrams, outcome: Result<(), Refused>) {
             STALE.get_or_init(|| {
                 tracing::warn!(
                     fresh_for_s = FRESH_FOR.as_secs(),
-                    "a peer's datagram was sent too long ago by this host's clock and was dropped: a replay, or the hosts' clocks differ (warned once)"
+                    "a peer's datagram dated too far from this host's clock was dropped: a replay, or the hosts' clocks differ (warned once)"
                 )
             });
         }
@@ -535,13 +541,16 @@ impl Datagram {
     fn open(bytes: &[u8], key: Option<&PeerKey>, now: SystemTime) -> Result<Datagram, Refused> {
         let body = match key {
             Some(key) => key.open(bytes).ok_or(Refused::Unauthenticated)?,
-            // A keyed datagram at a replica without a key: not JSON, but not garbage either.
-            None if bytes.first() != Some(&b'{') && bytes.get(PeerKey::TAG) == Some(&b'{') => {
-                return Err(Refused::Unauthenticated);
-            }
             None => bytes,
         };
-        let datagram: Datagram = serde_json::from_slice(body).map_err(|_| Refused::Malformed)?;
+        let datagram: Datagram = serde_json::from_slice(body).map_err(|_| {
+            // A keyed datagram at a replica without a key is not JSON, but not garbage either.
+            if key.is_none() && bytes.get(PeerKey::TAG) == Some(&b'{') {
+                Refused::Unauthenticated
+            } else {
+                Refused::Malformed
+            }
+        })?;
         if datagram.v != VERSION {
             return Err(Refused::Malformed);
         }
@@ -628,6 +637,8 @@ impl Datagram {
 #[derive(Debug, Clone)]
 struct Heard {
     seq: u64,
+    /// When its latest datagram was sent, by its clock (ms since the Unix epoch).
+    sent_ms: u64,
     at: Instant,
     /// How long it may stay silent.
     silence: Option<Duration>,
@@ -654,11 +665,18 @@ struct Replicas {
 impl Replicas {
     /// Keep a datagram unless an equal or later one of its replica is already here. A new
     /// instance at the address of another is that replica restarted: the old one's ledger ends.
+    /// One sent before the latest of the replica at its address is an old instance's (late, or
+    /// replayed): the one there stays.
     fn hear(&mut self, datagram: Datagram, from: SocketAddr, at: Instant) -> bool {
         match self.heard.get(&datagram.instance) {
             Some(heard) if heard.seq >= datagram.seq => return false,
             Some(_) => {}
             None => {
+                let succeeded =
+                    |heard: &Heard| heard.from == from && heard.sent_ms > datagram.sent_ms;
+                if self.heard.values().any(succeeded) {
+                    return false;
+                }
                 self.heard.retain(|_, heard| heard.from != from);
                 self.forget_ends();
                 if self.heard.len() >= MAX_REPLICAS {
@@ -705,6 +723,7 @@ impl Replicas {
             datagram.instance,
             Heard {
                 seq: datagram.seq,
+                sent_ms: datagram.sent_ms,
                 at,
                 silence,
                 from,
@@ -966,15 +985,12 @@ impl PeerService {
             } else {
                 Err(Refused::UnknownHost)
             };
-            count_received(
-                &self.datagrams,
-                opened.as_ref().map(|_| ()).map_err(|refused| *refused),
-            );
-            let Ok(datagram) = opened else {
-                continue;
-            };
-            let fresh = crate::lock(&shared.replicas).hear(datagram, from, Instant::now());
-            if fresh {
+            let heard = opened.and_then(|datagram| {
+                let fresh = crate::lock(&shared.replicas).hear(datagram, from, Instant::now());
+                fresh.then_some(()).ok_or(Refused::Late)
+            });
+            count_received(&self.datagrams, heard);
+            if heard.is_ok() {
                 self.apply(shared);
             }
         }
@@ -1249,8 +1265,12 @@ mod tests {
             open(&sealed[..PeerKey::TAG - 1], Some(&key), now),
             unauthenticated
         );
-        // A replica without a key hears none, and knows them for what they are.
+        // A replica without a key hears none, and knows them for what they are (whatever the
+        // tag's first byte).
         assert_eq!(open(&sealed, None, now), unauthenticated);
+        let mut brace = sealed.clone();
+        brace[0] = b'{';
+        assert_eq!(open(&brace, None, now), unauthenticated);
         // Sent within FRESH_FOR of the receiver's clock, either way, or it is a replay (or the
         // clocks are apart); without a key the sender's clock is not read.
         let second = Duration::from_secs(1);
@@ -1403,10 +1423,23 @@ mod tests {
         assert_eq!(replicas.addresses().collect::<Vec<_>>(), vec![two]);
 
         // r2 restarts: a new instance at its address ends the old one's ledger at once.
-        assert!(replicas.hear(from("r3", 1, &replica(7, 0, 0.5)), two, much_later));
+        let restarted = from("r3", 1, &replica(7, 0, 0.5));
+        let sent = restarted.sent_ms;
+        assert!(replicas.hear(restarted, two, much_later));
         let total = replicas.total(much_later);
         assert_eq!(total.workers["w"].prefill_tokens, 7);
         assert_eq!(total.arrival_rates["default/a"], 0.5);
+        // A datagram of the old instance sent before the new one's latest (late, or replayed
+        // from a forged address) does not end the new one in turn...
+        let mut replayed = from("r2", 3, &replica(900, 0, 9.0));
+        replayed.sent_ms = sent - 1;
+        assert!(!replicas.hear(replayed, two, much_later));
+        assert_eq!(replicas.total(much_later).workers["w"].prefill_tokens, 7);
+        // ...a later instance still does.
+        let mut again = from("r4", 1, &replica(8, 0, 0.5));
+        again.sent_ms = sent + 1;
+        assert!(replicas.hear(again, two, much_later));
+        assert_eq!(replicas.total(much_later).workers["w"].prefill_tokens, 8);
     }
 
     #[test]
