@@ -594,8 +594,11 @@ async fn datagrams(proxy: &Proxy, outcome: &str) -> u64 {
         .map_or(0, |value| value.parse().unwrap())
 }
 
-#[tokio::test]
-async fn a_replica_counts_another_replicas_requests_like_its_own() {
+/// A gated worker (it answers only when released) and a config of one pool of it, model
+/// `gated`. A prefill token costs 0.1 s here, so the worker is taken to do a few of the
+/// prompt's hundreds of tokens while a test waits (the gated worker never answers, whatever the
+/// model predicts).
+async fn gated_pool() -> (Upstream, String) {
     let gated = Upstream::start_with(
         "gated",
         UpstreamOptions {
@@ -604,14 +607,17 @@ async fn a_replica_counts_another_replicas_requests_like_its_own() {
         },
     )
     .await;
-    // A prefill token costs 0.1 s here, so the worker is taken to do a few of the prompt's
-    // hundreds of tokens while the test waits (the gated worker never answers, whatever the
-    // model predicts).
     let config = format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: gated}}\nspec: {{model: m, scoring: {{prefillMicrosPerToken: 100000}}, endpoints: [\"{}\"]}}\n---\n\
          apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: gated}}\nspec: {{modelName: gated, targets: [{{pool: gated}}]}}\n",
         gated.endpoint()
     );
+    (gated, config)
+}
+
+#[tokio::test]
+async fn a_replica_counts_another_replicas_requests_like_its_own() {
+    let (gated, config) = gated_pool().await;
     let (first, second) = two_replicas(&config).await;
     let worker = gated.endpoint();
     assert_eq!(scored(&second, &worker).await, (0, 0));
@@ -651,19 +657,7 @@ async fn a_replica_counts_another_replicas_requests_like_its_own() {
 
 #[tokio::test]
 async fn a_replica_hears_only_the_replicas_that_share_its_key() {
-    let gated = Upstream::start_with(
-        "gated",
-        UpstreamOptions {
-            gated: true,
-            ..Default::default()
-        },
-    )
-    .await;
-    let config = format!(
-        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: gated}}\nspec: {{model: m, scoring: {{prefillMicrosPerToken: 100000}}, endpoints: [\"{}\"]}}\n---\n\
-         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: gated}}\nspec: {{modelName: gated, targets: [{{pool: gated}}]}}\n",
-        gated.endpoint()
-    );
+    let (gated, config) = gated_pool().await;
     let worker = gated.endpoint();
     let (first, second) = two_replicas(&config).await;
     // A third process on the same host sends the first its ledger under another key, as a pod
