@@ -624,3 +624,71 @@ async fn resource_versions(admin: &kube::Client) -> Vec<(String, String)> {
     }
     versions
 }
+
+/// `helm` (from `.cache/tools`) against `cluster` as its administrator, in `namespace`.
+fn run_helm(cluster: &Cluster, namespace: &str, args: &[&str]) -> String {
+    let helm = workspace_root().join(".cache/tools/helm");
+    let kubeconfig = cluster.kubeconfig(ADMIN_TOKEN, namespace);
+    let home = tempfile::tempdir().unwrap();
+    let output = Command::new(helm)
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["--namespace", namespace])
+        // No user's Helm settings or cache.
+        .env("HELM_CONFIG_HOME", home.path().join("config"))
+        .env("HELM_CACHE_HOME", home.path().join("cache"))
+        .env("HELM_DATA_HOME", home.path().join("data"))
+        .current_dir(workspace_root())
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "helm {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+#[tokio::test]
+async fn the_chart_keeps_the_replicas_key_across_upgrades() {
+    use k8s_openapi::api::core::v1::Secret;
+    let cluster = Cluster::start(&[]).await;
+    let namespace = "keys";
+    let admin = cluster.client(ADMIN_TOKEN, namespace).await;
+    apply(
+        &admin,
+        namespace,
+        &format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {namespace}}}\n"),
+    )
+    .await
+    .unwrap();
+    let secrets: Api<Secret> = Api::namespaced(admin, namespace);
+    let key = |secret: Secret| secret.data.unwrap()["key"].0.clone();
+    // `helm install`, as a user would (the CRDs from the chart's crds/ directory): the chart
+    // makes the key with `lookup` finding none.
+    run_helm(&cluster, namespace, &["install", "gw", "helm/switchyard"]);
+    let made = key(secrets.get("gw-peers-key").await.unwrap());
+    assert_eq!(made.len(), 48, "{}", String::from_utf8_lossy(&made));
+    // An upgrade that renders the Secret again finds the live one and keeps its key: replicas
+    // started before and after it still hear each other.
+    run_helm(
+        &cluster,
+        namespace,
+        &["upgrade", "gw", "helm/switchyard", "--set", "replicas=3"],
+    );
+    assert_eq!(key(secrets.get("gw-peers-key").await.unwrap()), made);
+    // A key of the operator's own replaces the chart's.
+    run_helm(
+        &cluster,
+        namespace,
+        &[
+            "upgrade",
+            "gw",
+            "helm/switchyard",
+            "--set",
+            "proxy.peersKeySecret=fleet-key",
+        ],
+    );
+    assert!(secrets.get_opt("gw-peers-key").await.unwrap().is_none());
+}
