@@ -142,16 +142,18 @@ pub type Samples = Arc<[(usize, switchyard_kv::hash::SequenceHash)]>;
 /// last, past the first `known` blocks, with the blocks up to each. The first: a prompt is
 /// first known by a head of a few blocks (two of 64 tokens, [`crate::prompt`]), which must
 /// find where it may be held to be tokenized further ([`PoolKv::holds_all`]).
-fn sample_blocks(hashes: &[switchyard_kv::hash::SequenceHash], known: usize) -> Samples {
+fn sample_blocks(
+    hashes: &[switchyard_kv::hash::SequenceHash],
+    known: usize,
+) -> impl Iterator<Item = (usize, switchyard_kv::hash::SequenceHash)> + '_ {
     hashes
         .iter()
         .enumerate()
         .map(|(at, hash)| (at + 1, *hash))
-        .filter(|(blocks, _)| {
+        .filter(move |(blocks, _)| {
             *blocks > known
                 && (*blocks == 1 || blocks % PEER_SAMPLE_BLOCKS == 0 || *blocks == hashes.len())
         })
-        .collect()
 }
 
 /// A replica tells the others every this many blocks of a prompt it is having prefilled (and
@@ -172,7 +174,7 @@ impl Predictions {
         known: usize,
     ) -> Prediction {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let told = Some(sample_blocks(&prompt.hashes, known));
+        let told = Some(sample_blocks(&prompt.hashes, known).collect());
         lock(&self.entries).push(Predicted {
             id,
             worker,
@@ -198,7 +200,7 @@ impl Predictions {
             .find(|e| e.id == id)
             .map(|e| e.known);
         // Sampled without the lock (a prompt can be thousands of blocks).
-        let told = known.map(|known| sample_blocks(&prompt.hashes, known));
+        let told = known.map(|known| sample_blocks(&prompt.hashes, known).collect());
         if let Some(entry) = lock(&self.entries).iter_mut().find(|e| e.id == id) {
             entry.prompt = prompt;
             if entry.told.is_some() {
@@ -326,10 +328,7 @@ impl Predictions {
         capacity: usize,
     ) {
         self.history.freed(worker, hashes, capacity);
-        let samples = sample_blocks(hashes, 0);
-        let samples: Samples = samples
-            .get(..MAX_END_SAMPLES)
-            .map_or(samples.clone(), Arc::from);
+        let samples: Samples = sample_blocks(hashes, 0).take(MAX_END_SAMPLES).collect();
         if samples.is_empty() {
             return;
         }
