@@ -20,12 +20,17 @@ fn helm() -> PathBuf {
     path
 }
 
-fn run_helm(args: &[&str]) -> String {
-    let output = Command::new(helm())
-        .args(args)
-        .current_dir(workspace_root())
-        .output()
-        .unwrap();
+/// `helm args` from the workspace root; its stdout (the test fails if helm does).
+pub(crate) fn run_helm(args: &[&str]) -> String {
+    run_helm_with(args, |_| {})
+}
+
+/// [`run_helm`] with `configure` adding to the command (flags after `args`, environment).
+pub(crate) fn run_helm_with(args: &[&str], configure: impl FnOnce(&mut Command)) -> String {
+    let mut command = Command::new(helm());
+    command.args(args).current_dir(workspace_root());
+    configure(&mut command);
+    let output = command.output().unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),

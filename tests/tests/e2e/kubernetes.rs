@@ -12,7 +12,6 @@
 //! serving and follows edits again after the restart; a pod that stops being ready leaves its
 //! pool.
 
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -26,6 +25,8 @@ use switchyard_e2e::kube::{ADMIN_TOKEN, Cluster, User, apply, apply_dry_run};
 use switchyard_e2e::process::Control;
 use switchyard_e2e::{Proxy, Upstream, key_sha256, workspace_root};
 
+use crate::helm::{run_helm, run_helm_with};
+
 const NAMESPACE: &str = "switchyard";
 const RELEASE: &str = "gw";
 const CONTROL_TOKEN: &str = "switchyard-test-control";
@@ -37,20 +38,14 @@ const SECRET_KEY: &str = "sk-from-a-secret";
 const PROVIDER_KEY: &str = "provider-token-in-a-secret";
 
 fn helm_template() -> String {
-    let helm = workspace_root().join(".cache/tools/helm");
-    assert!(helm.exists(), "run scripts/tools.sh first");
-    let output = Command::new(helm)
-        .args(["template", RELEASE, "helm/switchyard", "--include-crds"])
-        .args(["--namespace", NAMESPACE])
-        .current_dir(workspace_root())
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8(output.stdout).unwrap()
+    run_helm(&[
+        "template",
+        RELEASE,
+        "helm/switchyard",
+        "--include-crds",
+        "--namespace",
+        NAMESPACE,
+    ])
 }
 
 fn split_documents(yaml: &str) -> Vec<String> {
@@ -625,29 +620,20 @@ async fn resource_versions(admin: &kube::Client) -> Vec<(String, String)> {
     versions
 }
 
-/// `helm` (from `.cache/tools`) against `cluster` as its administrator, in `namespace`.
-fn run_helm(cluster: &Cluster, namespace: &str, args: &[&str]) -> String {
-    let helm = workspace_root().join(".cache/tools/helm");
+/// `helm` against `cluster` as its administrator, in `namespace`.
+fn helm_on(cluster: &Cluster, namespace: &str, args: &[&str]) -> String {
     let kubeconfig = cluster.kubeconfig(ADMIN_TOKEN, namespace);
     let home = tempfile::tempdir().unwrap();
-    let output = Command::new(helm)
-        .args(args)
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .args(["--namespace", namespace])
-        // No user's Helm settings or cache.
-        .env("HELM_CONFIG_HOME", home.path().join("config"))
-        .env("HELM_CACHE_HOME", home.path().join("cache"))
-        .env("HELM_DATA_HOME", home.path().join("data"))
-        .current_dir(workspace_root())
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "helm {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8(output.stdout).unwrap()
+    run_helm_with(args, |command| {
+        command
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["--namespace", namespace])
+            // No user's Helm settings or cache.
+            .env("HELM_CONFIG_HOME", home.path().join("config"))
+            .env("HELM_CACHE_HOME", home.path().join("cache"))
+            .env("HELM_DATA_HOME", home.path().join("data"));
+    })
 }
 
 #[tokio::test]
@@ -667,19 +653,19 @@ async fn the_chart_keeps_the_replicas_key_across_upgrades() {
     let key = |secret: Secret| secret.data.unwrap()["key"].0.clone();
     // `helm install`, as a user would (the CRDs from the chart's crds/ directory): the chart
     // makes the key with `lookup` finding none.
-    run_helm(&cluster, namespace, &["install", "gw", "helm/switchyard"]);
+    helm_on(&cluster, namespace, &["install", "gw", "helm/switchyard"]);
     let made = key(secrets.get("gw-peers-key").await.unwrap());
     assert_eq!(made.len(), 48, "{}", String::from_utf8_lossy(&made));
     // An upgrade that renders the Secret again finds the live one and keeps its key: replicas
     // started before and after it still hear each other.
-    run_helm(
+    helm_on(
         &cluster,
         namespace,
         &["upgrade", "gw", "helm/switchyard", "--set", "replicas=3"],
     );
     assert_eq!(key(secrets.get("gw-peers-key").await.unwrap()), made);
     // A key of the operator's own replaces the chart's.
-    run_helm(
+    helm_on(
         &cluster,
         namespace,
         &[
