@@ -69,8 +69,21 @@ impl Unfinished {
 
 /// Tokens (at least two blocks) tokenized at first, enough to estimate the rest by its bytes;
 /// while some worker holds all of it, the head grows through the text seen before (free), then
-/// by one piece past it, or fourfold when nothing new was seen.
+/// by one piece past it, or fourfold when nothing new was seen, until what is left is a
+/// [`SHORT_TAIL_BYTES`] tail.
 const FIRST_HEAD_TOKENS: usize = 256;
+/// A held head whose text leaves less than this, and at most one part in
+/// [`SHORT_TAIL_PARTS`] of what the head covers, stops growing: the tail is estimated, not
+/// tokenized. It is the new text of a prompt behind a cached prefix (a question after a shared
+/// system prompt: a few dozen tokens, a few blocks for every holder of the prefix alike), and
+/// tokenizing it is most of what routing would cost that request: its new words go through the
+/// tokenizer's pipeline, whose tables a busy proxy finds cold (measured in the bench's
+/// shared-prefix run: four or five calls on about 100 bytes, 0.6–1 ms of the request's time,
+/// against 0.1 ms for the 2,000 tokens of its cached prefix). The whole is tokenized off the
+/// request's path after its first token, as for any head ([`finish`]), so the same prompt
+/// again is hashed in full.
+const SHORT_TAIL_BYTES: usize = 512;
+const SHORT_TAIL_PARTS: usize = 8;
 /// The first head once the pool has learned its prompts' tokens per byte ([`PromptCache`]):
 /// while the head's own rate agrees with the learned one within [`RATE_TOLERANCE`], the rest
 /// is estimated at the two blended (the learned rate weighing as [`RATE_PRIOR_BYTES`] of
@@ -269,7 +282,10 @@ pub fn analyse(
                     cache.put(key, info.clone());
                     return Ok(info);
                 }
-                if !held(&head) {
+                let tail = text.len() - bytes;
+                let short_tail =
+                    tail < SHORT_TAIL_BYTES && tail.saturating_mul(SHORT_TAIL_PARTS) <= bytes;
+                if short_tail || !held(&head) {
                     let own = tokens.len() as f64 / bytes.max(1) as f64;
                     let per_byte = match learned {
                         // A long head measures its own text well enough.
@@ -758,6 +774,73 @@ mod tests {
         assert_eq!(
             second.hashes[..system_blocks],
             first.hashes[..system_blocks]
+        );
+    }
+
+    #[test]
+    fn a_held_head_leaves_a_short_tail_estimated_and_the_whole_for_later() {
+        let tokenizer = PromptTokenizer::shipped().unwrap();
+        let cache = PromptCache::default();
+        let system: String = (0..700).map(|i| format!("river{i} mountain ")).collect();
+        let chat = |system: &str, question: &str| {
+            serde_json::json!({"model": "m", "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question}]})
+            .to_string()
+        };
+        let reference = PromptTokenizer::shipped().unwrap();
+        let whole_of = |body: &str| {
+            let parsed = crate::wire::parse(body.as_bytes()).unwrap();
+            let rendered = reference.render_chat(&parsed.chat_messages(false)).unwrap();
+            reference.encode(&rendered).unwrap()
+        };
+        let asked = std::cell::Cell::new(0);
+        let everyone = |_: &[SequenceHash]| {
+            asked.set(asked.get() + 1);
+            true
+        };
+        let analysed = |body: &str, block_size: usize| {
+            let parsed = crate::wire::parse(body.as_bytes()).unwrap();
+            analyse_chat(&tokenizer, &cache, &parsed, block_size, &everyone)
+        };
+        // The system prompt is seen once, whole.
+        let first = chat(&system, "Short question?");
+        analysed(&first, 16);
+        // A question of a few dozen tokens behind it, every block held: the head stops where the
+        // text seen before ends, and the question is estimated, not tokenized.
+        let second = chat(&system, "And what of lakes7 stones3, clouds9 and the long rains?");
+        asked.set(0);
+        let info = analysed(&second, 16);
+        let tokens = whole_of(&second);
+        let all = sequence_hashes_keyed(&tokens, 16, &[], None);
+        assert!(info.unfinished.is_some());
+        assert_eq!(asked.get(), 0, "nothing left worth asking about");
+        assert!(
+            info.hashes.len() < all.len() && info.hashes.len() + 8 >= all.len(),
+            "{} of {} blocks",
+            info.hashes.len(),
+            all.len()
+        );
+        assert_eq!(info.hashes, all[..info.hashes.len()]);
+        let error = info.tokens.abs_diff(tokens.len()) as f64 / tokens.len() as f64;
+        assert!(error < 0.02, "estimated {} of {}", info.tokens, tokens.len());
+        // Later, off the request's path, the whole: the same prompt again is hashed in full.
+        let whole = finish(&tokenizer, &cache, info.unfinished.as_ref().unwrap()).unwrap();
+        assert_eq!(whole.hashes, all);
+        let again = analysed(&second, 16);
+        assert!(Arc::ptr_eq(&again, &whole));
+        // A tail that is short but a large part of a short prompt is tokenized: the head would
+        // say too little of the prompt.
+        let small_system = "You answer in one line.";
+        let short = chat(small_system, "Where do rivers1 end?");
+        analysed(&short, 4);
+        let other = chat(small_system, "Which mountains2 are the oldest, and why so?");
+        let info = analysed(&other, 4);
+        let tokens = whole_of(&other);
+        assert!(info.unfinished.is_none());
+        assert_eq!(
+            (info.tokens, &info.hashes),
+            (tokens.len(), &sequence_hashes_keyed(&tokens, 4, &[], None))
         );
     }
 
