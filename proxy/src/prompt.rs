@@ -808,7 +808,10 @@ mod tests {
         analysed(&first, 16);
         // A question of a few dozen tokens behind it, every block held: the head stops where the
         // text seen before ends, and the question is estimated, not tokenized.
-        let second = chat(&system, "And what of lakes7 stones3, clouds9 and the long rains?");
+        let second = chat(
+            &system,
+            "And what of lakes7 stones3, clouds9 and the long rains?",
+        );
         asked.set(0);
         let info = analysed(&second, 16);
         let tokens = whole_of(&second);
@@ -823,7 +826,12 @@ mod tests {
         );
         assert_eq!(info.hashes, all[..info.hashes.len()]);
         let error = info.tokens.abs_diff(tokens.len()) as f64 / tokens.len() as f64;
-        assert!(error < 0.02, "estimated {} of {}", info.tokens, tokens.len());
+        assert!(
+            error < 0.02,
+            "estimated {} of {}",
+            info.tokens,
+            tokens.len()
+        );
         // Later, off the request's path, the whole: the same prompt again is hashed in full.
         let whole = finish(&tokenizer, &cache, info.unfinished.as_ref().unwrap()).unwrap();
         assert_eq!(whole.hashes, all);
