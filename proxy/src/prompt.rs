@@ -303,7 +303,7 @@ pub fn analyse(
                         }
                         None => own,
                     };
-                    let rest = (text.len() - bytes) as f64 * per_byte;
+                    let rest = tail as f64 * per_byte;
                     return Ok(Arc::new(PromptInfo {
                         tokens: tokens.len() + rest.round() as usize,
                         hashes: head.clone(),
