@@ -277,6 +277,25 @@ async fn interactive_traffic_overflows_to_the_provider_when_local_ttft_is_high()
     assert!(!g.proxy.log().contains(PROVIDER_KEY));
 }
 
+/// A log line less the fields the gateway makes up itself (the time, request ids, socket
+/// addresses, durations): their random digits hold no client text, and "4111" turns up in
+/// them by chance now and then (a request id, a port such as 34111). A run of the suite failed
+/// here once, not again in eight; the assertion now prints the lines it matched.
+fn made_up_fields_removed(line: &str) -> String {
+    line.split_whitespace()
+        .enumerate()
+        .filter(|(at, field)| {
+            let time = *at == 0 && field.ends_with('Z') && field.contains('T');
+            let made_up = ["request_id=", "trace_id=", "span_id=", "duration_ms="]
+                .iter()
+                .any(|name| field.starts_with(name));
+            !(time || made_up || field.contains("127.0.0.1:"))
+        })
+        .map(|(_, field)| field)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 #[tokio::test]
 async fn personal_data_never_leaves_local_pools() {
     let g = gateway().await;
@@ -324,7 +343,19 @@ async fn personal_data_never_leaves_local_pools() {
     assert_eq!(status, 200);
     assert_eq!(g.served_by(), ["large", "provider"]);
     // The prompt text is never logged.
-    assert!(!g.proxy.log().contains("jane.doe") && !g.proxy.log().contains("4111"));
+    let log = g.proxy.log();
+    let leaked: Vec<&str> = log
+        .lines()
+        .filter(|line| {
+            let text = made_up_fields_removed(line);
+            text.contains("jane.doe") || text.contains("4111")
+        })
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "prompt text in the proxy's log:\n{}",
+        leaked.join("\n")
+    );
 }
 
 #[tokio::test]
