@@ -654,6 +654,46 @@ impl PromptTokenizer {
         }
     }
 
+    /// A first look at `text`: [`Self::encode_head`] when the segment cache holds the text's
+    /// first piece (a prompt that begins as one seen before: its pieces come free). Otherwise
+    /// the text begins with words this tokenizer has not seen together, most likely a prompt
+    /// nobody holds, and the head ends at the first word cut past `min_tokens`' bytes instead
+    /// of where a piece ends (512 bytes at least, often twice that): only what the
+    /// caller asked for goes through the tokenizer's pipeline, which is most of what routing
+    /// costs such a prompt. That head is not remembered as a piece (its end is not one of the
+    /// whole's cuts); growing it goes through [`Self::encode_head`].
+    pub fn encode_first_head(
+        &self,
+        text: &str,
+        min_tokens: usize,
+    ) -> Result<(Vec<u32>, usize), TokenizeError> {
+        let Some(cache) = self.segments.as_ref().filter(|_| self.cuts_words()) else {
+            return self.encode_head(text, min_tokens);
+        };
+        let first_piece = segment_cut_from(text, MIN_SEGMENT_BYTES, 0)
+            .and_then(|cut| text.get(..cut))
+            .map(|piece| cache.get(piece_key(piece)).is_some());
+        // No cut at all (a short text) or a first piece seen before: as any head.
+        if first_piece != Some(false) {
+            return self.encode_head(text, min_tokens);
+        }
+        // As generous as a head's first guess, so one call is nearly always enough.
+        let mut bytes = min_tokens.saturating_mul(6).max(64);
+        loop {
+            let Some(cut) = next_word_cut(text, bytes) else {
+                return self.encode_head(text, min_tokens);
+            };
+            let head = text.get(..cut).unwrap_or(text);
+            let tokens = self.encode_new(head)?;
+            if tokens.len() >= min_tokens {
+                return Ok((tokens, cut));
+            }
+            let per_token = cut as f64 / tokens.len().max(1) as f64;
+            let wanted = (min_tokens as f64 * per_token * 1.1).ceil() as usize;
+            bytes = wanted.max(cut + 1);
+        }
+    }
+
     /// Extend a head of `text` ([`Self::encode_head`]: its `tokens`, ending at byte `bytes`)
     /// through the pieces after it that the segment cache holds, in order, up to the first it
     /// does not: text seen before (a shared system prompt, earlier turns) costs lookups, not
@@ -797,7 +837,9 @@ impl PromptTokenizer {
             return self.encode_whole(text);
         };
         let cuts = segment_cuts(text, MIN_SEGMENT_BYTES, self.cuts_words());
-        if cuts.is_empty() {
+        // A text of one piece is looked up too when it is a head (its one piece is the whole's
+        // first); else it is a short text, not kept.
+        if cuts.is_empty() && !ends_on_cut {
             return self.encode_new(text);
         }
         let mut out = Vec::new();
@@ -982,6 +1024,64 @@ mod tests {
             a.len()
         );
         assert_eq!(tokens, tokenizer.encode_whole(&a).unwrap()[..tokens.len()]);
+    }
+
+    #[test]
+    fn a_first_look_at_unseen_text_tokenizes_only_the_head_asked_for() {
+        let tokenizer = shipped();
+        let cached = |t: &PromptTokenizer| {
+            t.segments
+                .as_ref()
+                .map(|s| s.entries.lock().unwrap().tokens)
+                .unwrap()
+        };
+        let text: String = (0..400)
+            .map(|i| format!("harbor{i} signal, ledger's {i} "))
+            .collect();
+        let whole = tokenizer.encode_whole(&text).unwrap();
+        let first_cut = segment_cut_from(&text, MIN_SEGMENT_BYTES, 0).unwrap();
+        // Unseen: cut between words just past what 64 tokens need, short of the first piece's
+        // end, exact, and not kept as a piece.
+        let (head, bytes) = tokenizer.encode_first_head(&text, 64).unwrap();
+        assert!(
+            head.len() >= 64 && bytes < first_cut,
+            "{} {bytes}",
+            head.len()
+        );
+        assert_eq!(head, whole[..head.len()]);
+        assert_eq!(
+            tokenizer.encode_whole(&text[bytes..]).unwrap(),
+            whole[head.len()..]
+        );
+        assert_eq!(cached(&tokenizer), 0);
+        // Growing it goes by the pieces of the whole, as any head.
+        let (grown, grown_bytes) = tokenizer.encode_head(&text, 256).unwrap();
+        assert!(segment_cuts(&text, MIN_SEGMENT_BYTES, true).contains(&grown_bytes));
+        assert_eq!(grown, whole[..grown.len()]);
+        // Once the text begins as one seen before, the first look is any head: it ends where a
+        // cached piece ends, and that piece comes free.
+        tokenizer.encode(&text).unwrap();
+        let calls = |t: &PromptTokenizer| t.word_calls.load(std::sync::atomic::Ordering::Relaxed);
+        let before = calls(&tokenizer);
+        let (seen, seen_bytes) = tokenizer.encode_first_head(&text, 64).unwrap();
+        assert_eq!(
+            (seen.as_slice(), seen_bytes),
+            (&whole[..seen.len()], first_cut)
+        );
+        assert_eq!(
+            calls(&tokenizer),
+            before,
+            "a head of one cached piece is not tokenized"
+        );
+        assert_eq!(
+            tokenizer.encode_head(&text, 64).unwrap(),
+            (seen, seen_bytes)
+        );
+        // A text too short to hold a piece is tokenized whole.
+        assert_eq!(
+            tokenizer.encode_first_head("hi there", 1).unwrap(),
+            (tokenizer.encode("hi there").unwrap(), 8)
+        );
     }
 
     #[test]
