@@ -661,7 +661,9 @@ impl PromptTokenizer {
     /// of where a piece ends (512 bytes at least, often twice that): only what the
     /// caller asked for goes through the tokenizer's pipeline, which is most of what routing
     /// costs such a prompt. That head is not remembered as a piece (its end is not one of the
-    /// whole's cuts); growing it goes through [`Self::encode_head`].
+    /// whole's cuts); growing it goes through [`Self::encode_head`]. Text with no word cut
+    /// before the piece a head would end with (few spaces: code, tables, another script) is
+    /// cut as any head.
     pub fn encode_first_head(
         &self,
         text: &str,
@@ -670,17 +672,23 @@ impl PromptTokenizer {
         let Some(cache) = self.segments.as_ref().filter(|_| self.cuts_words()) else {
             return self.encode_head(text, min_tokens);
         };
-        let first_piece = segment_cut_from(text, MIN_SEGMENT_BYTES, 0)
-            .and_then(|cut| text.get(..cut))
-            .map(|piece| cache.get(piece_key(piece)).is_some());
-        // No cut at all (a short text) or a first piece seen before: as any head.
-        if first_piece != Some(false) {
+        let Some(first_cut) = segment_cut_from(text, MIN_SEGMENT_BYTES, 0) else {
+            // A text too short to cut: as any head (whole).
+            return self.encode_head(text, min_tokens);
+        };
+        let first_piece = text.get(..first_cut).unwrap_or(text);
+        if cache.get(piece_key(first_piece)).is_some() {
             return self.encode_head(text, min_tokens);
         }
         // As generous as a head's first guess, so one call is nearly always enough.
         let mut bytes = min_tokens.saturating_mul(6).max(64);
         loop {
-            let Some(cut) = next_word_cut(text, bytes) else {
+            // Where a word cut lies no nearer than the piece a head would end with (text with
+            // few spaces: code, tables, another script), cut as any head.
+            let piece_cut = segment_cut_from(text, MIN_SEGMENT_BYTES, bytes);
+            let Some(cut) = next_word_cut(text, bytes)
+                .filter(|cut| piece_cut.is_none_or(|piece_cut| *cut < piece_cut))
+            else {
                 return self.encode_head(text, min_tokens);
             };
             let head = text.get(..cut).unwrap_or(text);
@@ -1081,6 +1089,21 @@ mod tests {
         assert_eq!(
             tokenizer.encode_first_head("hi there", 1).unwrap(),
             (tokenizer.encode("hi there").unwrap(), 8)
+        );
+        // Text whose first word cut lies past its first piece (lines without spaces, one word
+        // at the very end) is cut as any head, where the first piece ends, not at that word.
+        let table: String = (0..300)
+            .map(|i| format!("{{\"k{i}\":{i}}},\n"))
+            .collect::<String>()
+            + "end tail";
+        let (table_head, table_bytes) = tokenizer.encode_first_head(&table, 64).unwrap();
+        assert_eq!(
+            table_bytes,
+            segment_cut_from(&table, MIN_SEGMENT_BYTES, 0).unwrap()
+        );
+        assert_eq!(
+            table_head,
+            tokenizer.encode_whole(&table).unwrap()[..table_head.len()]
         );
     }
 
