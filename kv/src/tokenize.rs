@@ -907,6 +907,15 @@ mod tests {
         .unwrap()
     }
 
+    /// Tokens the segment cache holds.
+    fn cached_tokens(tokenizer: &PromptTokenizer) -> usize {
+        tokenizer
+            .segments
+            .as_ref()
+            .map(|s| s.entries.lock().unwrap().tokens)
+            .unwrap()
+    }
+
     #[test]
     fn heads_are_the_first_tokens_of_the_whole() {
         let tokenizer = shipped();
@@ -967,13 +976,7 @@ mod tests {
     #[test]
     fn a_head_keeps_its_pieces_and_grows_by_what_it_measured() {
         let tokenizer = shipped();
-        let cached = |t: &PromptTokenizer| {
-            t.segments
-                .as_ref()
-                .map(|s| s.entries.lock().unwrap().tokens)
-                .unwrap()
-        };
-        assert_eq!(cached(&tokenizer), 0);
+        assert_eq!(cached_tokens(&tokenizer), 0);
         // Long words: fewer tokens per byte than the first guess, so the head grows.
         let letter = |n: usize| char::from(b'a' + (n % 26) as u8);
         let text: String = (0..3000)
@@ -985,12 +988,12 @@ mod tests {
         assert!(head.len() >= 1000 && head.len() < 1300, "{}", head.len());
         // Every piece of the head is kept, its last one included: the whole tokenizes only
         // what the head did not cover, and the same head again tokenizes nothing.
-        assert_eq!(cached(&tokenizer), head.len());
+        assert_eq!(cached_tokens(&tokenizer), head.len());
         assert_eq!(
             tokenizer.encode_head(&text, 1000).unwrap(),
             (head.clone(), bytes)
         );
-        assert_eq!(cached(&tokenizer), head.len());
+        assert_eq!(cached_tokens(&tokenizer), head.len());
         let whole = tokenizer.encode(&text).unwrap();
         assert_eq!(whole, tokenizer.encode_whole(&text).unwrap());
         assert_eq!(whole[..head.len()], head[..]);
@@ -1037,12 +1040,6 @@ mod tests {
     #[test]
     fn a_first_look_at_unseen_text_tokenizes_only_the_head_asked_for() {
         let tokenizer = shipped();
-        let cached = |t: &PromptTokenizer| {
-            t.segments
-                .as_ref()
-                .map(|s| s.entries.lock().unwrap().tokens)
-                .unwrap()
-        };
         let text: String = (0..400)
             .map(|i| format!("harbor{i} signal, ledger's {i} "))
             .collect();
@@ -1061,7 +1058,7 @@ mod tests {
             tokenizer.encode_whole(&text[bytes..]).unwrap(),
             whole[head.len()..]
         );
-        assert_eq!(cached(&tokenizer), 0);
+        assert_eq!(cached_tokens(&tokenizer), 0);
         // Growing it goes by the pieces of the whole, as any head.
         let (grown, grown_bytes) = tokenizer.encode_head(&text, 256).unwrap();
         assert!(segment_cuts(&text, MIN_SEGMENT_BYTES, true).contains(&grown_bytes));
