@@ -628,25 +628,42 @@ impl PromptTokenizer {
         if !self.cuts_words() {
             return Ok((self.encode(text)?, text.len()));
         }
-        // Generous bytes per token at first; then what the head so far measured, with a margin.
-        let mut bytes = min_tokens.saturating_mul(6).max(64);
-        loop {
-            // With the segment cache, the head ends where a piece of the whole ends, and all of
-            // its pieces are kept: every piece of a prompt seen before (a shared system prompt)
-            // then comes from the cache, the head's last one included, and growing a head (or
-            // tokenizing the whole later) tokenizes only what the head did not cover.
-            let cut = if self.segments.is_some() {
+        // With the segment cache, the head ends where a piece of the whole ends, and all of its
+        // pieces are kept: every piece of a prompt seen before (a shared system prompt) then
+        // comes from the cache, the head's last one included, and growing a head (or
+        // tokenizing the whole later) tokenizes only what the head did not cover.
+        let cut_from = |bytes| {
+            if self.segments.is_some() {
                 segment_cut_from(text, MIN_SEGMENT_BYTES, bytes)
             } else {
                 next_word_cut(text, bytes)
+            }
+        };
+        match Self::grow_head(text, min_tokens, cut_from, |head| {
+            self.encode_pieces(head, true)
+        })? {
+            Some(head) => Ok(head),
+            None => Ok((self.encode(text)?, text.len())),
+        }
+    }
+
+    /// Heads of `text` ending at `cut_from(bytes)`, each tokenized with `encode`, until one holds
+    /// `min_tokens` tokens: its tokens and where it ends; none when no cut is left. Generous
+    /// bytes per token at first (six), then what the head so far measured, with a margin.
+    fn grow_head(
+        text: &str,
+        min_tokens: usize,
+        cut_from: impl Fn(usize) -> Option<usize>,
+        encode: impl Fn(&str) -> Result<Vec<u32>, TokenizeError>,
+    ) -> Result<Option<(Vec<u32>, usize)>, TokenizeError> {
+        let mut bytes = min_tokens.saturating_mul(6).max(64);
+        loop {
+            let Some(cut) = cut_from(bytes) else {
+                return Ok(None);
             };
-            let Some(cut) = cut else {
-                return Ok((self.encode(text)?, text.len()));
-            };
-            let head = text.get(..cut).unwrap_or(text);
-            let tokens = self.encode_pieces(head, true)?;
+            let tokens = encode(text.get(..cut).unwrap_or(text))?;
             if tokens.len() >= min_tokens {
-                return Ok((tokens, cut));
+                return Ok(Some((tokens, cut)));
             }
             let per_token = cut as f64 / tokens.len().max(1) as f64;
             let wanted = (min_tokens as f64 * per_token * 1.1).ceil() as usize;
@@ -680,25 +697,16 @@ impl PromptTokenizer {
         if cache.get(piece_key(first_piece)).is_some() {
             return self.encode_head(text, min_tokens);
         }
-        // As generous as a head's first guess, so one call is nearly always enough.
-        let mut bytes = min_tokens.saturating_mul(6).max(64);
-        loop {
-            // Where a word cut lies no nearer than the piece a head would end with (text with
-            // few spaces: code, tables, another script), cut as any head.
+        // Where a word cut lies no nearer than the piece a head would end with (text with few
+        // spaces: code, tables, another script), cut as any head.
+        let cut_from = |bytes| {
             let piece_cut = segment_cut_from(text, MIN_SEGMENT_BYTES, bytes);
-            let Some(cut) = next_word_cut(text, bytes)
+            next_word_cut(text, bytes)
                 .filter(|cut| piece_cut.is_none_or(|piece_cut| *cut < piece_cut))
-            else {
-                return self.encode_head(text, min_tokens);
-            };
-            let head = text.get(..cut).unwrap_or(text);
-            let tokens = self.encode_new(head)?;
-            if tokens.len() >= min_tokens {
-                return Ok((tokens, cut));
-            }
-            let per_token = cut as f64 / tokens.len().max(1) as f64;
-            let wanted = (min_tokens as f64 * per_token * 1.1).ceil() as usize;
-            bytes = wanted.max(cut + 1);
+        };
+        match Self::grow_head(text, min_tokens, cut_from, |head| self.encode_new(head))? {
+            Some(head) => Ok(head),
+            None => self.encode_head(text, min_tokens),
         }
     }
 
