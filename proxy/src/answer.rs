@@ -138,29 +138,39 @@ pub struct Answer {
     pub opens_with_events: bool,
     /// The stream names its events (`event:` lines): only they say where output starts.
     events_named: bool,
+    /// The upstream streams events (`text/event-stream`, answered 2xx or 3xx): its first output
+    /// is told by its lines ([`Answer::first_output_in`]), not by its first byte.
+    events: bool,
+    /// The start of a line not ended yet, held (until the first output) to be judged whole.
+    partial_line: Vec<u8>,
+    /// The first output was an error event: the worker computed nothing it could keep.
+    pub first_was_error: bool,
     /// Why an answer the gateway assembles has no whole (the stream failed): the client's
     /// connection is ended, its status being sent already.
     pub failed: Option<String>,
 }
 
-/// What a piece of a Responses API stream says by its `event:` lines: `None` when it names no
-/// event, else whether it names one past the opening ones (output, the end, an error).
-fn names_output(chunk: &[u8]) -> Option<bool> {
-    let mut named = None;
-    for line in chunk.split(|&b| b == b'\n') {
-        let Some(name) = line.strip_prefix(b"event:") else {
-            continue;
-        };
-        let name = name.trim_ascii();
-        if !assemble::OPENING_EVENTS
-            .iter()
-            .any(|event| event.as_bytes() == name)
-        {
-            return Some(true);
-        }
-        named = Some(false);
-    }
-    named
+/// Events that end a stream in an error: vLLM's `error` (and Anthropic's), and the Responses
+/// API's failed response.
+const ERROR_EVENTS: [&str; 2] = ["error", "response.failed"];
+
+/// Bytes of one line held to be judged whole before it counts as output anyway.
+const MAX_PARTIAL_LINE: usize = 64 * 1024;
+
+/// Whether a stream's `data:` payload is an error: vLLM's `{"error": {...}}` (older servers:
+/// `{"object": "error", ...}`).
+fn is_error_payload(payload: &[u8]) -> bool {
+    let payload = payload.trim_ascii();
+    let Some(inside) = payload.strip_prefix(b"{") else {
+        return false;
+    };
+    let inside = inside.trim_ascii_start();
+    inside.starts_with(b"\"error\"")
+        || inside.strip_prefix(b"\"object\"").is_some_and(|rest| {
+            rest.trim_ascii_start()
+                .strip_prefix(b":")
+                .is_some_and(|value| value.trim_ascii_start().starts_with(b"\"error\""))
+        })
 }
 
 impl Answer {
@@ -171,24 +181,75 @@ impl Answer {
             first_output: None,
             opens_with_events: false,
             events_named: false,
+            events: false,
+            partial_line: Vec::new(),
+            first_was_error: false,
             failed: None,
         }
     }
 
-    /// Whether `chunk` (non-empty, on its way to the client) carries output: any chunk, but in
-    /// a stream that opens with events only one that names an event past them (or, in a stream
-    /// that names no events, its first).
-    fn carries_output(&mut self, chunk: &[u8]) -> bool {
-        if !self.opens_with_events {
-            return true;
+    /// Whether `chunk` (non-empty, on its way to the client) brings the answer's first output,
+    /// and whether that is an error (`Some(true)`). Any answer but an event stream: its first
+    /// byte. An event stream: its first complete line that is not a comment or blank (a
+    /// keep-alive is no output; a line split across reads is judged when it ends), and in a
+    /// stream that opens with events only an event past them (or, in such a stream that names
+    /// no events, its first data).
+    fn first_output_in(&mut self, chunk: &[u8]) -> Option<bool> {
+        if !self.events {
+            return Some(false);
         }
-        match names_output(chunk) {
-            Some(output) => {
-                self.events_named = true;
-                output
+        let mut text = std::mem::take(&mut self.partial_line);
+        text.extend_from_slice(chunk);
+        let complete = text
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map_or(0, |end| end + 1);
+        let (lines, rest) = text.split_at(complete);
+        let found = self.output_in_lines(lines);
+        if found.is_none() {
+            if rest.len() > MAX_PARTIAL_LINE {
+                return Some(false);
             }
-            None => !self.events_named,
+            self.partial_line = rest.to_vec();
         }
+        found
+    }
+
+    /// [`Self::first_output_in`] for complete lines.
+    fn output_in_lines(&mut self, lines: &[u8]) -> Option<bool> {
+        for line in lines.split(|&b| b == b'\n') {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            if line.is_empty() || line.starts_with(b":") {
+                continue;
+            }
+            if let Some(name) = line.strip_prefix(b"event:") {
+                let name = name.trim_ascii();
+                if ERROR_EVENTS.iter().any(|event| event.as_bytes() == name) {
+                    return Some(true);
+                }
+                if self.opens_with_events {
+                    self.events_named = true;
+                    if assemble::OPENING_EVENTS
+                        .iter()
+                        .any(|event| event.as_bytes() == name)
+                    {
+                        continue;
+                    }
+                }
+                return Some(false);
+            }
+            if let Some(payload) = line.strip_prefix(b"data:") {
+                if is_error_payload(payload) {
+                    return Some(true);
+                }
+                // The data of an opening event.
+                if self.opens_with_events && self.events_named {
+                    continue;
+                }
+                return Some(false);
+            }
+        }
+        None
     }
 }
 
@@ -245,6 +306,7 @@ impl Answer {
             .headers
             .get(http::header::CONTENT_TYPE)
             .is_some_and(|value| value.as_bytes().starts_with(b"text/event-stream"));
+        self.events = stream && status < 400 && streamed;
         if let Delivery::Assembled(kind) = delivery
             && status < 400
             && streamed
@@ -419,8 +481,12 @@ impl Answer {
             }
         }
         if let Some(chunk) = body.take() {
-            if self.first_output.is_none() && !chunk.is_empty() && self.carries_output(&chunk) {
+            if self.first_output.is_none()
+                && !chunk.is_empty()
+                && let Some(error) = self.first_output_in(&chunk)
+            {
                 self.first_output = Some(Instant::now());
+                self.first_was_error = error;
                 first = true;
             }
             *body = Some(self.usage.feed(chunk));
@@ -731,9 +797,17 @@ mod tests {
 
     /// The pieces of a stream, in order, that carry its first output.
     fn first_outputs(opens_with_events: bool, pieces: &[&str]) -> Vec<usize> {
+        first_output_of(opens_with_events, pieces).0
+    }
+
+    /// [`first_outputs`], and whether the first output was an error.
+    fn first_output_of(opens_with_events: bool, pieces: &[&str]) -> (Vec<usize>, bool) {
         let mut answer = answer();
         answer.opens_with_events = opens_with_events;
         let mut response = ResponseHeader::build(200, None).unwrap();
+        response
+            .insert_header("content-type", "text/event-stream")
+            .unwrap();
         answer
             .head(
                 &mut response,
@@ -744,14 +818,87 @@ mod tests {
                 Some(ALIAS_HEAD_BYTES),
             )
             .unwrap();
-        pieces
+        let firsts = pieces
             .iter()
             .enumerate()
             .filter_map(|(i, piece)| {
                 let mut body = Some(Bytes::copy_from_slice(piece.as_bytes()));
                 answer.body(&mut body, false, "m").then_some(i)
             })
-            .collect()
+            .collect();
+        (firsts, answer.first_was_error)
+    }
+
+    #[test]
+    fn keep_alives_and_split_lines_are_no_output_until_a_line_ends() {
+        // Comments and blank lines (keep-alives an intermediary sends while the worker
+        // prefills) are no output; a data line is, once it ends.
+        assert_eq!(
+            first_outputs(
+                false,
+                &[
+                    ": ping\n\n",
+                    "\r\n",
+                    ": pi",
+                    "ng\n",
+                    "data: {\"id\"",
+                    ":1}\n\n"
+                ]
+            ),
+            [5]
+        );
+        // A Responses stream whose opening event is split inside its name.
+        let pieces = [
+            "event: response.in_pro",
+            "gress\ndata: {}\n\n",
+            "event: response.output_text.delta\ndata: {}\n\n",
+        ];
+        assert_eq!(first_outputs(true, &pieces), [2]);
+        // A whole answer (no event stream): its first byte.
+        let mut answer = answer();
+        let mut response = ResponseHeader::build(200, None).unwrap();
+        answer
+            .head(
+                &mut response,
+                Translation::None,
+                Delivery::Whole,
+                "m",
+                "m",
+                None,
+            )
+            .unwrap();
+        let mut body = Some(Bytes::from_static(b": not an event stream"));
+        assert!(answer.body(&mut body, false, "m"));
+    }
+
+    #[test]
+    fn an_error_event_before_any_token_is_an_erring_first_output() {
+        // vLLM's error chunk in a 200 stream, and an older server's.
+        for error in [
+            "data: {\"error\": {\"message\": \"boom\", \"code\": 500}}\n\n",
+            "data: {\"object\": \"error\", \"message\": \"boom\"}\n\n",
+        ] {
+            assert_eq!(first_output_of(false, &[error]), (vec![0], true), "{error}");
+        }
+        // The Responses API's.
+        assert_eq!(
+            first_output_of(
+                true,
+                &[
+                    "event: response.created\ndata: {}\n\n",
+                    "event: response.failed\ndata: {}\n\n"
+                ]
+            ),
+            (vec![1], true)
+        );
+        // A token whose text mentions an error is output.
+        assert_eq!(
+            first_output_of(
+                false,
+                &["data: {\"choices\":[{\"delta\":{\"content\":\"error\"}}]}\n\n"]
+            ),
+            (vec![0], false)
+        );
     }
 
     #[test]

@@ -152,6 +152,26 @@ impl Attempt {
     }
 }
 
+/// Whether an error while proxying leaves the request safe to send again: the upstream cannot
+/// have read all of it. Pingora marks a pooled connection it had already closed when the
+/// answer's head was read (`ReusedOnly`: the connection was `reused`) and an HTTP/2 stream it
+/// refused (`Decided(true)`); a pooled connection that broke while the request was written
+/// never delivered it whole either (vLLM reads the whole body before it starts). Anything else
+/// may have reached the upstream (a read timeout while it works, the client gone while it
+/// waits, a broken answer): sent again it would be computed, and billed by a provider, twice.
+pub fn resendable(error: &pingora_error::Error, reused: bool) -> bool {
+    use pingora_error::{ErrorSource, ErrorType, RetryType};
+    match error.retry {
+        RetryType::ReusedOnly => reused,
+        RetryType::Decided(true) => true,
+        RetryType::Decided(false) => {
+            reused
+                && error.etype == ErrorType::WriteError
+                && error.esource != ErrorSource::Downstream
+        }
+    }
+}
+
 /// A planned request, from its first attempt to its last byte.
 #[derive(Debug)]
 pub struct Exchange {
@@ -488,16 +508,17 @@ impl Exchange {
     }
 
     /// The connection broke after it was made. A pooled connection the worker had already
-    /// closed fails before the worker saw the request: safe to send again, to the same worker
-    /// on a fresh one. Anything after a response started (`answered`) is not retried, except
-    /// the 5xx the gateway itself abandoned for the next target.
-    pub fn retry_after_broken_connection(&mut self, reused: bool, answered: bool) -> bool {
+    /// closed fails before the worker saw the request (`resendable`, see [`resendable`]): safe
+    /// to send again, to the same worker on a fresh one. Anything else, and anything after a
+    /// response started (`answered`), is not retried, except the 5xx the gateway itself
+    /// abandoned for the next target.
+    pub fn retry_after_broken_connection(&mut self, resendable: bool, answered: bool) -> bool {
         if self.fallback_requested {
             self.fallback_requested = false;
             return true;
         }
         let limit = self.pool().map_or(1, |pool| pool.config.max_attempts);
-        if !reused || answered || self.attempt.reconnects >= limit {
+        if !resendable || answered || self.attempt.reconnects >= limit {
             return false;
         }
         self.attempt.reconnects += 1;
@@ -540,6 +561,9 @@ impl Exchange {
             request.remove_header("anthropic-beta");
         }
         request.remove_header(&http::header::TRANSFER_ENCODING);
+        // The gateway sends the whole body at once: a worker asked to confirm it first
+        // (`Expect: 100-continue`) would answer with an interim head before the answer's.
+        request.remove_header(&http::header::EXPECT);
         request.insert_header(http::header::CONTENT_LENGTH, target.body.len().to_string())?;
         if !self.client.endpoint.is_audio() {
             // A form keeps the client's type (its boundary); everything else is JSON.
@@ -674,8 +698,11 @@ impl Exchange {
         }
         // The first token (vLLM streams nothing before it but a Responses stream's opening
         // events, which `answer` passes over): the prefill is done, and the worker's queue no
-        // longer holds it (decoding is counted by `current`).
-        self.attempt.prefilled(status < 400);
+        // longer holds it (decoding is counted by `current`). An error event in its place
+        // (a stream that failed before its first token) computed nothing to keep, and its time
+        // is no time to a first token.
+        let computed = status < 400 && !self.answer.first_was_error;
+        self.attempt.prefilled(computed);
         if let (Some(unfinished), Some(prediction), Some(pool)) = (
             self.attempt.unfinished.take(),
             self.attempt.prediction.as_ref(),
@@ -684,7 +711,7 @@ impl Exchange {
             finish_prompt(pool, prediction, unfinished, WHOLE_AFTER_FIRST_TOKEN);
         }
         match self.attempt.ttft.as_mut() {
-            Some(probe) if status < 400 => probe.first_token(),
+            Some(probe) if computed => probe.first_token(),
             _ => self.attempt.ttft = None,
         }
         Ok(())

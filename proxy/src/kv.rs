@@ -1001,8 +1001,11 @@ impl WorkerLoad {
     /// their first token, and their KV blocks: what a scrape of the worker need not explain.
     fn known(&self) -> (u64, u64, u64) {
         let peers = self.peers();
-        let in_flight = self.own_in_flight() + peers.in_flight;
-        let pending = (self.own_pending() + peers.prefills).min(in_flight);
+        let in_flight = self.own_in_flight().saturating_add(peers.in_flight);
+        let pending = self
+            .own_pending()
+            .saturating_add(peers.prefills)
+            .min(in_flight);
         (
             in_flight,
             pending,

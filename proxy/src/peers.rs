@@ -718,7 +718,7 @@ impl Replicas {
             );
         }
         let silence = (datagram.interval_ms > 0)
-            .then(|| Duration::from_millis(datagram.interval_ms) * SILENT_INTERVALS);
+            .then(|| Duration::from_millis(datagram.interval_ms).saturating_mul(SILENT_INTERVALS));
         self.heard.insert(
             datagram.instance,
             Heard {
@@ -734,10 +734,14 @@ impl Replicas {
     }
 
     /// Forget replicas silent for longer than their own allowance (`silence` for those that
-    /// do not say).
+    /// do not say). An allowance longer than `silence` and [`FRESH_FOR`] is cut to them: a
+    /// replica that says it sends once an hour (a long `--peer-interval-ms`, or a wrong one)
+    /// would have its last ledger counted for hours after it stopped.
     fn forget_silent(&mut self, now: Instant, silence: Duration) {
+        let longest = silence.max(FRESH_FOR);
         self.heard.retain(|_, heard| {
-            now.saturating_duration_since(heard.at) <= heard.silence.unwrap_or(silence)
+            let allowance = heard.silence.map_or(silence, |own| own.min(longest));
+            now.saturating_duration_since(heard.at) <= allowance
         });
         self.forget_ends();
     }
@@ -1372,6 +1376,27 @@ mod tests {
         assert!(kept.workers.len() > 500, "{}", kept.workers.len());
         let least = kept.workers.iter().map(|w| w.2).min().unwrap();
         assert_eq!(least, 2_000 - kept.workers.len() as u64);
+    }
+
+    #[test]
+    fn a_replica_that_claims_a_long_interval_is_forgotten_within_the_freshness_window() {
+        let address: SocketAddr = "10.0.0.1:9090".parse().unwrap();
+        let replica = ReplicaLedger {
+            workers: HashMap::from([("w".to_owned(), ledger(100, 0))]),
+            ..Default::default()
+        };
+        let mut hourly = from("r1", 1, &replica);
+        hourly.interval_ms = 3_600_000;
+        let start = Instant::now();
+        let mut replicas = Replicas::default();
+        assert!(replicas.hear(hourly, address, start));
+        // Silent for a minute: past this replica's own allowance (1 s) and the freshness
+        // window, though within the ten hours its interval claims.
+        let silence = Duration::from_secs(1);
+        replicas.forget_silent(start + FRESH_FOR / 2, silence);
+        assert_eq!(replicas.addresses().count(), 1, "kept within the window");
+        replicas.forget_silent(start + Duration::from_secs(60), silence);
+        assert_eq!(replicas.addresses().count(), 0, "forgotten past it");
     }
 
     #[test]

@@ -95,6 +95,14 @@ const SHORT_TAIL_PARTS: usize = 8;
 /// text); a text unlike the pool's usual grows to [`FIRST_HEAD_TOKENS`] and is estimated by
 /// its own rate. Tokenizing is most of what routing costs a request.
 const SMALL_HEAD_TOKENS: usize = 64;
+/// A text shorter than this is looked at first by a small head even before the pool has
+/// learned its rate: a first head of [`FIRST_HEAD_TOKENS`] would cover all of it (its first try
+/// is six bytes a token), so on unique short prompts (a chat's opening question, a
+/// classification call) routing would tokenize every prompt whole on the request's path, and
+/// a pool of them would never learn its rate (only prompts finished off the path teach it).
+/// The rest of such a text, a few hundred tokens at most, is estimated by the head's own rate
+/// until the pool's is learned; a worker that holds the head still grows it.
+const SHORT_TEXT_BYTES: usize = FIRST_HEAD_TOKENS * 6;
 /// How far (relative) a small head's tokens per byte may be from the learned rate.
 const RATE_TOLERANCE: f64 = 0.2;
 /// Bytes of text the learned rate weighs as, against a small head's own bytes.
@@ -264,7 +272,7 @@ pub fn analyse(
             // no worker (and no request in flight) holds, no worker can match, so the rest is
             // counted, not hashed.
             let learned = cache.tokens_per_byte();
-            let first = if learned.is_some() {
+            let first = if learned.is_some() || text.len() < SHORT_TEXT_BYTES {
                 SMALL_HEAD_TOKENS
             } else {
                 FIRST_HEAD_TOKENS

@@ -202,6 +202,11 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         let status = upstream_response.status.as_u16();
+        if upstream_response.status.is_informational() {
+            // An interim head (`103 Early Hints`; `100 Continue` is not asked for): the answer,
+            // its status and its first token are still to come.
+            return Ok(());
+        }
         let request_id = ctx.request_id.clone();
         // A 5xx before any byte reached the client: the next target, if there is one.
         if ctx
@@ -299,7 +304,8 @@ impl ProxyHttp for Gateway {
             return e;
         };
         let reconnect = !exchange.fallback_requested;
-        let retry = exchange.retry_after_broken_connection(client_reused, answered);
+        let resend = crate::exchange::resendable(&e, client_reused);
+        let retry = exchange.retry_after_broken_connection(resend, answered);
         if retry && reconnect {
             tracing::debug!(
                 request_id = %request_id,

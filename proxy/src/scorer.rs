@@ -353,9 +353,13 @@ pub fn decide(
         let in_flight = worker.in_flight();
         let own_decoding = (in_flight as u64).saturating_sub(load.own_pending());
         let peers_decoding = peers.in_flight.saturating_sub(peers.prefills);
-        let running = own_decoding + peers_decoding + load.others_running();
-        let formula_ttft_s =
-            model.predict((queued_tokens + uncached_tokens) as f64, running as f64);
+        let running = own_decoding
+            .saturating_add(peers_decoding)
+            .saturating_add(load.others_running());
+        let formula_ttft_s = model.predict(
+            queued_tokens.saturating_add(uncached_tokens) as f64,
+            running as f64,
+        );
         let predicted_ttft_s = relative_speed * formula_ttft_s;
         let kv_blocks_needed = (uncached_tokens + output_tokens.min(MAX_OUTPUT_TOKENS))
             .div_ceil(block_size.max(1)) as u64;

@@ -183,6 +183,34 @@ fn a_closed_pooled_connection_is_resent_to_the_same_worker_only_before_an_answer
     assert!(!exchange.retry_after_broken_connection(true, false));
 }
 
+#[test]
+fn only_errors_the_upstream_cannot_have_read_are_resent() {
+    use pingora_error::{Error, ErrorType, RetryType};
+    // A pooled connection the worker had closed, as Pingora's HTTP/1 client marks it: resent
+    // only when the connection was a reused one.
+    let mut closed = Error::explain(
+        ErrorType::ConnectionClosed,
+        "while reading response headers",
+    );
+    closed.retry = RetryType::ReusedOnly;
+    assert!(super::resendable(&closed, true));
+    assert!(!super::resendable(&closed, false));
+    // A read timeout while the worker works, the client gone while it waits: the request may
+    // be running, whatever the connection.
+    let timeout = Error::explain(ErrorType::ReadTimedout, "while reading response headers");
+    assert!(!super::resendable(&timeout, true));
+    let gone = Error::explain(ErrorType::ConnectionClosed, "downstream");
+    assert!(!super::resendable(&gone, true));
+    // A pooled connection that broke while the request was written: it never arrived whole.
+    let write = Error::explain(ErrorType::WriteError, "while writing request headers");
+    assert!(super::resendable(&write, true));
+    assert!(!super::resendable(&write, false));
+    // An HTTP/2 stream the upstream refused.
+    let mut refused = Error::explain(ErrorType::H2Error, "stream refused");
+    refused.retry = RetryType::Decided(true);
+    assert!(super::resendable(&refused, false));
+}
+
 #[tokio::test]
 async fn a_5xx_before_the_first_byte_moves_to_the_next_target_once() {
     let metrics = metrics();
