@@ -28,7 +28,7 @@ use crate::plan::{self, ClientRequest, Plan, Target, Translation};
 use crate::prompt::{self, Unfinished};
 use crate::responses::{Holder, ResponseDirectory};
 use crate::routing::{
-    Destination, InFlight, KvReservation, PendingPrefill, PoolRuntime, ProviderRuntime,
+    Destination, InFlight, KvReservation, PendingPrefill, PoolRuntime, Prefill, ProviderRuntime,
     RoutingTable, WorkerState,
 };
 use crate::scorer::{self, Decision, Outcome, WorkerScore};
@@ -54,8 +54,9 @@ pub struct Attempt {
     pub current: Option<InFlight>,
     /// The scorer's decision for the current attempt (cache-aware pools).
     pub decision: Option<Decision>,
-    /// Prefill work counted against the chosen worker until its first token.
-    pub pending: Option<PendingPrefill>,
+    /// Prefill work counted against the chosen worker until its first token (of a whole
+    /// answer: until the first token the scorer predicted).
+    pub pending: Option<Prefill>,
     /// KV blocks counted against the chosen worker until the request ends.
     pub kv: Option<KvReservation>,
     /// The chosen worker will hold this prompt's blocks; counted until the request ends.
@@ -435,7 +436,16 @@ impl Exchange {
             sent: Instant::now(),
             observed_s: None,
         });
-        attempt.pending = Some(PendingPrefill::start(&worker, uncached));
+        let pending = PendingPrefill::start(&worker, uncached);
+        // A whole answer shows no first token (its head comes with its last): its prefill
+        // counts until the one predicted.
+        let predicted = score
+            .filter(|_| !stream)
+            .and_then(|score| Duration::try_from_secs_f64(score.predicted_ttft_s).ok());
+        attempt.pending = Some(match predicted {
+            Some(after) => Prefill::unseen(pending, after),
+            None => Prefill::seen(pending),
+        });
         attempt.kv = score.map(|score| KvReservation::start(&worker, score.kv_blocks_needed));
         attempt.prediction = match (prompt, pool.slots.get(index)) {
             (Some(prompt), Some(slot)) => {

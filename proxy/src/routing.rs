@@ -19,7 +19,9 @@ use switchyard_snapshot::{ModelTarget, Pool, PoolId, Snapshot};
 
 use crate::kv::{KvRegistry, PoolKv};
 pub use crate::provider::ProviderRuntime;
-pub use crate::worker::{EndpointRegistry, InFlight, KvReservation, PendingPrefill, WorkerState};
+pub use crate::worker::{
+    EndpointRegistry, InFlight, KvReservation, PendingPrefill, Prefill, WorkerState,
+};
 
 /// A pool ready for routing.
 #[derive(Debug)]

@@ -128,6 +128,48 @@ impl Drop for PendingPrefill {
     }
 }
 
+/// A prefill counted against a worker: until its first token, or (a whole answer, whose first
+/// token the proxy does not see) until the end of the prefill the scorer predicted, whichever
+/// comes first, or the request ends. A whole answer's head arrives with its last token: held
+/// until then, its prompt would count as queued while it decodes, and as the worker's oldest
+/// prefill it would make everything sent after it look done ([`WorkerState::prefill_elapsed`]).
+#[derive(Debug)]
+pub struct Prefill(Arc<Mutex<Option<PendingPrefill>>>);
+
+impl Prefill {
+    /// A prefill whose first token will be seen.
+    pub fn seen(pending: PendingPrefill) -> Prefill {
+        Prefill(Arc::new(Mutex::new(Some(pending))))
+    }
+
+    /// A prefill whose first token will not be seen: released `after` the predicted time (on
+    /// the current Tokio runtime; without one, as [`Prefill::seen`]).
+    pub fn unseen(pending: PendingPrefill, after: std::time::Duration) -> Prefill {
+        let prefill = Prefill::seen(pending);
+        let shared = Arc::downgrade(&prefill.0);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                tokio::time::sleep(after).await;
+                if let Some(shared) = shared.upgrade() {
+                    drop(crate::lock(&shared).take());
+                }
+            });
+        }
+        prefill
+    }
+
+    /// Whether it is still counted.
+    pub fn counted(&self) -> bool {
+        crate::lock(&self.0).is_some()
+    }
+}
+
+impl Drop for Prefill {
+    fn drop(&mut self) {
+        drop(crate::lock(&self.0).take());
+    }
+}
+
 /// Counts the KV blocks a request will hold at a worker (its uncached prompt and the output it
 /// may generate) until the request ends.
 #[derive(Debug)]

@@ -48,6 +48,9 @@ pub struct UpstreamOptions {
     /// End every chat or completions stream with vLLM's error event after this many content
     /// chunks (the engine failed mid-answer; the connection ends cleanly).
     pub error_after: Option<usize>,
+    /// A whole (not streamed) answer waits for a permit from [`Upstream::release`] before its
+    /// head, as a worker's does until its last token.
+    pub gated_whole: bool,
 }
 
 /// What a public provider's answers carry besides the content: its own business, not a client's.
@@ -315,6 +318,12 @@ async fn answer(
         last.clone_from(&model);
     }
     let stream = request["stream"].as_bool().unwrap_or(false);
+    if !stream
+        && shared.options.gated_whole
+        && let Ok(permit) = shared.gate.acquire().await
+    {
+        permit.forget();
+    }
     let chunks = shared.options.stream_chunks.unwrap_or(3);
     let name = shared.name.clone();
     let reply = format!("{name} saw {} bytes", body.len());

@@ -244,3 +244,48 @@ async fn a_large_bodys_fallback_is_prepared_off_the_event_loop_all_the_same() {
         text.len()
     );
 }
+
+/// A whole answer's head comes with its last token: its prefill counts until the first token
+/// the scorer predicted, not while it decodes; a stream's until its first token shows.
+#[tokio::test]
+async fn a_whole_answers_prefill_counts_until_its_predicted_first_token() {
+    let metrics = metrics();
+    let table = table();
+    // Logprobs of a chat: answered whole by the worker (not assembled from a stream).
+    let whole = Bytes::from_static(
+        br#"{"model":"chain","messages":[{"role":"user","content":"hi"}],"logprobs":true}"#,
+    );
+    let mut exchange = exchange_on(&metrics, table.clone(), whole);
+    assert!(!exchange.upstream_streams());
+    exchange.next_peer(TIMEOUT).unwrap();
+    let chosen = exchange.attempt.tried[0];
+    let predicted = exchange
+        .attempt
+        .decision
+        .as_ref()
+        .and_then(|decision| decision.score(chosen))
+        .map(|score| score.predicted_ttft_s)
+        .expect("a cache-aware pool scores the attempt");
+    let pending = exchange.attempt.pending.as_ref().unwrap();
+    assert!(pending.counted(), "counted when sent");
+    let waited = std::time::Instant::now();
+    while pending.counted() {
+        assert!(waited.elapsed() < Duration::from_secs(5), "never released");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(waited.elapsed().as_secs_f64() + 0.001 >= predicted);
+    let worker = &exchange.pool().unwrap().workers[chosen];
+    assert_eq!(worker.load.own_pending(), 0);
+    assert_eq!(worker.in_flight(), 1, "still in flight while it decodes");
+
+    // A stream on the same worker stays counted past that time, until its first token.
+    let stream = Bytes::from_static(
+        br#"{"model":"chain","messages":[{"role":"user","content":"hi"}],"stream":true}"#,
+    );
+    let mut streamed = exchange_on(&metrics, table, stream);
+    streamed.next_peer(TIMEOUT).unwrap();
+    tokio::time::sleep(Duration::from_secs_f64(predicted * 2.0 + 0.05)).await;
+    assert!(streamed.attempt.pending.as_ref().unwrap().counted());
+    streamed.finish();
+    exchange.finish();
+}

@@ -385,16 +385,27 @@ async fn a_worker_that_falls_silent_or_breaks_mid_stream_leaves_nothing_counted(
         },
     )
     .await;
+    let held = Upstream::start_with(
+        "held",
+        UpstreamOptions {
+            gated_whole: true,
+            ..Default::default()
+        },
+    )
+    .await;
     let config = format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: silent}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
          apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: breaking}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
          apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: erring}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
          apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: silent}}\nspec: {{modelName: silent, targets: [{{pool: silent}}]}}\n---\n\
          apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: breaking}}\nspec: {{modelName: breaking, targets: [{{pool: breaking}}]}}\n---\n\
-         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: erring}}\nspec: {{modelName: erring, targets: [{{pool: erring}}]}}\n",
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: erring}}\nspec: {{modelName: erring, targets: [{{pool: erring}}]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: held}}\nspec: {{model: m, endpoints: [\"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: held}}\nspec: {{modelName: held, targets: [{{pool: held}}]}}\n",
         silent.endpoint(),
         breaking.endpoint(),
-        erring.endpoint()
+        erring.endpoint(),
+        held.endpoint()
     );
     let proxy = Proxy::start(&config, &["--upstream-read-timeout-s", "1"]).await;
     let worker = silent.endpoint();
@@ -501,6 +512,37 @@ async fn a_worker_that_falls_silent_or_breaks_mid_stream_leaves_nothing_counted(
     };
     assert!(counted("upstream_error"), "{metrics}");
     assert!(!counted("success"), "{metrics}");
+
+    // A worker that falls silent on a pooled connection is not sent the request again: a read
+    // timeout says nothing of whether it is working on it (only a connection it had closed
+    // does). Whole answers with logprobs (not assembled from a stream) wait for their head
+    // there; the first, let through, leaves a keep-alive connection the second goes out on.
+    let whole = || {
+        let mut whole = body("held", false);
+        whole["logprobs"] = json!(true);
+        whole
+    };
+    held.release(1);
+    let response = client.post(&url).json(&whole()).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    response.bytes().await.unwrap();
+    let chats = || {
+        held.received()
+            .iter()
+            .filter(|r| r.path == "/v1/chat/completions")
+            .count()
+    };
+    assert_eq!(chats(), 1);
+    let response = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        client.post(&url).json(&whole()).send(),
+    )
+    .await
+    .expect("the proxy gives up on a silent worker")
+    .unwrap();
+    assert_eq!(response.status(), 504);
+    assert_eq!(chats(), 2, "sent once");
+    wait_empty(&proxy, &held.endpoint()).await;
 }
 
 /// The routing figures `proxy` would use for `worker` now (`/debug/route`, nothing sent).
