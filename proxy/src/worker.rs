@@ -19,6 +19,9 @@ use crate::kv::WorkerLoad;
 /// when no replicas are configured.
 pub(crate) static LEDGER_CHANGED: Notify = Notify::const_new();
 
+/// Requests this proxy has sent to workers, numbered in order ([`WorkerState::last_sent`]).
+static SENT: AtomicU64 = AtomicU64::new(0);
+
 pub(crate) fn ledger_changed() {
     LEDGER_CHANGED.notify_one();
 }
@@ -42,12 +45,21 @@ pub struct WorkerState {
     pub load: Arc<WorkerLoad>,
     /// Observed against predicted time to first token, learned from this proxy's requests.
     pub ttft: TtftCalibration,
+    /// The number of this proxy's latest request to the worker, in the order of all its
+    /// requests to any worker ([`SENT`]; 0: never).
+    last_sent: AtomicU64,
 }
 
 impl WorkerState {
     /// This proxy's requests at the worker now.
     pub fn in_flight(&self) -> usize {
         self.load.own_in_flight() as usize
+    }
+
+    /// The number of this proxy's latest request to the worker ([`SENT`]; 0: never): the
+    /// worker sent to longest ago has the smallest.
+    pub fn last_sent(&self) -> u64 {
+        self.last_sent.load(Ordering::Relaxed)
     }
 
     /// What this proxy counts against the worker now: the ledger it exports on `/metrics` and
@@ -208,6 +220,8 @@ pub struct InFlight(Arc<WorkerState>);
 impl InFlight {
     pub fn start(worker: &Arc<WorkerState>) -> InFlight {
         worker.load.own_in_flight.fetch_add(1, Ordering::Relaxed);
+        let number = SENT.fetch_add(1, Ordering::Relaxed) + 1;
+        worker.last_sent.store(number, Ordering::Relaxed);
         InFlight(worker.clone())
     }
 
@@ -253,6 +267,7 @@ impl EndpointRegistry {
             prefill_order: Mutex::default(),
             load: Arc::default(),
             ttft: TtftCalibration::default(),
+            last_sent: AtomicU64::new(0),
         });
         workers.insert(address.to_owned(), state.clone());
         state
