@@ -439,9 +439,12 @@ impl Exchange {
         let pending = PendingPrefill::start(&worker, uncached);
         // A whole answer shows no first token (its head comes with its last): its prefill
         // counts until the one predicted.
+        // (At most the read timeout: the head comes by then or the attempt ends, and the timer
+        // would outlive its request.)
         let predicted = score
             .filter(|_| !stream)
-            .and_then(|score| Duration::try_from_secs_f64(score.predicted_ttft_s).ok());
+            .and_then(|score| Duration::try_from_secs_f64(score.predicted_ttft_s).ok())
+            .map(|after| after.min(read_timeout));
         attempt.pending = Some(match predicted {
             Some(after) => Prefill::unseen(pending, after),
             None => Prefill::seen(pending),
