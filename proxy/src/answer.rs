@@ -157,20 +157,10 @@ const ERROR_EVENTS: [&str; 2] = ["error", "response.failed"];
 /// Bytes of one line held to be judged whole before it counts as output anyway.
 const MAX_PARTIAL_LINE: usize = 64 * 1024;
 
-/// Whether a stream's `data:` payload is an error: vLLM's `{"error": {...}}` (older servers:
-/// `{"object": "error", ...}`).
+/// Whether a stream's `data:` payload is an error event ([`assemble::stream_error`]).
 fn is_error_payload(payload: &[u8]) -> bool {
-    let payload = payload.trim_ascii();
-    let Some(inside) = payload.strip_prefix(b"{") else {
-        return false;
-    };
-    let inside = inside.trim_ascii_start();
-    inside.starts_with(b"\"error\"")
-        || inside.strip_prefix(b"\"object\"").is_some_and(|rest| {
-            rest.trim_ascii_start()
-                .strip_prefix(b":")
-                .is_some_and(|value| value.trim_ascii_start().starts_with(b"\"error\""))
-        })
+    serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(payload.trim_ascii())
+        .is_ok_and(|event| assemble::stream_error(&event).is_some())
 }
 
 impl Answer {
@@ -198,8 +188,15 @@ impl Answer {
         if !self.events {
             return Some(false);
         }
-        let mut text = std::mem::take(&mut self.partial_line);
-        text.extend_from_slice(chunk);
+        let joined;
+        let text: &[u8] = if self.partial_line.is_empty() {
+            chunk
+        } else {
+            let mut held = std::mem::take(&mut self.partial_line);
+            held.extend_from_slice(chunk);
+            joined = held;
+            &joined
+        };
         let complete = text
             .iter()
             .rposition(|&b| b == b'\n')

@@ -41,6 +41,17 @@ pub enum Kind {
 /// The events a Responses API stream opens with before any output: vLLM sends both as soon as
 /// it has accepted the request, before its engine yields a token (`responses_stream_generator`).
 pub const OPENING_EVENTS: [&str; 2] = ["response.created", "response.in_progress"];
+/// The error a stream's event carries: vLLM's `{"error": {...}}` (Anthropic's `{"type": "error",
+/// "error": {...}}` too), or the event itself when it is one (`Value::Null`; its message is
+/// beside): `"object": "error"` before vLLM 0.10, a Responses stream's `"type": "error"`.
+pub fn stream_error(event: &Map<String, Value>) -> Option<&Value> {
+    let names_error = |field: &str| event.get(field).and_then(Value::as_str) == Some("error");
+    match event.get("error") {
+        Some(error) => Some(error),
+        None => (names_error("object") || names_error("type")).then_some(&Value::Null),
+    }
+}
+
 /// The Responses API events that end a stream with the whole response.
 const FINAL_EVENTS: [&str; 3] = [
     "response.completed",
@@ -164,15 +175,7 @@ impl Assembler {
             self.fail("the worker's stream sent an event that is not a JSON object");
             return false;
         };
-        // vLLM's error event: `{"error": {...}}` (Anthropic's `{"type": "error", "error":
-        // {...}}` too), or the error itself: `"object": "error"` before vLLM 0.10, a Responses
-        // stream's `"type": "error"`.
-        let names_error = |field: &str| chunk.get(field).and_then(Value::as_str) == Some("error");
-        let error = match chunk.get("error") {
-            Some(error) => Some(error),
-            None => (names_error("object") || names_error("type")).then_some(&Value::Null),
-        };
-        if let Some(error) = error {
+        if let Some(error) = stream_error(&chunk) {
             let message = error
                 .get("message")
                 .or_else(|| chunk.get("message"))

@@ -447,7 +447,7 @@ impl Exchange {
             .map(|after| after.min(read_timeout));
         attempt.pending = Some(match predicted {
             Some(after) => Prefill::unseen(pending, after),
-            None => Prefill::seen(pending),
+            None => Prefill::Seen(pending),
         });
         attempt.kv = score.map(|score| KvReservation::start(&worker, score.kv_blocks_needed));
         attempt.prediction = match (prompt, pool.slots.get(index)) {

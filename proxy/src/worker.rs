@@ -146,39 +146,38 @@ impl Drop for PendingPrefill {
 /// until then, its prompt would count as queued while it decodes, and as the worker's oldest
 /// prefill it would make everything sent after it look done ([`WorkerState::prefill_elapsed`]).
 #[derive(Debug)]
-pub struct Prefill(Arc<Mutex<Option<PendingPrefill>>>);
+pub enum Prefill {
+    /// Released when dropped (at the first token).
+    Seen(PendingPrefill),
+    /// Released by the timer at the predicted first token, or when dropped first (the timer
+    /// holds it only weakly).
+    Unseen(Arc<Mutex<Option<PendingPrefill>>>),
+}
 
 impl Prefill {
-    /// A prefill whose first token will be seen.
-    pub fn seen(pending: PendingPrefill) -> Prefill {
-        Prefill(Arc::new(Mutex::new(Some(pending))))
-    }
-
     /// A prefill whose first token will not be seen: released `after` the predicted time (on
-    /// the current Tokio runtime; without one, as [`Prefill::seen`]).
+    /// the current Tokio runtime; without one, as [`Prefill::Seen`]).
     pub fn unseen(pending: PendingPrefill, after: std::time::Duration) -> Prefill {
-        let prefill = Prefill::seen(pending);
-        let shared = Arc::downgrade(&prefill.0);
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                tokio::time::sleep(after).await;
-                if let Some(shared) = shared.upgrade() {
-                    drop(crate::lock(&shared).take());
-                }
-            });
-        }
-        prefill
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Prefill::Seen(pending);
+        };
+        let shared = Arc::new(Mutex::new(Some(pending)));
+        let timer = Arc::downgrade(&shared);
+        runtime.spawn(async move {
+            tokio::time::sleep(after).await;
+            if let Some(shared) = timer.upgrade() {
+                drop(crate::lock(&shared).take());
+            }
+        });
+        Prefill::Unseen(shared)
     }
 
     /// Whether it is still counted.
     pub fn counted(&self) -> bool {
-        crate::lock(&self.0).is_some()
-    }
-}
-
-impl Drop for Prefill {
-    fn drop(&mut self) {
-        drop(crate::lock(&self.0).take());
+        match self {
+            Prefill::Seen(_) => true,
+            Prefill::Unseen(shared) => crate::lock(shared).is_some(),
+        }
     }
 }
 
