@@ -148,6 +148,9 @@ pub struct Answer {
     /// Why an answer the gateway assembles has no whole (the stream failed): the client's
     /// connection is ended, its status being sent already.
     pub failed: Option<String>,
+    /// What the client's stream got so far ends between two events (or there was none yet):
+    /// an error event can end it if its worker fails.
+    between_events: bool,
 }
 
 /// Events that end a stream in an error: vLLM's `error` (and Anthropic's), and the Responses
@@ -175,6 +178,7 @@ impl Answer {
             partial_line: Vec::new(),
             first_was_error: false,
             failed: None,
+            between_events: true,
         }
     }
 
@@ -496,7 +500,17 @@ impl Answer {
                 *body = Some(out.freeze());
             }
         }
+        if let Some(out) = body.as_ref().filter(|out| !out.is_empty()) {
+            self.between_events = out.ends_with(b"\n\n") || out.ends_with(b"\r\n\r\n");
+        }
         first
+    }
+
+    /// Whether the client gets a stream of events that can still take one more: an error, if
+    /// its worker fails half-way ([`crate::api::ApiError::stream_event`]). Not when the last
+    /// event went out in part (its end will not come).
+    pub fn can_end_with_event(&self) -> bool {
+        self.events && self.between_events
     }
 }
 
@@ -659,6 +673,39 @@ mod tests {
         answer.body(&mut body, true, "m");
         assert_eq!(body.as_deref(), Some(whole.as_bytes()));
         assert_eq!(answer.failed, None);
+    }
+
+    #[test]
+    fn a_stream_can_end_with_an_error_event_only_between_events() {
+        let streamed = |delivery| {
+            let mut answer = answer();
+            let mut response = ResponseHeader::build(200, None).unwrap();
+            response
+                .insert_header("content-type", "text/event-stream")
+                .unwrap();
+            answer
+                .head(&mut response, Translation::None, delivery, "m", "m", None)
+                .unwrap();
+            answer
+        };
+        let mut answer = streamed(Delivery::Stream);
+        assert!(answer.can_end_with_event(), "nothing sent yet");
+        for (piece, between) in [
+            ("data: {\"choices\":[]}\n\n", true),
+            ("data: {\"cho", false),
+            ("ices\":[]}\n\n", true),
+            ("event: x\r\ndata: {}\r\n\r\n", true),
+            ("data: {}\n", false),
+        ] {
+            let mut body = Some(Bytes::from(piece));
+            answer.body(&mut body, false, "m");
+            assert_eq!(answer.can_end_with_event(), between, "{piece:?}");
+        }
+        // An answer the client gets whole has no events to end.
+        let mut whole = streamed(Delivery::Whole);
+        let mut body = Some(Bytes::from_static(b"data: {}\n\n"));
+        whole.body(&mut body, false, "m");
+        assert!(!whole.can_end_with_event());
     }
 
     fn head(answer: &mut Answer, stream: bool) {

@@ -460,6 +460,42 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The error as the last event of a stream the client's `endpoint` answers with, once its
+    /// status went out (a worker that failed half-way): Anthropic's `error` event on
+    /// `/v1/messages`, the Responses API's `error` event on `/v1/responses`, and elsewhere the
+    /// error chunk and `[DONE]` with which vLLM ends a stream that failed. The official SDKs
+    /// raise it as an API error, not as a broken connection.
+    pub fn stream_event(&self, endpoint: Endpoint) -> Bytes {
+        let (opening, data, closing): (&[u8], Bytes, &[u8]) = match endpoint {
+            Endpoint::Messages => (
+                b"event: error\ndata: ",
+                self.body(ClientFormat::Anthropic),
+                b"\n\n",
+            ),
+            Endpoint::Responses => (
+                b"event: error\ndata: ",
+                Bytes::from(
+                    json!({
+                        "type": "error",
+                        "code": self.code,
+                        "message": self.shown_message(),
+                        "param": self.param,
+                    })
+                    .to_string(),
+                ),
+                b"\n\n",
+            ),
+            _ => (
+                b"data: ",
+                self.body(ClientFormat::OpenAi),
+                b"\n\ndata: [DONE]\n\n",
+            ),
+        };
+        [opening, &data, closing].concat().into()
+    }
+}
+
 /// Longest client-supplied text echoed in an error message or a log line, in characters.
 const CLIENT_TEXT_CHARS: usize = 128;
 /// Longest error message sent or logged, in characters (parser messages can quote a whole value).
@@ -497,6 +533,34 @@ fn bounded(text: &str, max_chars: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_stream_ends_with_an_error_event_in_the_clients_api() {
+        let error = ApiError::new(ErrorKind::GatewayTimeout, "upstream_timeout", "stopped");
+        let data = |event: &str, prefix: &str| -> serde_json::Value {
+            let line = event.lines().find(|l| l.starts_with("data: {")).unwrap();
+            assert!(event.starts_with(prefix), "{event}");
+            assert!(event.ends_with("\n\n"), "{event}");
+            serde_json::from_str(line.trim_start_matches("data: ")).unwrap()
+        };
+        let chat = error.stream_event(Endpoint::ChatCompletions);
+        let chat = std::str::from_utf8(&chat).unwrap();
+        assert!(chat.ends_with("\n\ndata: [DONE]\n\n"), "{chat}");
+        let chat = data(chat, "data: ");
+        assert_eq!(chat["error"]["code"], "upstream_timeout");
+        assert_eq!(chat["error"]["type"], "server_error");
+        assert_eq!(chat["error"]["message"], "stopped");
+        let messages = error.stream_event(Endpoint::Messages);
+        let messages = data(std::str::from_utf8(&messages).unwrap(), "event: error\n");
+        assert_eq!(messages["type"], "error");
+        assert_eq!(messages["error"]["type"], "api_error");
+        assert_eq!(messages["error"]["message"], "stopped");
+        let responses = error.stream_event(Endpoint::Responses);
+        let responses = data(std::str::from_utf8(&responses).unwrap(), "event: error\n");
+        assert_eq!(responses["type"], "error");
+        assert_eq!(responses["code"], "upstream_timeout");
+        assert_eq!(responses["message"], "stopped");
+    }
 
     #[test]
     fn model_paths_and_formats() {

@@ -539,6 +539,15 @@ impl Exchange {
         self.attempt.reconnect_to.is_some()
     }
 
+    /// The event that ends the client's stream when its worker failed (`error`) after the
+    /// status went out; `None` when the client gets no stream, or the last event went out in
+    /// part (the connection is then cut).
+    pub fn stream_failure_event(&self, error: &pingora_error::Error) -> Option<bytes::Bytes> {
+        self.answer
+            .can_end_with_event()
+            .then(|| crate::respond::stream_failure(error).stream_event(self.client.endpoint))
+    }
+
     /// The upstream answered `status` before any byte reached the client: a 5xx moves to the
     /// next target when there is one (`true`: abandon this answer).
     pub fn fall_back_on_status(&mut self, status: u16) -> bool {

@@ -7,8 +7,10 @@
 //! sets none), so concurrent requests cannot overshoot the limit together. When the answer's usage
 //! is known the reservation is settled to what was really used; a request that ends without
 //! usage gives its completion reservation back and keeps its prompt estimate charged (the
-//! upstream may have computed it). Limits are per proxy process (see the README on several
-//! replicas). Time is tokio's, so tests drive it with a paused clock.
+//! upstream may have computed it). A reservation larger than the whole allowance (a `max_tokens`
+//! past any model's context) waits for a full bucket and holds that bucket while in flight, not
+//! its own size: the worker refuses it or it settles to what it used. Limits are per proxy
+//! process (see the README on several replicas). Time is tokio's, so tests drive it with a paused clock.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -47,7 +49,9 @@ impl Bucket {
         if missing <= 0.0 {
             Duration::ZERO
         } else {
-            Duration::from_secs_f64(missing * 60.0 / self.capacity)
+            // A bucket overdrawn by answers settled after the fact can be far below zero; the
+            // wait saturates rather than overflow a Duration.
+            Duration::try_from_secs_f64(missing * 60.0 / self.capacity).unwrap_or(Duration::MAX)
         }
     }
 
@@ -154,8 +158,11 @@ pub struct Admission {
     limiter: Arc<RateLimiter>,
     tenant: String,
     limits: RateLimits,
-    /// What is charged to the tokens bucket for this request now.
+    /// What the request reserved, or settled to.
     charged: Reservation,
+    /// What the tokens bucket holds for it now: the reservation, at most a full bucket, until
+    /// settled to what it really used.
+    charged_tokens: u64,
     settled: bool,
     holds_slot: bool,
 }
@@ -215,9 +222,14 @@ impl RateLimiter {
         if let Some(bucket) = &mut state.requests {
             bucket.available -= 1.0;
         }
-        if let Some(bucket) = &mut state.tokens {
-            bucket.available -= reservation.total() as f64;
-        }
+        let charged_tokens = match &mut state.tokens {
+            Some(bucket) => {
+                let charge = reservation.total().min(bucket.capacity as u64);
+                bucket.available -= charge as f64;
+                charge
+            }
+            None => 0,
+        };
         let holds_slot = limits.concurrency.is_some();
         if holds_slot {
             state.in_flight += 1;
@@ -227,6 +239,7 @@ impl RateLimiter {
             tenant: tenant.to_owned(),
             limits,
             charged: reservation,
+            charged_tokens,
             settled: false,
             holds_slot,
         })
@@ -266,11 +279,12 @@ impl Admission {
                 .and_then(|state| state.tokens.as_mut())
             {
                 bucket.refill(Instant::now());
-                bucket.available += self.charged.total() as f64;
+                bucket.available += self.charged_tokens as f64;
                 bucket.available -= now.total() as f64;
             }
         }
         self.charged = now;
+        self.charged_tokens = now.total();
     }
 }
 
@@ -431,6 +445,29 @@ mod tests {
             admitted.push(limiter.admit("t", l, request).unwrap());
         }
         assert!(limiter.admit("t", l, request).is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reservation_past_the_allowance_holds_one_full_bucket() {
+        let limiter = Arc::new(RateLimiter::default());
+        let l = limits(None, Some(60), None);
+        // `max_tokens` past any model's context: it waits for a full bucket and takes that,
+        // not 2^64 tokens that would lock the tenant out (and overflow the wait).
+        let huge = Reservation::for_request(40, Some(u64::MAX));
+        let mut admitted = limiter.admit("t", l, huge).unwrap();
+        let refusal = limiter.admit("t", l, prompt(1)).unwrap_err();
+        assert_eq!(refusal.limit, Limit::TokensPerMinute);
+        assert!(refusal.retry_after <= Duration::from_secs(60));
+        // Settled to what it used: 10 tokens.
+        admitted.settle(4, 6);
+        let _ok = limiter.admit("t", l, prompt(50)).unwrap();
+        assert!(limiter.admit("t", l, prompt(1)).is_err());
+        // An answer that used far more than the bucket holds overdraws it; the wait is long
+        // but a number, not a panic.
+        let mut big = limiter.admit("u", l, prompt(1)).unwrap();
+        big.settle(1, u64::MAX);
+        let refusal = limiter.admit("u", l, prompt(1)).unwrap_err();
+        assert!(refusal.retry_after_secs() > 60);
     }
 
     #[tokio::test(start_paused = true)]

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::Bytes;
 use pingora_core::upstreams::peer::{HttpPeer, Peer};
-use pingora_error::{Error, ErrorType, Result};
+use pingora_error::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 
@@ -325,7 +325,19 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
     ) -> FailToProxy {
         if session.response_written().is_some() {
-            // Headers already went out: all that is left is to end the connection.
+            // Headers already went out: a stream ends with an error event in the client's API
+            // (unless the client is gone, or an event went out in part); then the connection
+            // ends.
+            let event = match &ctx.phase {
+                Phase::Forwarding(exchange) if *e.esource() != ErrorSource::Downstream => {
+                    exchange.stream_failure_event(e)
+                }
+                _ => None,
+            };
+            if let Some(event) = event {
+                // A client that is gone by now cannot be told.
+                let _ = session.write_response_body(Some(event), true).await;
+            }
             return FailToProxy {
                 error_code: 0,
                 can_reuse_downstream: false,

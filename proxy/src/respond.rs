@@ -370,6 +370,23 @@ fn ttft_model(pool: &Arc<PoolRuntime>) -> serde_json::Value {
     })
 }
 
+/// What a client is told when its stream's worker failed after the status went out: the
+/// stream ends with this error ([`ApiError::stream_event`]) instead of breaking off.
+pub fn stream_failure(error: &Error) -> ApiError {
+    match error.etype() {
+        ErrorType::ReadTimedout | ErrorType::WriteTimedout => ApiError::new(
+            ErrorKind::GatewayTimeout,
+            "upstream_timeout",
+            "the worker stopped answering in the middle of the stream",
+        ),
+        _ => ApiError::new(
+            ErrorKind::BadGateway,
+            "upstream_error",
+            "the worker's connection failed in the middle of the stream",
+        ),
+    }
+}
+
 /// The error a client gets when proxying failed with `error` and the gateway decided nothing
 /// more specific. `tried`: how many workers were tried.
 pub fn proxy_failure(error: &Error, tried: usize) -> ApiError {

@@ -451,21 +451,32 @@ async fn a_worker_that_falls_silent_or_breaks_mid_stream_leaves_nothing_counted(
     chunks.next().await.unwrap().unwrap();
     let decoding = ledger(&proxy, &worker).await;
     assert_eq!((decoding.prefills, decoding.in_flight), (0, 1));
+    let mut rest = Vec::new();
     tokio::time::timeout(std::time::Duration::from_secs(10), async {
-        while let Some(Ok(_)) = chunks.next().await {}
+        while let Some(Ok(chunk)) = chunks.next().await {
+            rest.extend_from_slice(&chunk);
+        }
     })
     .await
-    .expect("the proxy cuts a stream whose worker fell silent");
+    .expect("the proxy ends a stream whose worker fell silent");
+    // ... with a timeout error in the client's API.
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        rest.contains("\"code\":\"upstream_timeout\"") && rest.ends_with("data: [DONE]\n\n"),
+        "{rest}"
+    );
     wait_empty(&proxy, &worker).await;
 
-    // A worker whose connection breaks after its first event: the client's stream ends short
-    // of the answer's end, and the request leaves nothing counted.
+    // A worker whose connection breaks after its first event: the client's stream ends with
+    // an error event in its API (vLLM's error chunk, then `[DONE]`) short of the answer's end,
+    // and the request leaves nothing counted.
     let response = client
         .post(&url)
         .json(&body("breaking", true))
         .send()
         .await
         .unwrap();
+    let status = response.status();
     let mut seen = Vec::new();
     tokio::time::timeout(std::time::Duration::from_secs(10), async {
         let mut chunks = response.bytes_stream();
@@ -476,7 +487,20 @@ async fn a_worker_that_falls_silent_or_breaks_mid_stream_leaves_nothing_counted(
     .await
     .expect("a broken worker's stream ends");
     assert_eq!(breaking.received().len(), 1);
-    assert!(!String::from_utf8_lossy(&seen).contains("[DONE]"));
+    let seen = String::from_utf8_lossy(&seen);
+    if status == 200 {
+        let events: Vec<&str> = seen.split("\n\n").filter(|e| !e.is_empty()).collect();
+        assert_eq!(events.len(), 3, "{seen}");
+        let error: serde_json::Value =
+            serde_json::from_str(events[1].trim_start_matches("data: ")).unwrap();
+        assert_eq!(error["error"]["code"], "upstream_error", "{seen}");
+        assert_eq!(events[2], "data: [DONE]");
+    } else {
+        // The break came before the proxy sent the status: a 502 in the client's format.
+        assert_eq!(status, 502, "{seen}");
+        let error: serde_json::Value = serde_json::from_str(&seen).unwrap();
+        assert_eq!(error["error"]["code"], "upstream_error", "{seen}");
+    }
     wait_empty(&proxy, &breaking.endpoint()).await;
 
     // A whole answer the gateway assembles from a stream that breaks, or that ends in vLLM's
