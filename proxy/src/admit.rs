@@ -527,7 +527,7 @@ pub(crate) fn admit_rate(
         Ok(admitted) => Ok(Some(admitted)),
         Err(refusal) => Err(Rejection::new(
             ApiError {
-                kind: ErrorKind::Policy(429),
+                kind: ErrorKind::Status(429),
                 code: "rate_limit_exceeded",
                 param: None,
                 message: refusal.message(&tenant.name),

@@ -8,6 +8,7 @@ use bytes::{Bytes, BytesMut};
 use pingora_http::ResponseHeader;
 
 use crate::accounting::UsageTap;
+use crate::api::ClientFormat;
 use crate::assemble::{self, Assembler};
 use crate::plan::Translation;
 use crate::translate::find_event_end;
@@ -59,13 +60,15 @@ type ErrorFn = fn(u16, &[u8]) -> Bytes;
 enum Mode {
     #[default]
     PassThrough,
-    /// Buffer the whole answer and translate it at the end (non-streaming, or an error status).
+    /// Buffer the whole answer and translate it into the client's API at the end.
     TranslateWhole {
         buffer: BytesMut,
-        status: u16,
-        /// A successful answer, in the client's API.
         answer: AnswerFn,
-        /// An error body, in the client's error format.
+    },
+    /// Buffer an error body and write it in the client's error format at the end.
+    Error {
+        buffer: BytesMut,
+        status: u16,
         error: ErrorFn,
     },
     TranslateStream(Box<dyn StreamTranslation>),
@@ -93,23 +96,72 @@ enum Mode {
     },
 }
 
-/// What translates a whole answer, and a whole error, into the client's API (`translate` is
-/// not [`Translation::None`]).
-fn whole_translation(translate: Translation) -> (AnswerFn, ErrorFn) {
+/// What translates a whole answer into the client's API (`translate` is not
+/// [`Translation::None`]).
+fn whole_translation(translate: Translation) -> AnswerFn {
     match translate {
-        Translation::ChatToMessages => (
-            translate_openai::message_response_to_chat,
-            translate_openai::error_to_openai,
-        ),
-        Translation::ResponsesToChat => (
-            translate_responses::chat_response_to_responses,
-            translate_openai::error_to_openai,
-        ),
-        Translation::MessagesToChat | Translation::None => (
-            translate::chat_response_to_message,
-            translate::error_to_anthropic,
-        ),
+        Translation::ChatToMessages => translate_openai::message_response_to_chat,
+        Translation::ResponsesToChat => translate_responses::chat_response_to_responses,
+        Translation::MessagesToChat | Translation::None => translate::chat_response_to_message,
     }
+}
+
+/// What writes an upstream's error body in the client's error format: an error the upstream
+/// already wrote in it passes as it is (with the upstream's own details), anything else (the
+/// other API's shape, plain text from a proxy before the worker, vLLM's validation errors on
+/// its Anthropic endpoint) is rewritten, its message kept; a refusal of the gateway's
+/// credentials always is ([`translate::upstream_error`]).
+fn error_writer(format: ClientFormat) -> ErrorFn {
+    match format {
+        ClientFormat::OpenAi => |status, body| {
+            if !translate::refused_credentials(status) && is_error_of(body, ClientFormat::OpenAi) {
+                Bytes::copy_from_slice(body)
+            } else {
+                translate_openai::error_to_openai(status, body)
+            }
+        },
+        ClientFormat::Anthropic => |status, body| {
+            if !translate::refused_credentials(status) && is_error_of(body, ClientFormat::Anthropic)
+            {
+                Bytes::copy_from_slice(body)
+            } else {
+                translate::error_to_anthropic(status, body)
+            }
+        },
+    }
+}
+
+/// Whether `body` is an error in `format`'s shape: OpenAI's `{"error": {"message": ...}}`,
+/// Anthropic's `{"type": "error", "error": {"type": ..., "message": ...}}`.
+fn is_error_of(body: &[u8], format: ClientFormat) -> bool {
+    let Ok(body) = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(body)
+    else {
+        return false;
+    };
+    let error = body.get("error").and_then(serde_json::Value::as_object);
+    let text = |field| {
+        error
+            .and_then(|e| e.get(field))
+            .is_some_and(serde_json::Value::is_string)
+    };
+    match format {
+        ClientFormat::OpenAi => text("message"),
+        ClientFormat::Anthropic => {
+            body.get("type").and_then(serde_json::Value::as_str) == Some("error")
+                && text("type")
+                && text("message")
+        }
+    }
+}
+
+/// How answers name the model: as the client did (`client`, its alias), whatever the upstream
+/// served it as (`upstream`), looked for in a whole answer's first `within` bytes (`None`: the
+/// answer names none).
+#[derive(Debug, Clone, Copy)]
+pub struct Naming<'a> {
+    pub client: &'a str,
+    pub upstream: &'a str,
+    pub within: Option<usize>,
 }
 
 /// How the client gets its answer.
@@ -288,17 +340,21 @@ pub fn frame_rewritten(
 
 impl Answer {
     /// The upstream's response head (`status`), for a client of the other API when `translate`
-    /// says so, delivered as `delivery` says. Answers name the model as the client did
-    /// (`client_model`, its alias), whatever the upstream served it as (`upstream_model`).
+    /// says so, delivered as `delivery` says, naming the model as `naming` says. An error
+    /// status's body goes out in the client's error `format`.
     pub fn head(
         &mut self,
         response: &mut ResponseHeader,
         translate: Translation,
         delivery: Delivery,
-        client_model: &str,
-        upstream_model: &str,
-        model_within: Option<usize>,
+        naming: Naming<'_>,
+        format: ClientFormat,
     ) -> pingora_error::Result<()> {
+        let Naming {
+            client: client_model,
+            upstream: upstream_model,
+            within: model_within,
+        } = naming;
         let status = response.status.as_u16();
         let stream = delivery == Delivery::Stream;
         // A worker that answered whole after all (not a stream: another server, or a body the
@@ -316,7 +372,22 @@ impl Answer {
             response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
             self.mode = Mode::Assemble {
                 assembler: Box::new(Assembler::new(kind)),
-                translate: (translate != Translation::None).then(|| whole_translation(translate).0),
+                translate: (translate != Translation::None).then(|| whole_translation(translate)),
+            };
+            return Ok(());
+        }
+        if status >= 400 {
+            // An error, in whatever words the upstream used: in the client's. A refusal of the
+            // gateway's credentials is the gateway's failure: a 502.
+            if translate::refused_credentials(status) {
+                response.set_status(502)?;
+            }
+            response.remove_header(&http::header::CONTENT_LENGTH);
+            response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
+            self.mode = Mode::Error {
+                buffer: BytesMut::new(),
+                status,
+                error: error_writer(format),
             };
             return Ok(());
         }
@@ -347,7 +418,7 @@ impl Answer {
             return Ok(());
         }
         response.remove_header(&http::header::CONTENT_LENGTH);
-        self.mode = if stream && status < 400 {
+        self.mode = if stream {
             response.insert_header(http::header::CONTENT_TYPE, "text/event-stream")?;
             Mode::TranslateStream(match translate {
                 Translation::ChatToMessages => {
@@ -360,12 +431,9 @@ impl Answer {
             })
         } else {
             response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
-            let (answer, error) = whole_translation(translate);
             Mode::TranslateWhole {
                 buffer: BytesMut::new(),
-                status,
-                answer,
-                error,
+                answer: whole_translation(translate),
             }
         };
         Ok(())
@@ -420,21 +488,24 @@ impl Answer {
                 }
                 *body = (!out.is_empty()).then(|| out.freeze());
             }
-            Mode::TranslateWhole {
+            Mode::TranslateWhole { buffer, answer } => {
+                if let Some(chunk) = body.take() {
+                    buffer.extend_from_slice(&chunk);
+                }
+                if end_of_stream {
+                    *body = Some(answer(buffer, client_model));
+                }
+            }
+            Mode::Error {
                 buffer,
                 status,
-                answer,
                 error,
             } => {
                 if let Some(chunk) = body.take() {
                     buffer.extend_from_slice(&chunk);
                 }
                 if end_of_stream {
-                    *body = Some(if *status >= 400 {
-                        error(*status, buffer)
-                    } else {
-                        answer(buffer, client_model)
-                    });
+                    *body = Some(error(*status, buffer));
                 }
             }
             Mode::AliasHead {
@@ -601,9 +672,12 @@ mod tests {
                 &mut response,
                 translate,
                 Delivery::Assembled(assemble::Kind::Chat),
-                "alias",
-                "org/served",
-                Some(ALIAS_HEAD_BYTES),
+                Naming {
+                    client: "alias",
+                    upstream: "org/served",
+                    within: Some(ALIAS_HEAD_BYTES),
+                },
+                ClientFormat::OpenAi,
             )
             .unwrap();
         assert_eq!(response.headers["content-type"], "application/json");
@@ -662,9 +736,12 @@ mod tests {
                 &mut response,
                 Translation::None,
                 Delivery::Assembled(assemble::Kind::Chat),
-                "m",
-                "m",
-                Some(ALIAS_HEAD_BYTES),
+                Naming {
+                    client: "m",
+                    upstream: "m",
+                    within: Some(ALIAS_HEAD_BYTES),
+                },
+                ClientFormat::OpenAi,
             )
             .unwrap();
         let whole = r#"{"id":"c","model":"m","choices":[]}"#;
@@ -676,6 +753,86 @@ mod tests {
     }
 
     #[test]
+    fn an_upstream_error_goes_out_in_the_clients_error_format() {
+        let error_of = |status: u16, body: &'static str, format, stream| {
+            let mut answer = answer();
+            let mut response = ResponseHeader::build(status, None).unwrap();
+            response.insert_header("content-length", "10").unwrap();
+            let delivery = if stream {
+                Delivery::Stream
+            } else {
+                Delivery::Whole
+            };
+            answer
+                .head(
+                    &mut response,
+                    Translation::None,
+                    delivery,
+                    Naming {
+                        client: "alias",
+                        upstream: "m",
+                        within: None,
+                    },
+                    format,
+                )
+                .unwrap();
+            assert!(response.headers.get("content-length").is_none());
+            let mut out = Some(Bytes::from_static(body.as_bytes()));
+            answer.body(&mut out, true, "alias");
+            serde_json::from_slice::<serde_json::Value>(&out.unwrap()).unwrap()
+        };
+        // vLLM's validation error (OpenAI's shape) to an Anthropic client: Anthropic's, the
+        // worker's message kept.
+        let vllm = r#"{"error":{"message":"Input should be a valid string","type":"Bad Request","param":null,"code":400}}"#;
+        let error = error_of(400, vllm, ClientFormat::Anthropic, true);
+        assert_eq!(error["type"], "error");
+        assert_eq!(error["error"]["type"], "invalid_request_error");
+        assert_eq!(error["error"]["message"], "Input should be a valid string");
+        // The same to an OpenAI client passes as it is, the worker's details kept.
+        assert_eq!(
+            error_of(400, vllm, ClientFormat::OpenAi, false),
+            serde_json::from_str::<serde_json::Value>(vllm).unwrap()
+        );
+        // An Anthropic error to an Anthropic client, as it is.
+        let anthropic = r#"{"type":"error","error":{"type":"overloaded_error","message":"busy"}}"#;
+        assert_eq!(
+            error_of(529, anthropic, ClientFormat::Anthropic, false)["error"]["type"],
+            "overloaded_error"
+        );
+        // Plain text from something before the worker, in either format.
+        let text = "upstream connect error or disconnect/reset before headers";
+        let error = error_of(503, text, ClientFormat::OpenAi, false);
+        assert_eq!(error["error"]["type"], "server_error");
+        assert_eq!(error["error"]["code"], "upstream_error");
+        assert_eq!(
+            error["error"]["message"],
+            "upstream answered with status 503"
+        );
+        let error = error_of(429, text, ClientFormat::Anthropic, false);
+        assert_eq!(error["error"]["type"], "rate_limit_error");
+        let error = error_of(
+            404,
+            r#"{"message":"no such model"}"#,
+            ClientFormat::Anthropic,
+            false,
+        );
+        assert_eq!(error["error"]["type"], "not_found_error");
+        assert_eq!(error["error"]["message"], "no such model");
+        // FastAPI's own errors, before vLLM's handlers: `detail`.
+        let fastapi = r#"{"detail":[{"loc":["body","max_tokens"],"msg":"Input should be a valid integer","type":"int_parsing"}]}"#;
+        let error = error_of(422, fastapi, ClientFormat::Anthropic, false);
+        assert_eq!(error["error"]["type"], "invalid_request_error");
+        assert_eq!(error["error"]["message"], "Input should be a valid integer");
+        let error = error_of(
+            405,
+            r#"{"detail":"Method Not Allowed"}"#,
+            ClientFormat::OpenAi,
+            false,
+        );
+        assert_eq!(error["error"]["message"], "Method Not Allowed");
+    }
+
+    #[test]
     fn a_stream_can_end_with_an_error_event_only_between_events() {
         let streamed = |delivery| {
             let mut answer = answer();
@@ -684,7 +841,17 @@ mod tests {
                 .insert_header("content-type", "text/event-stream")
                 .unwrap();
             answer
-                .head(&mut response, Translation::None, delivery, "m", "m", None)
+                .head(
+                    &mut response,
+                    Translation::None,
+                    delivery,
+                    Naming {
+                        client: "m",
+                        upstream: "m",
+                        within: None,
+                    },
+                    ClientFormat::OpenAi,
+                )
                 .unwrap();
             answer
         };
@@ -720,9 +887,12 @@ mod tests {
                 } else {
                     Delivery::Whole
                 },
-                "alias",
-                "org/served",
-                Some(ALIAS_HEAD_BYTES),
+                Naming {
+                    client: "alias",
+                    upstream: "org/served",
+                    within: Some(ALIAS_HEAD_BYTES),
+                },
+                ClientFormat::OpenAi,
             )
             .unwrap();
         assert!(response.headers.get("content-length").is_none());
@@ -741,9 +911,12 @@ mod tests {
                     &mut response,
                     translate,
                     delivery,
-                    client_model,
-                    "org/served",
-                    Some(ALIAS_HEAD_BYTES),
+                    Naming {
+                        client: client_model,
+                        upstream: "org/served",
+                        within: Some(ALIAS_HEAD_BYTES),
+                    },
+                    ClientFormat::OpenAi,
                 )
                 .unwrap();
             response.headers.get("content-length").cloned()
@@ -857,9 +1030,12 @@ mod tests {
                 &mut response,
                 Translation::None,
                 Delivery::Stream,
-                "m",
-                "m",
-                Some(ALIAS_HEAD_BYTES),
+                Naming {
+                    client: "m",
+                    upstream: "m",
+                    within: Some(ALIAS_HEAD_BYTES),
+                },
+                ClientFormat::OpenAi,
             )
             .unwrap();
         let firsts = pieces
@@ -906,9 +1082,12 @@ mod tests {
                 &mut response,
                 Translation::None,
                 Delivery::Whole,
-                "m",
-                "m",
-                None,
+                Naming {
+                    client: "m",
+                    upstream: "m",
+                    within: None,
+                },
+                ClientFormat::OpenAi,
             )
             .unwrap();
         let mut body = Some(Bytes::from_static(b": not an event stream"));

@@ -299,8 +299,9 @@ pub enum ErrorKind {
     /// The tenant may not do this.
     Forbidden,
     NotImplemented,
-    /// A policy's `reject` action: the status the policy names.
-    Policy(u16),
+    /// A status named elsewhere (a policy's `reject` action, a rate limit, an upstream's
+    /// error): the error types follow from it.
+    Status(u16),
 }
 
 impl ErrorKind {
@@ -320,7 +321,7 @@ impl ErrorKind {
             ErrorKind::Unauthorized => 401,
             ErrorKind::Forbidden => 403,
             ErrorKind::NotImplemented => 501,
-            ErrorKind::Policy(status) => status,
+            ErrorKind::Status(status) => status,
         }
     }
 
@@ -340,11 +341,11 @@ impl ErrorKind {
             | ErrorKind::NotImplemented => "server_error",
             ErrorKind::Unauthorized => "authentication_error",
             ErrorKind::Forbidden => "permission_error",
-            ErrorKind::Policy(429) => "rate_limit_error",
-            ErrorKind::Policy(401) => "authentication_error",
-            ErrorKind::Policy(403) => "permission_error",
-            ErrorKind::Policy(status) if status < 500 => "invalid_request_error",
-            ErrorKind::Policy(_) => "server_error",
+            ErrorKind::Status(429) => "rate_limit_error",
+            ErrorKind::Status(401) => "authentication_error",
+            ErrorKind::Status(403) => "permission_error",
+            ErrorKind::Status(status) if status < 500 => "invalid_request_error",
+            ErrorKind::Status(_) => "server_error",
         }
     }
 
@@ -364,7 +365,7 @@ impl ErrorKind {
             | ErrorKind::NotImplemented => "api_error",
             ErrorKind::Unauthorized => "authentication_error",
             ErrorKind::Forbidden => "permission_error",
-            ErrorKind::Policy(status) => match status {
+            ErrorKind::Status(status) => match status {
                 401 => "authentication_error",
                 403 => "permission_error",
                 404 => "not_found_error",

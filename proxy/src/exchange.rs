@@ -17,7 +17,7 @@ use switchyard_snapshot::snapshot::{Backend, LoadBalancing, ProviderFormat};
 
 use crate::accounting::{Usage, UsageTap};
 use crate::answer::{self, Answer, Delivery};
-use crate::api::{ApiError, Endpoint, ErrorKind};
+use crate::api::{ApiError, ClientFormat, Endpoint, ErrorKind};
 use crate::background;
 use crate::calibration::{Coefficients, Observation, SpeedAnswer};
 use crate::headers;
@@ -33,6 +33,7 @@ use crate::routing::{
 };
 use crate::scorer::{self, Decision, Outcome, WorkerScore};
 use crate::telemetry::RequestSpan;
+use crate::translate::refused_credentials;
 
 /// Response header carrying the routing explanation.
 const EXPLAIN_RESPONSE_HEADER: &str = "x-switchyard-route";
@@ -539,19 +540,20 @@ impl Exchange {
         self.attempt.reconnect_to.is_some()
     }
 
-    /// The event that ends the client's stream when its worker failed (`error`) after the
+    /// The event that ends the client's stream with `error` when its worker failed after the
     /// status went out; `None` when the client gets no stream, or the last event went out in
     /// part (the connection is then cut).
-    pub fn stream_failure_event(&self, error: &pingora_error::Error) -> Option<bytes::Bytes> {
+    pub fn stream_failure_event(&self, error: &ApiError) -> Option<bytes::Bytes> {
         self.answer
             .can_end_with_event()
-            .then(|| crate::respond::stream_failure(error).stream_event(self.client.endpoint))
+            .then(|| error.stream_event(self.client.endpoint))
     }
 
-    /// The upstream answered `status` before any byte reached the client: a 5xx moves to the
-    /// next target when there is one (`true`: abandon this answer).
+    /// The upstream answered `status` before any byte reached the client: a 5xx, or a refusal
+    /// of the gateway's credentials, moves to the next target when there is one (`true`:
+    /// abandon this answer).
     pub fn fall_back_on_status(&mut self, status: u16) -> bool {
-        if status < 500 || !self.fall_back() {
+        if (status < 500 && !refused_credentials(status)) || !self.fall_back() {
             return false;
         }
         self.fallback_requested = true;
@@ -631,7 +633,18 @@ impl Exchange {
         &mut self,
         response: &mut ResponseHeader,
         request_id: &str,
+        format: ClientFormat,
     ) -> pingora_error::Result<()> {
+        let status = response.status.as_u16();
+        if refused_credentials(status) {
+            // The client is told 502 ([`Answer::head`]); the operator must hear of it.
+            tracing::warn!(
+                request_id,
+                status,
+                target = %self.plan.target.label,
+                "the upstream refused the gateway's credentials"
+            );
+        }
         if self.provider().is_some() {
             headers::keep_from_provider(response);
         }
@@ -673,9 +686,12 @@ impl Exchange {
             response,
             target.translate,
             delivery,
-            &self.client.parsed.model,
-            &target.upstream_model,
-            model_within,
+            answer::Naming {
+                client: &self.client.parsed.model,
+                upstream: &target.upstream_model,
+                within: model_within,
+            },
+            format,
         )?;
         if matches!(delivery, Delivery::Assembled(_))
             && response.status.as_u16() < 400

@@ -7,10 +7,11 @@
 //! sets none), so concurrent requests cannot overshoot the limit together. When the answer's usage
 //! is known the reservation is settled to what was really used; a request that ends without
 //! usage gives its completion reservation back and keeps its prompt estimate charged (the
-//! upstream may have computed it). A reservation larger than the whole allowance (a `max_tokens`
-//! past any model's context) waits for a full bucket and holds that bucket while in flight, not
-//! its own size: the worker refuses it or it settles to what it used. Limits are per proxy
-//! process (see the README on several replicas). Time is tokio's, so tests drive it with a paused clock.
+//! upstream may have computed it). A request larger than the whole allowance waits for a full
+//! bucket; while in flight it holds its prompt and at most a full bucket of completion (a
+//! `max_tokens` past any model's context would otherwise lock its tenant out for ages, until
+//! the worker refuses it), and it settles to what it used. Limits are per proxy process (see the
+//! README on several replicas). Time is tokio's, so tests drive it with a paused clock.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -160,8 +161,8 @@ pub struct Admission {
     limits: RateLimits,
     /// What the request reserved, or settled to.
     charged: Reservation,
-    /// What the tokens bucket holds for it now: the reservation, at most a full bucket, until
-    /// settled to what it really used.
+    /// What the tokens bucket holds for it now: the prompt and at most a full bucket of
+    /// completion, until settled to what it really used.
     charged_tokens: u64,
     settled: bool,
     holds_slot: bool,
@@ -224,7 +225,9 @@ impl RateLimiter {
         }
         let charged_tokens = match &mut state.tokens {
             Some(bucket) => {
-                let charge = reservation.total().min(bucket.capacity as u64);
+                let charge = reservation
+                    .prompt_tokens
+                    .saturating_add(reservation.completion_tokens.min(bucket.capacity as u64));
                 bucket.available -= charge as f64;
                 charge
             }
@@ -451,8 +454,9 @@ mod tests {
     async fn a_reservation_past_the_allowance_holds_one_full_bucket() {
         let limiter = Arc::new(RateLimiter::default());
         let l = limits(None, Some(60), None);
-        // `max_tokens` past any model's context: it waits for a full bucket and takes that,
-        // not 2^64 tokens that would lock the tenant out (and overflow the wait).
+        // `max_tokens` past any model's context: it waits for a full bucket and holds its
+        // prompt and one bucket of completion, not 2^64 tokens that would lock the tenant out
+        // (and overflow the wait).
         let huge = Reservation::for_request(40, Some(u64::MAX));
         let mut admitted = limiter.admit("t", l, huge).unwrap();
         let refusal = limiter.admit("t", l, prompt(1)).unwrap_err();

@@ -190,7 +190,7 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
     let chosen = switchyard_policy::targets(&table.snapshot, model, &decision).map_err(|no| {
         match no {
             NoTarget::Rejected { status, message } => Box::new(Rejection {
-                error: ApiError::new(ErrorKind::Policy(status), "rejected_by_policy", message),
+                error: ApiError::new(ErrorKind::Status(status), "rejected_by_policy", message),
                 reason: "policy",
                 verdict: Some(Verdict {
                     rule: rule.clone().unwrap_or_default(),

@@ -208,7 +208,8 @@ impl ProxyHttp for Gateway {
             return Ok(());
         }
         let request_id = ctx.request_id.clone();
-        // A 5xx before any byte reached the client: the next target, if there is one.
+        // A 5xx (or a refusal of the gateway's credentials) before any byte reached the client:
+        // the next target, if there is one.
         if ctx
             .exchange()
             .is_some_and(|x| x.fall_back_on_status(status))
@@ -224,9 +225,12 @@ impl ProxyHttp for Gateway {
         let had_length = upstream_response
             .headers
             .contains_key(http::header::CONTENT_LENGTH);
+        let format = ctx.format;
         if let Some(exchange) = ctx.exchange() {
-            exchange.answer_head(upstream_response, &request_id)?;
+            exchange.answer_head(upstream_response, &request_id, format)?;
         }
+        // As the client gets it (a refusal of the gateway's credentials becomes a 502).
+        ctx.status = upstream_response.status.as_u16();
         answer::frame_rewritten(upstream_response, had_length, session.req_header().version)
     }
 
@@ -330,7 +334,7 @@ impl ProxyHttp for Gateway {
             // ends.
             let event = match &ctx.phase {
                 Phase::Forwarding(exchange) if *e.esource() != ErrorSource::Downstream => {
-                    exchange.stream_failure_event(e)
+                    exchange.stream_failure_event(&respond::stream_failure(e))
                 }
                 _ => None,
             };

@@ -6,7 +6,7 @@
 use bytes::{Bytes, BytesMut};
 use serde_json::{Value, json};
 
-use crate::api::{ApiError, ErrorKind};
+use crate::api::{ApiError, ClientFormat, ErrorKind};
 use crate::wire::answer::{self, ChatCompletion, ErrorBody, StreamData, UsageFields};
 use crate::wire::{Content, tree_or_null};
 
@@ -84,18 +84,46 @@ pub(crate) fn upstream_error_message(status: u16, body: &[u8]) -> String {
         .unwrap_or_else(|| format!("upstream answered with status {status}"))
 }
 
-/// Translate an upstream error body (OpenAI shape or anything else) into an Anthropic error.
-pub fn error_to_anthropic(status: u16, body: &[u8]) -> Bytes {
-    let message = upstream_error_message(status, body);
-    let kind = match status {
+/// An upstream's 401 or 403: a refusal of the gateway's own credentials (a provider's key, a
+/// worker's `--api-key`; the client's own were checked by the gateway and are never
+/// forwarded).
+pub(crate) fn refused_credentials(status: u16) -> bool {
+    matches!(status, 401 | 403)
+}
+
+/// What an upstream's error status is for the client. A 401 or 403 refused the gateway's own
+/// credentials (a provider's key, a worker's `--api-key`; the client's own were checked by the
+/// gateway and are never forwarded): the gateway's fault, a 502, not the client's key.
+pub(crate) fn upstream_error_kind(status: u16) -> ErrorKind {
+    match status {
         400 | 422 => ErrorKind::InvalidRequest,
+        401 | 403 => ErrorKind::BadGateway,
         404 => ErrorKind::NotFound,
         413 => ErrorKind::PayloadTooLarge,
-        503 => ErrorKind::Unavailable,
+        503 | 529 => ErrorKind::Unavailable,
         504 => ErrorKind::GatewayTimeout,
+        400..=499 => ErrorKind::Status(status),
         _ => ErrorKind::BadGateway,
+    }
+}
+
+/// An upstream error body (any API's shape, or none) as an error of the client's `format`. A
+/// refusal of the gateway's credentials says so, not what the upstream said (it may quote a
+/// piece of the gateway's key).
+pub(crate) fn upstream_error(status: u16, body: &[u8], format: ClientFormat) -> Bytes {
+    let message = if refused_credentials(status) {
+        format!(
+            "the upstream refused the gateway's credentials (status {status}): the gateway's configuration, not the client's key, needs fixing"
+        )
+    } else {
+        upstream_error_message(status, body)
     };
-    ApiError::new(kind, "upstream_error", message).body(crate::api::ClientFormat::Anthropic)
+    ApiError::new(upstream_error_kind(status), "upstream_error", message).body(format)
+}
+
+/// Translate an upstream error body (OpenAI shape or anything else) into an Anthropic error.
+pub fn error_to_anthropic(status: u16, body: &[u8]) -> Bytes {
+    upstream_error(status, body, ClientFormat::Anthropic)
 }
 
 /// Turns an OpenAI Chat Completions SSE stream into Anthropic Messages SSE events, incrementally.

@@ -5,8 +5,8 @@
 use bytes::{Bytes, BytesMut};
 use serde_json::{Map, Value, json};
 
-use crate::api::{ApiError, ClientFormat, ErrorKind};
-use crate::translate::{find_event_end, upstream_error_message};
+use crate::api::ClientFormat;
+use crate::translate::find_event_end;
 use crate::wire::answer::{self, MessageResponse, StreamData, UsageFields};
 use crate::wire::{tree, tree_or_null};
 
@@ -95,18 +95,7 @@ fn unix_now() -> u64 {
 
 /// Translate an upstream error body (Anthropic shape or anything else) into an OpenAI error.
 pub fn error_to_openai(status: u16, body: &[u8]) -> Bytes {
-    let message = upstream_error_message(status, body);
-    let kind = match status {
-        400 | 422 => ErrorKind::InvalidRequest,
-        401 | 403 => ErrorKind::BadGateway,
-        404 => ErrorKind::NotFound,
-        413 => ErrorKind::PayloadTooLarge,
-        429 => ErrorKind::Policy(429),
-        503 | 529 => ErrorKind::Unavailable,
-        504 => ErrorKind::GatewayTimeout,
-        _ => ErrorKind::BadGateway,
-    };
-    ApiError::new(kind, "upstream_error", message).body(ClientFormat::OpenAi)
+    crate::translate::upstream_error(status, body, ClientFormat::OpenAi)
 }
 
 /// Turns an Anthropic Messages SSE stream into Chat Completions chunks, incrementally.

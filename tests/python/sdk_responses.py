@@ -88,9 +88,10 @@ def main(base: str, model: str, translated: bool) -> None:
         oa.responses.delete(first.id)
         raise AssertionError("vLLM 0.34 has no DELETE route")
     except openai.APIStatusError as error:
-        # FastAPI's own 405 (the gateway's would be an OpenAI error body).
+        # FastAPI's own 405 ({"detail": "Method Not Allowed"}), in OpenAI's error format.
         assert error.status_code == 405, error
-        assert error.body == {"detail": "Method Not Allowed"}, error.body
+        assert error.body["message"] == "Method Not Allowed", error.body
+        assert error.body["code"] == "upstream_error", error.body
     print("ok: responses.delete reaches the worker")
 
     for call in (

@@ -65,20 +65,29 @@ impl UsageFields {
     }
 }
 
-/// An error body: OpenAI's and Anthropic's `error.message`, `error` as a string, or a top-level
-/// `message`.
+/// An error body: OpenAI's and Anthropic's `error.message`, `error` as a string, a top-level
+/// `message`, or FastAPI's `detail` (a string, or its validation errors' `msg`s).
 #[derive(Debug, Default, Deserialize)]
 pub struct ErrorBody<'a> {
     #[serde(borrow, default)]
     pub error: Option<&'a RawValue>,
     #[serde(borrow, default)]
     pub message: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub detail: Option<&'a RawValue>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 struct ErrorObject<'a> {
     #[serde(borrow, default)]
     message: Option<Cow<'a, str>>,
+}
+
+/// One of FastAPI's validation errors.
+#[derive(Debug, Default, Deserialize)]
+struct ValidationError<'a> {
+    #[serde(borrow, default)]
+    msg: Option<Cow<'a, str>>,
 }
 
 impl ErrorBody<'_> {
@@ -94,7 +103,21 @@ impl ErrorBody<'_> {
                     .map(Cow::into_owned)
             }
         });
-        from_error.or_else(|| self.message.clone().map(Cow::into_owned))
+        let from_detail = || {
+            let raw = self.detail?.get();
+            if raw.starts_with('"') {
+                return serde_json::from_str::<String>(raw).ok();
+            }
+            let messages: Vec<String> = serde_json::from_str::<Vec<ValidationError<'_>>>(raw)
+                .ok()?
+                .into_iter()
+                .filter_map(|error| error.msg.map(Cow::into_owned))
+                .collect();
+            (!messages.is_empty()).then(|| messages.join("; "))
+        };
+        from_error
+            .or_else(|| self.message.clone().map(Cow::into_owned))
+            .or_else(from_detail)
     }
 }
 
@@ -168,7 +191,7 @@ impl StreamData<'_> {
         self.error.map(|raw| {
             ErrorBody {
                 error: Some(raw),
-                message: None,
+                ..ErrorBody::default()
             }
             .message()
             .unwrap_or_else(|| "upstream error".to_owned())

@@ -86,3 +86,65 @@ async fn the_next_target_serves_when_one_is_unreachable_or_fails() {
         assert!(metrics.contains(line), "missing {line}\n{metrics}");
     }
 }
+
+#[tokio::test]
+async fn a_provider_refusing_the_gateways_key_is_a_502_and_the_next_target_serves() {
+    // A provider whose key the gateway holds is revoked: 401 on every request.
+    let refusing = Upstream::start_with(
+        "refusing",
+        UpstreamOptions {
+            fail_with: Some(401),
+            ..Default::default()
+        },
+    )
+    .await;
+    let healthy = Upstream::start("healthy").await;
+    let yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: healthy}}\nspec: {{model: m-local, loadBalancing: round-robin, endpoints: [\"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: ExternalProvider\nmetadata: {{name: cloud}}\nspec: {{baseUrl: \"http://{}/v1\", format: openai}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: refused-first}}\nspec: {{strategy: ordered, targets: [{{provider: cloud, model: cloud-m}}, {{pool: healthy}}]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: refused-only}}\nspec: {{targets: [{{provider: cloud, model: cloud-m}}]}}\n",
+        healthy.endpoint(),
+        refusing.endpoint()
+    );
+    let proxy = Proxy::start(&yaml, &[]).await;
+
+    // The next target answers.
+    let response = ask(&proxy, "refused-first", false).await;
+    assert_eq!(response.status(), 200);
+    assert!(response.text().await.unwrap().contains("healthy"));
+
+    // No other target: a 502 that blames the gateway, not the client's key, and does not
+    // repeat what the provider said.
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": "refused-only", "messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "refused-only", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}),
+        ),
+    ] {
+        let response = reqwest::Client::new()
+            .post(format!("{}{path}", proxy.url()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 502, "{path}");
+        let error: Value = response.json().await.unwrap();
+        let message = if path == "/v1/messages" {
+            assert_eq!(error["type"], "error", "{error}");
+            assert_eq!(error["error"]["type"], "api_error", "{error}");
+            &error["error"]["message"]
+        } else {
+            assert_eq!(error["error"]["type"], "server_error", "{error}");
+            assert_eq!(error["error"]["code"], "upstream_error", "{error}");
+            &error["error"]["message"]
+        };
+        let message = message.as_str().unwrap();
+        assert!(message.contains("gateway's credentials"), "{message}");
+        assert!(!message.contains("on purpose"), "{message}");
+    }
+}
