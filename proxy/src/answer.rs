@@ -51,8 +51,9 @@ impl StreamTranslation for MessagesStreamTranslator {
     }
 }
 
-/// Translates a whole successful answer: upstream body and the client's model name in.
-type AnswerFn = fn(&[u8], &str) -> Bytes;
+/// Translates a whole successful answer: upstream body and the client's model name in; an
+/// error when the body is no answer of the upstream's API.
+type AnswerFn = fn(&[u8], &str) -> Result<Bytes, String>;
 /// Translates a whole error body: status and upstream body in.
 type ErrorFn = fn(u16, &[u8]) -> Bytes;
 
@@ -197,8 +198,8 @@ pub struct Answer {
     partial_line: Vec<u8>,
     /// The first output was an error event: the worker computed nothing it could keep.
     pub first_was_error: bool,
-    /// Why an answer the gateway assembles has no whole (the stream failed): the client's
-    /// connection is ended, its status being sent already.
+    /// Why an answer the gateway assembles or translates has no whole (the stream failed, the
+    /// body is no answer): the client's connection is ended, its status being sent already.
     pub failed: Option<String>,
     /// What the client's stream got so far ends between two events (or there was none yet):
     /// an error event can end it if its worker fails.
@@ -467,13 +468,15 @@ impl Answer {
                     }
                 }
                 if end_of_stream {
-                    match assembler.answer(client_model) {
-                        Ok(answer) => {
-                            *body = Some(match translate {
+                    let answer =
+                        assembler
+                            .answer(client_model)
+                            .and_then(|answer| match translate {
                                 Some(translate) => translate(&answer, client_model),
-                                None => answer,
+                                None => Ok(answer),
                             });
-                        }
+                    match answer {
+                        Ok(answer) => *body = Some(answer),
                         Err(why) => self.failed = Some(why),
                     }
                 }
@@ -493,7 +496,12 @@ impl Answer {
                     buffer.extend_from_slice(&chunk);
                 }
                 if end_of_stream {
-                    *body = Some(answer(buffer, client_model));
+                    // Not an answer after a success status (a proxy's page, a cut body): no
+                    // whole answer, as when an assembled stream fails.
+                    match answer(buffer, client_model) {
+                        Ok(answer) => *body = Some(answer),
+                        Err(why) => self.failed = Some(why),
+                    }
                 }
             }
             Mode::Error {
@@ -830,6 +838,29 @@ mod tests {
             false,
         );
         assert_eq!(error["error"]["message"], "Method Not Allowed");
+    }
+
+    #[test]
+    fn a_whole_answer_to_translate_that_is_none_fails() {
+        let mut answer = answer();
+        let mut response = ResponseHeader::build(200, None).unwrap();
+        answer
+            .head(
+                &mut response,
+                Translation::MessagesToChat,
+                Delivery::Whole,
+                Naming {
+                    client: "alias",
+                    upstream: "m",
+                    within: None,
+                },
+                ClientFormat::Anthropic,
+            )
+            .unwrap();
+        let mut body = Some(Bytes::from_static(b"<html>502 Bad Gateway</html>"));
+        answer.body(&mut body, true, "alias");
+        assert!(body.is_none(), "no 200 with an error for a body");
+        assert!(answer.failed.is_some());
     }
 
     #[test]

@@ -706,8 +706,9 @@ impl Exchange {
     }
 
     /// A piece of the upstream's body (`status`: the answer's), made the client's. An error
-    /// when the answer cannot reach the client whole: a stream the gateway assembles failed
-    /// (its status is sent already: the client's connection is to be ended).
+    /// when the answer cannot reach the client whole: a stream the gateway assembles failed, or
+    /// a whole answer to translate is none (its status is sent already: the client's
+    /// connection is to be ended).
     pub fn answer_body(
         &mut self,
         body: &mut Option<Bytes>,

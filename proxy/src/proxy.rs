@@ -249,7 +249,7 @@ impl ProxyHttp for Gateway {
             // stream's state or the worker's error message, which may quote the request (a
             // schema, a pattern): bounded, like every client string in the logs.
             let reason: String = why.chars().take(MAX_LOGGED_REASON_CHARS).collect();
-            tracing::warn!(request_id = %ctx.request_id, %reason, "no whole answer from the worker's stream: the client's connection is cut");
+            tracing::warn!(request_id = %ctx.request_id, %reason, "no whole answer from the upstream: the client's connection is cut");
             return Err(Error::explain(ErrorType::ReadError, reason).into_up());
         }
         Ok(None)

@@ -6,7 +6,7 @@
 use bytes::{Bytes, BytesMut};
 use serde_json::{Value, json};
 
-use crate::api::{ApiError, ClientFormat, ErrorKind};
+use crate::api::{ApiError, ClientFormat, Endpoint, ErrorKind};
 use crate::wire::answer::{self, ChatCompletion, ErrorBody, StreamData, UsageFields};
 use crate::wire::{Content, tree_or_null};
 
@@ -32,9 +32,9 @@ fn anthropic_usage(usage: Option<&UsageFields>) -> Value {
 }
 
 /// Translate a whole (non-streaming) Chat Completions response into a Messages response.
-pub fn chat_response_to_message(body: &[u8], client_model: &str) -> Bytes {
+pub fn chat_response_to_message(body: &[u8], client_model: &str) -> Result<Bytes, String> {
     let Some(response) = answer::parse::<ChatCompletion<'_>>(body) else {
-        return error_to_anthropic(502, body);
+        return Err("the upstream's whole answer is not a Chat Completions answer".to_owned());
     };
     let choice = response.choices.as_deref().and_then(<[_]>::first);
     let message = choice.and_then(|c| c.message.as_ref());
@@ -61,7 +61,7 @@ pub fn chat_response_to_message(body: &[u8], client_model: &str) -> Bytes {
         }));
     }
     let id = response.id.as_deref().unwrap_or("unknown");
-    Bytes::from(
+    Ok(Bytes::from(
         json!({
             "id": format!("msg_{id}"),
             "type": "message",
@@ -73,7 +73,7 @@ pub fn chat_response_to_message(body: &[u8], client_model: &str) -> Bytes {
             "usage": anthropic_usage(response.usage.as_ref()),
         })
         .to_string(),
-    )
+    ))
 }
 
 /// The message of an upstream error body (`error.message`, `error` as a string, or a top-level
@@ -82,6 +82,16 @@ pub(crate) fn upstream_error_message(status: u16, body: &[u8]) -> String {
     answer::parse::<ErrorBody<'_>>(body)
         .and_then(|error| error.message())
         .unwrap_or_else(|| format!("upstream answered with status {status}"))
+}
+
+/// What a client of a translated stream is told when the upstream's stream ended before its
+/// answer did (no finish reason, no end event).
+pub(crate) fn cut_short() -> ApiError {
+    ApiError::new(
+        ErrorKind::BadGateway,
+        "upstream_error",
+        "the upstream's stream ended before its answer did",
+    )
 }
 
 /// An upstream's 401 or 403: a refusal of the gateway's own credentials (a provider's key, a
@@ -172,7 +182,9 @@ impl StreamTranslator {
         Bytes::from(out)
     }
 
-    /// Call at the end of the upstream body: closes the message if upstream did not.
+    /// Call at the end of the upstream body: closes the message if the upstream finished its
+    /// answer (a finish reason) without closing the stream, or ends it with an error event if
+    /// the upstream's stream ended short of its answer.
     pub fn finish(&mut self) -> Bytes {
         let mut out = String::new();
         if !self.pending.is_empty() {
@@ -183,6 +195,12 @@ impl StreamTranslator {
                     self.on_data(data.trim_start(), &mut out);
                 }
             }
+        }
+        if !self.finished && self.stop_reason.is_null() {
+            self.finished = true;
+            out.push_str(&String::from_utf8_lossy(
+                &cut_short().stream_event(Endpoint::Messages),
+            ));
         }
         self.close(&mut out);
         Bytes::from(out)
@@ -375,15 +393,41 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_stream_cut_short_ends_with_an_error_event_not_a_stop() {
+        let chunk = r#"data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"}}]}"#;
+        let mut cut = StreamTranslator::new("alias");
+        let mut out =
+            String::from_utf8(cut.feed(format!("{chunk}\n\n").as_bytes()).to_vec()).unwrap();
+        out.push_str(std::str::from_utf8(&cut.finish()).unwrap());
+        assert!(out.contains("event: error\ndata: "), "{out}");
+        assert!(out.contains("ended before its answer did"), "{out}");
+        assert!(!out.contains("message_stop"), "{out}");
+        // A finish reason without `[DONE]`: the answer is whole, the message closes.
+        let last = r#"data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#;
+        let mut whole = StreamTranslator::new("alias");
+        let mut out = String::from_utf8(
+            whole
+                .feed(format!("{chunk}\n\n{last}\n\n").as_bytes())
+                .to_vec(),
+        )
+        .unwrap();
+        out.push_str(std::str::from_utf8(&whole.finish()).unwrap());
+        assert!(
+            out.ends_with("event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"),
+            "{out}"
+        );
+        assert!(!out.contains("event: error"), "{out}");
+    }
+
+    #[test]
     fn response_translation_maps_content_and_usage() {
         let body = json!({
             "id": "c1", "choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}],
             "usage": {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
         });
-        let out: Value = serde_json::from_slice(&chat_response_to_message(
-            body.to_string().as_bytes(),
-            "alias",
-        ))
+        let out: Value = serde_json::from_slice(
+            &chat_response_to_message(body.to_string().as_bytes(), "alias").unwrap(),
+        )
         .unwrap();
         assert_eq!(out["type"], "message");
         assert_eq!(out["model"], "alias");

@@ -5,7 +5,7 @@
 use bytes::{Bytes, BytesMut};
 use serde_json::{Map, Value, json};
 
-use crate::api::ClientFormat;
+use crate::api::{ClientFormat, Endpoint};
 use crate::translate::find_event_end;
 use crate::wire::answer::{self, MessageResponse, StreamData, UsageFields};
 use crate::wire::{tree, tree_or_null};
@@ -36,9 +36,9 @@ fn openai_usage(usage: &UsageFields) -> Value {
 }
 
 /// Translate a whole Messages response into a Chat Completions response.
-pub fn message_response_to_chat(body: &[u8], client_model: &str) -> Bytes {
+pub fn message_response_to_chat(body: &[u8], client_model: &str) -> Result<Bytes, String> {
     let Some(response) = answer::parse::<MessageResponse<'_>>(body) else {
-        return error_to_openai(502, body);
+        return Err("the upstream's whole answer is not a Messages answer".to_owned());
     };
     let mut text = String::new();
     let mut tool_calls = Vec::new();
@@ -70,7 +70,7 @@ pub fn message_response_to_chat(body: &[u8], client_model: &str) -> Bytes {
         message.insert("tool_calls".into(), Value::Array(tool_calls));
     }
     let id = response.id.as_deref().unwrap_or("unknown");
-    Bytes::from(
+    Ok(Bytes::from(
         json!({
             "id": format!("chatcmpl-{id}"),
             "object": "chat.completion",
@@ -84,7 +84,7 @@ pub fn message_response_to_chat(body: &[u8], client_model: &str) -> Bytes {
             "usage": openai_usage(&response.usage.unwrap_or_default()),
         })
         .to_string(),
-    )
+    ))
 }
 
 fn unix_now() -> u64 {
@@ -141,11 +141,14 @@ impl MessagesStreamTranslator {
         Bytes::from(out)
     }
 
-    /// The end of the upstream body: close the stream if the upstream did not.
+    /// The end of the upstream body: a stream the upstream ended short of its `message_stop`
+    /// ends with an error chunk and `[DONE]`.
     pub fn finish(&mut self) -> Bytes {
         let mut out = self.feed(b"\n\n").to_vec();
         if !self.finished {
-            out.extend_from_slice(b"data: [DONE]\n\n");
+            out.extend_from_slice(
+                &crate::translate::cut_short().stream_event(Endpoint::ChatCompletions),
+            );
             self.finished = true;
         }
         Bytes::from(out)
@@ -267,12 +270,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_messages_stream_cut_short_ends_with_an_error_chunk() {
+        let start =
+            r#"{"type":"message_start","message":{"id":"msg_1","usage":{"input_tokens":3}}}"#;
+        let delta =
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"hi"}}"#;
+        let mut cut = MessagesStreamTranslator::new("alias");
+        let events = format!(
+            "event: message_start\ndata: {start}\n\nevent: content_block_delta\ndata: {delta}\n\n"
+        );
+        let mut out = String::from_utf8(cut.feed(events.as_bytes()).to_vec()).unwrap();
+        out.push_str(std::str::from_utf8(&cut.finish()).unwrap());
+        let error = out
+            .split("\n\n")
+            .find(|event| event.contains("\"error\""))
+            .unwrap_or_else(|| panic!("{out}"));
+        let error: Value = serde_json::from_str(error.trim_start_matches("data: ")).unwrap();
+        assert_eq!(error["error"]["code"], "upstream_error");
+        assert!(out.ends_with("data: [DONE]\n\n"), "{out}");
+        assert!(!out.contains("finish_reason\":\"stop"), "{out}");
+    }
+
+    #[test]
     fn whole_answers_and_errors_become_openai() {
         let body = json!({"id": "msg_1", "type": "message", "content": [{"type": "text", "text": "hi"}, {"type": "tool_use", "id": "t", "name": "f", "input": {"a": 1}}], "stop_reason": "tool_use", "usage": {"input_tokens": 3, "cache_read_input_tokens": 10, "output_tokens": 5}});
-        let out: Value = serde_json::from_slice(&message_response_to_chat(
-            body.to_string().as_bytes(),
-            "alias",
-        ))
+        let out: Value = serde_json::from_slice(
+            &message_response_to_chat(body.to_string().as_bytes(), "alias").unwrap(),
+        )
         .unwrap();
         assert_eq!(out["model"], "alias");
         assert_eq!(out["choices"][0]["message"]["content"], "hi");

@@ -61,7 +61,10 @@ pub fn messages_to_chat(
         // Anthropic's final event carries usage; ask the worker for it.
         out.insert("stream_options".into(), json!({"include_usage": true}));
     }
-    if let Some(definitions) = request.tools.and_then(|_| request.tool_definitions().ok()) {
+    let definitions = request
+        .tool_definitions()
+        .map_err(|_| ApiError::invalid("tools", "'tools' must be an array of tool definitions"))?;
+    if request.tools.is_some_and(|raw| raw.get() != "null") {
         let tools: Vec<Value> = definitions
             .iter()
             .map(|tool| {
@@ -278,15 +281,19 @@ pub fn chat_to_messages(
     request: &RequestBody<'_>,
     upstream_model: &str,
 ) -> Result<Bytes, ApiError> {
-    if request
+    match request
         .n
-        .and_then(|n| n.get().parse::<u64>().ok())
-        .is_some_and(|n| n > 1)
+        .filter(|n| n.get() != "null")
+        .map(|n| n.get().parse::<u64>())
     {
-        return Err(ApiError::invalid(
-            "n",
-            "this model is served by an Anthropic-format provider, which returns one choice: n must be 1",
-        ));
+        Some(Ok(1)) | None => {}
+        Some(Ok(n)) if n > 1 => {
+            return Err(ApiError::invalid(
+                "n",
+                "this model is served by an Anthropic-format provider, which returns one choice: n must be 1",
+            ));
+        }
+        Some(_) => return Err(ApiError::invalid("n", "'n' must be a positive integer")),
     }
     let input = request
         .messages
@@ -396,38 +403,59 @@ pub fn chat_to_messages(
     if let Some(user) = request.user {
         out.insert("metadata".into(), json!({"user_id": tree(user)}));
     }
-    if let Some(definitions) = request.tools.and_then(|_| request.tool_definitions().ok()) {
-        let tools: Vec<Value> = definitions
+    let definitions = request
+        .tool_definitions()
+        .map_err(|_| ApiError::invalid("tools", "'tools' must be an array of function tools"))?;
+    if request.tools.is_some_and(|raw| raw.get() != "null") {
+        let tools = definitions
             .iter()
-            .filter_map(|t| t.function.as_ref())
-            .map(|f| {
-                json!({
+            .enumerate()
+            .map(|(index, tool)| {
+                let Some(f) = tool.function.as_ref() else {
+                    return Err(ApiError::invalid(
+                        "tools",
+                        format!(
+                            "tools[{index}] is not a function tool: {{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": ...}}}}"
+                        ),
+                    ));
+                };
+                Ok(json!({
                     "name": tree_or_null(f.name),
                     "description": f.description.map_or_else(|| json!(""), tree),
                     "input_schema": f.parameters.map_or_else(|| json!({"type": "object"}), tree),
-                })
+                }))
             })
-            .collect();
+            .collect::<Result<Vec<Value>, ApiError>>()?;
         out.insert("tools".into(), Value::Array(tools));
     }
+    let bad_choice = || {
+        ApiError::invalid(
+            "tool_choice",
+            "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+        )
+    };
     match request.tool_choice() {
         Some(Ok(Either::Left(choice))) => {
             let translated = match choice.as_ref() {
                 "required" => json!({"type": "any"}),
                 "none" => json!({"type": "none"}),
-                _ => json!({"type": "auto"}),
+                "auto" => json!({"type": "auto"}),
+                _ => return Err(bad_choice()),
             };
             out.insert("tool_choice".into(), translated);
         }
         Some(Ok(Either::Right(choice))) => {
-            if let Some(name) = choice.function.and_then(|f| f.name) {
-                out.insert(
-                    "tool_choice".into(),
-                    json!({"type": "tool", "name": tree(name)}),
-                );
-            }
+            let name = choice
+                .function
+                .and_then(|f| f.name)
+                .ok_or_else(bad_choice)?;
+            out.insert(
+                "tool_choice".into(),
+                json!({"type": "tool", "name": tree(name)}),
+            );
         }
-        _ => {}
+        Some(Err(_)) => return Err(bad_choice()),
+        None => {}
     }
     Ok(Bytes::from(Value::Object(out).to_string()))
 }
@@ -438,6 +466,54 @@ mod tests {
 
     fn parse(body: &str) -> RequestBody<'_> {
         crate::wire::parse(body.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn malformed_tools_choices_and_n_are_refused_not_dropped() {
+        let refused = |body: &str| {
+            chat_to_messages(&parse(body), "m")
+                .err()
+                .unwrap_or_else(|| panic!("accepted {body}"))
+                .param
+        };
+        let chat = |extra: &str| {
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#)
+        };
+        for (extra, param) in [
+            (r#","tools":{"type":"function"}"#, "tools"),
+            // Anthropic's tool shape sent to the Chat Completions endpoint.
+            (
+                r#","tools":[{"name":"f","input_schema":{"type":"object"}}]"#,
+                "tools",
+            ),
+            (r#","tool_choice":5"#, "tool_choice"),
+            (r#","tool_choice":"sometimes""#, "tool_choice"),
+            (r#","tool_choice":{"type":"function"}"#, "tool_choice"),
+            (r#","n":0"#, "n"),
+            (r#","n":"2""#, "n"),
+            (r#","n":2.0"#, "n"),
+            (r#","n":2"#, "n"),
+        ] {
+            assert_eq!(refused(&chat(extra)), Some(param), "{extra}");
+        }
+        for extra in [
+            r#","n":1"#,
+            r#","n":null"#,
+            r#","tools":null"#,
+            r#","tool_choice":"auto""#,
+        ] {
+            assert!(
+                chat_to_messages(&parse(&chat(extra)), "m").is_ok(),
+                "{extra}"
+            );
+        }
+        let messages = r#"{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"hi"}],"tools":{"name":"f"}}"#;
+        assert_eq!(
+            messages_to_chat(&parse(messages), "m")
+                .err()
+                .map(|e| e.param),
+            Some(Some("tools"))
+        );
     }
 
     #[test]

@@ -327,9 +327,9 @@ fn call_item(id: &str, call_id: &Value, name: &Value, arguments: &str, status: &
 }
 
 /// Translate a whole Chat Completions answer into a Responses answer.
-pub fn chat_response_to_responses(body: &[u8], client_model: &str) -> Bytes {
+pub fn chat_response_to_responses(body: &[u8], client_model: &str) -> Result<Bytes, String> {
     let Some(response) = answer::parse::<ChatCompletion<'_>>(body) else {
-        return crate::translate_openai::error_to_openai(502, body);
+        return Err("the upstream's whole answer is not a Chat Completions answer".to_owned());
     };
     let id = response.id.as_deref().unwrap_or("unknown");
     let choice = response.choices.as_deref().and_then(<[_]>::first);
@@ -367,7 +367,7 @@ pub fn chat_response_to_responses(body: &[u8], client_model: &str) -> Bytes {
         output,
         responses_usage(response.usage.as_ref()),
     );
-    Bytes::from(object.to_string())
+    Ok(Bytes::from(object.to_string()))
 }
 
 /// The item being streamed.

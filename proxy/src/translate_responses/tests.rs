@@ -85,10 +85,9 @@ fn whole_answers_become_response_objects() {
         "message": {"role": "assistant", "content": "hello", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         "finish_reason": "length"}],
         "usage": {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 8}}});
-    let out: Value = serde_json::from_slice(&chat_response_to_responses(
-        chat.to_string().as_bytes(),
-        "alias",
-    ))
+    let out: Value = serde_json::from_slice(
+        &chat_response_to_responses(chat.to_string().as_bytes(), "alias").unwrap(),
+    )
     .unwrap();
     assert_eq!(out["object"], "response");
     assert_eq!(out["model"], "alias");
