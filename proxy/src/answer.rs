@@ -145,13 +145,10 @@ fn is_error_of(body: &[u8], format: ClientFormat) -> bool {
             .and_then(|e| e.get(field))
             .is_some_and(serde_json::Value::is_string)
     };
+    let anthropic = body.get("type").and_then(serde_json::Value::as_str) == Some("error");
     match format {
-        ClientFormat::OpenAi => text("message"),
-        ClientFormat::Anthropic => {
-            body.get("type").and_then(serde_json::Value::as_str) == Some("error")
-                && text("type")
-                && text("message")
-        }
+        ClientFormat::OpenAi => !anthropic && text("message"),
+        ClientFormat::Anthropic => anthropic && text("type") && text("message"),
     }
 }
 
@@ -201,9 +198,12 @@ pub struct Answer {
     /// Why an answer the gateway assembles or translates has no whole (the stream failed, the
     /// body is no answer): the client's connection is ended, its status being sent already.
     pub failed: Option<String>,
-    /// What the client's stream got so far ends between two events (or there was none yet):
-    /// an error event can end it if its worker fails.
-    between_events: bool,
+    /// Line breaks at the end of what the client's stream got (2: it ends between two events,
+    /// or nothing went yet): an error event can end it if its worker fails.
+    breaks_at_end: u8,
+    /// Events the client's stream got (the Responses API numbers its events from 0: the next
+    /// one, an error that ends it, is this).
+    pub events_sent: u64,
 }
 
 /// Events that end a stream in an error: vLLM's `error` (and Anthropic's), and the Responses
@@ -231,7 +231,8 @@ impl Answer {
             partial_line: Vec::new(),
             first_was_error: false,
             failed: None,
-            between_events: true,
+            breaks_at_end: 2,
+            events_sent: 0,
         }
     }
 
@@ -382,6 +383,15 @@ impl Answer {
             // gateway's credentials is the gateway's failure: a 502.
             if translate::refused_credentials(status) {
                 response.set_status(502)?;
+                response.set_reason_phrase(None)?;
+            }
+            // A head that says its body is empty ends the answer: no body comes to rewrite.
+            if response
+                .headers
+                .get(http::header::CONTENT_LENGTH)
+                .is_some_and(|length| length.as_bytes() == b"0")
+            {
+                return Ok(());
             }
             response.remove_header(&http::header::CONTENT_LENGTH);
             response.insert_header(http::header::CONTENT_TYPE, "application/json")?;
@@ -579,17 +589,36 @@ impl Answer {
                 *body = Some(out.freeze());
             }
         }
-        if let Some(out) = body.as_ref().filter(|out| !out.is_empty()) {
-            self.between_events = out.ends_with(b"\n\n") || out.ends_with(b"\r\n\r\n");
+        if self.events
+            && let Some(out) = body.as_ref()
+        {
+            self.note_sent(out);
         }
         first
+    }
+
+    /// Count what went to the client of an event stream: an event ends at a blank line (its
+    /// separator may straddle two pieces; a `\r` before a `\n` is part of the line break).
+    fn note_sent(&mut self, out: &[u8]) {
+        for byte in out {
+            match byte {
+                b'\n' => {
+                    if self.breaks_at_end == 1 {
+                        self.events_sent += 1;
+                    }
+                    self.breaks_at_end = self.breaks_at_end.saturating_add(1).min(2);
+                }
+                b'\r' => {}
+                _ => self.breaks_at_end = 0,
+            }
+        }
     }
 
     /// Whether the client gets a stream of events that can still take one more: an error, if
     /// its worker fails half-way ([`crate::api::ApiError::stream_event`]). Not when the last
     /// event went out in part (its end will not come).
     pub fn can_end_with_event(&self) -> bool {
-        self.events && self.between_events
+        self.events && self.breaks_at_end >= 2
     }
 }
 
@@ -801,12 +830,18 @@ mod tests {
             error_of(400, vllm, ClientFormat::OpenAi, false),
             serde_json::from_str::<serde_json::Value>(vllm).unwrap()
         );
-        // An Anthropic error to an Anthropic client, as it is.
+        // An Anthropic error to an Anthropic client, as it is; to an OpenAI client (a provider
+        // of the other API), OpenAI's.
         let anthropic = r#"{"type":"error","error":{"type":"overloaded_error","message":"busy"}}"#;
         assert_eq!(
             error_of(529, anthropic, ClientFormat::Anthropic, false)["error"]["type"],
             "overloaded_error"
         );
+        let error = error_of(529, anthropic, ClientFormat::OpenAi, false);
+        assert_eq!(error["error"]["type"], "server_error");
+        assert_eq!(error["error"]["code"], "upstream_error");
+        assert_eq!(error["error"]["message"], "busy");
+        assert!(error.get("type").is_none(), "{error}");
         // Plain text from something before the worker, in either format.
         let text = "upstream connect error or disconnect/reset before headers";
         let error = error_of(503, text, ClientFormat::OpenAi, false);
@@ -830,7 +865,10 @@ mod tests {
         let fastapi = r#"{"detail":[{"loc":["body","max_tokens"],"msg":"Input should be a valid integer","type":"int_parsing"}]}"#;
         let error = error_of(422, fastapi, ClientFormat::Anthropic, false);
         assert_eq!(error["error"]["type"], "invalid_request_error");
-        assert_eq!(error["error"]["message"], "Input should be a valid integer");
+        assert_eq!(
+            error["error"]["message"],
+            "body.max_tokens: Input should be a valid integer"
+        );
         let error = error_of(
             405,
             r#"{"detail":"Method Not Allowed"}"#,
@@ -838,6 +876,43 @@ mod tests {
             false,
         );
         assert_eq!(error["error"]["message"], "Method Not Allowed");
+    }
+
+    #[test]
+    fn a_refusal_of_the_gateways_key_is_a_502_even_without_a_body() {
+        for (length, body) in [("0", ""), ("33", r#"{"error":{"message":"bad key sk-1"}}"#)] {
+            let mut answer = answer();
+            let mut response = ResponseHeader::build(401, None).unwrap();
+            response.set_reason_phrase(Some("Go Away")).unwrap();
+            response.insert_header("content-length", length).unwrap();
+            let naming = Naming {
+                client: "m",
+                upstream: "m",
+                within: None,
+            };
+            answer
+                .head(
+                    &mut response,
+                    Translation::None,
+                    Delivery::Whole,
+                    naming,
+                    ClientFormat::OpenAi,
+                )
+                .unwrap();
+            assert_eq!(response.status.as_u16(), 502);
+            assert_eq!(response.get_reason_phrase(), Some("Bad Gateway"));
+            let mut out = (!body.is_empty()).then(|| Bytes::from_static(body.as_bytes()));
+            answer.body(&mut out, true, "m");
+            if body.is_empty() {
+                // The head ends the answer: its length stays, no body is made up.
+                assert_eq!(response.headers.get("content-length").unwrap(), "0");
+            } else {
+                let error: serde_json::Value = serde_json::from_slice(&out.unwrap()).unwrap();
+                let message = error["error"]["message"].as_str().unwrap();
+                assert!(message.contains("gateway's credentials"), "{message}");
+                assert!(!message.contains("sk-1"), "{message}");
+            }
+        }
     }
 
     #[test]
@@ -888,16 +963,23 @@ mod tests {
         };
         let mut answer = streamed(Delivery::Stream);
         assert!(answer.can_end_with_event(), "nothing sent yet");
-        for (piece, between) in [
-            ("data: {\"choices\":[]}\n\n", true),
-            ("data: {\"cho", false),
-            ("ices\":[]}\n\n", true),
-            ("event: x\r\ndata: {}\r\n\r\n", true),
-            ("data: {}\n", false),
+        for (piece, between, events) in [
+            ("data: {\"choices\":[]}\n\n", true, 1),
+            ("data: {\"cho", false, 1),
+            ("ices\":[]}\n\n", true, 2),
+            ("event: x\r\ndata: {}\r\n\r\n", true, 3),
+            ("data: {}\n", false, 3),
+            // The blank line that ends it comes apart.
+            ("\n", true, 4),
+            ("data: {}\r\n\r", false, 4),
+            ("\n", true, 5),
+            // Extra blank lines end no more events.
+            ("\n\n", true, 5),
         ] {
             let mut body = Some(Bytes::from(piece));
             answer.body(&mut body, false, "m");
             assert_eq!(answer.can_end_with_event(), between, "{piece:?}");
+            assert_eq!(answer.events_sent, events, "{piece:?}");
         }
         // An answer the client gets whole has no events to end.
         let mut whole = streamed(Delivery::Whole);

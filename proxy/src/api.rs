@@ -464,10 +464,12 @@ impl ApiError {
 impl ApiError {
     /// The error as the last event of a stream the client's `endpoint` answers with, once its
     /// status went out (a worker that failed half-way): Anthropic's `error` event on
-    /// `/v1/messages`, the Responses API's `error` event on `/v1/responses`, and elsewhere the
-    /// error chunk and `[DONE]` with which vLLM ends a stream that failed. The official SDKs
-    /// raise it as an API error, not as a broken connection.
-    pub fn stream_event(&self, endpoint: Endpoint) -> Bytes {
+    /// `/v1/messages`, the Responses API's `error` event on `/v1/responses` (numbered
+    /// `sequence`, the events before it being numbered from 0), and elsewhere the error chunk
+    /// and `[DONE]` with which vLLM ends a stream that failed. The official SDKs raise the
+    /// first two as an API error (not as a broken connection) and yield the Responses API's
+    /// as its typed error event.
+    pub fn stream_event(&self, endpoint: Endpoint, sequence: u64) -> Bytes {
         let (opening, data, closing): (&[u8], Bytes, &[u8]) = match endpoint {
             Endpoint::Messages => (
                 b"event: error\ndata: ",
@@ -482,6 +484,7 @@ impl ApiError {
                         "code": self.code,
                         "message": self.shown_message(),
                         "param": self.param,
+                        "sequence_number": sequence,
                     })
                     .to_string(),
                 ),
@@ -544,23 +547,24 @@ mod tests {
             assert!(event.ends_with("\n\n"), "{event}");
             serde_json::from_str(line.trim_start_matches("data: ")).unwrap()
         };
-        let chat = error.stream_event(Endpoint::ChatCompletions);
+        let chat = error.stream_event(Endpoint::ChatCompletions, 0);
         let chat = std::str::from_utf8(&chat).unwrap();
         assert!(chat.ends_with("\n\ndata: [DONE]\n\n"), "{chat}");
         let chat = data(chat, "data: ");
         assert_eq!(chat["error"]["code"], "upstream_timeout");
         assert_eq!(chat["error"]["type"], "server_error");
         assert_eq!(chat["error"]["message"], "stopped");
-        let messages = error.stream_event(Endpoint::Messages);
+        let messages = error.stream_event(Endpoint::Messages, 0);
         let messages = data(std::str::from_utf8(&messages).unwrap(), "event: error\n");
         assert_eq!(messages["type"], "error");
         assert_eq!(messages["error"]["type"], "api_error");
         assert_eq!(messages["error"]["message"], "stopped");
-        let responses = error.stream_event(Endpoint::Responses);
+        let responses = error.stream_event(Endpoint::Responses, 7);
         let responses = data(std::str::from_utf8(&responses).unwrap(), "event: error\n");
         assert_eq!(responses["type"], "error");
         assert_eq!(responses["code"], "upstream_timeout");
         assert_eq!(responses["message"], "stopped");
+        assert_eq!(responses["sequence_number"], 7);
     }
 
     #[test]

@@ -546,7 +546,7 @@ impl Exchange {
     pub fn stream_failure_event(&self, error: &ApiError) -> Option<bytes::Bytes> {
         self.answer
             .can_end_with_event()
-            .then(|| error.stream_event(self.client.endpoint))
+            .then(|| error.stream_event(self.client.endpoint, self.answer.events_sent))
     }
 
     /// The upstream answered `status` before any byte reached the client: a 5xx, or a refusal

@@ -282,8 +282,10 @@ impl Admission {
                 .and_then(|state| state.tokens.as_mut())
             {
                 bucket.refill(Instant::now());
-                bucket.available += self.charged_tokens as f64;
-                bucket.available -= now.total() as f64;
+                // What comes back fills the bucket at most (it may have refilled meanwhile).
+                bucket.available = (bucket.available + self.charged_tokens as f64
+                    - now.total() as f64)
+                    .min(bucket.capacity);
             }
         }
         self.charged = now;
@@ -466,6 +468,12 @@ mod tests {
         admitted.settle(4, 6);
         let _ok = limiter.admit("t", l, prompt(50)).unwrap();
         assert!(limiter.admit("t", l, prompt(1)).is_err());
+        // Settled after the bucket refilled: what comes back does not fill it past its size.
+        let mut late = limiter.admit("v", l, huge).unwrap();
+        tokio::time::advance(Duration::from_secs(120)).await;
+        late.settle(4, 6);
+        let _ok = limiter.admit("v", l, prompt(60)).unwrap();
+        assert!(limiter.admit("v", l, prompt(1)).is_err());
         // An answer that used far more than the bucket holds overdraws it; the wait is long
         // but a number, not a panic.
         let mut big = limiter.admit("u", l, prompt(1)).unwrap();

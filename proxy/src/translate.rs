@@ -199,7 +199,7 @@ impl StreamTranslator {
         if !self.finished && self.stop_reason.is_null() {
             self.finished = true;
             out.push_str(&String::from_utf8_lossy(
-                &cut_short().stream_event(Endpoint::Messages),
+                &cut_short().stream_event(Endpoint::Messages, 0),
             ));
         }
         self.close(&mut out);

@@ -147,7 +147,7 @@ impl MessagesStreamTranslator {
         let mut out = self.feed(b"\n\n").to_vec();
         if !self.finished {
             out.extend_from_slice(
-                &crate::translate::cut_short().stream_event(Endpoint::ChatCompletions),
+                &crate::translate::cut_short().stream_event(Endpoint::ChatCompletions, 0),
             );
             self.finished = true;
         }

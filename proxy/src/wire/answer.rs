@@ -83,11 +83,33 @@ struct ErrorObject<'a> {
     message: Option<Cow<'a, str>>,
 }
 
-/// One of FastAPI's validation errors.
+/// One of FastAPI's validation errors: where (`["body", "max_tokens"]`) and what.
 #[derive(Debug, Default, Deserialize)]
 struct ValidationError<'a> {
     #[serde(borrow, default)]
     msg: Option<Cow<'a, str>>,
+    #[serde(default)]
+    loc: Vec<serde_json::Value>,
+}
+
+impl ValidationError<'_> {
+    /// `body.max_tokens: Input should be a valid integer`.
+    fn said(self) -> Option<String> {
+        let msg = self.msg?;
+        let at: Vec<String> = self
+            .loc
+            .iter()
+            .map(|part| match part {
+                serde_json::Value::String(name) => name.clone(),
+                other => other.to_string(),
+            })
+            .collect();
+        Some(if at.is_empty() {
+            msg.into_owned()
+        } else {
+            format!("{}: {msg}", at.join("."))
+        })
+    }
 }
 
 impl ErrorBody<'_> {
@@ -111,7 +133,7 @@ impl ErrorBody<'_> {
             let messages: Vec<String> = serde_json::from_str::<Vec<ValidationError<'_>>>(raw)
                 .ok()?
                 .into_iter()
-                .filter_map(|error| error.msg.map(Cow::into_owned))
+                .filter_map(ValidationError::said)
                 .collect();
             (!messages.is_empty()).then(|| messages.join("; "))
         };
