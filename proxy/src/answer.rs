@@ -692,13 +692,13 @@ mod tests {
         Answer::new(UsageTap::new(false, false))
     }
 
-    /// An answer the client asked for whole from a worker's stream (`translate`: into the
-    /// client's API), fed `pieces`: what the client got at each piece, and which piece was
-    /// taken for the first token.
-    fn assembled(
+    /// An answer (and the head the client gets) to a 200 whose worker streams events, for an
+    /// OpenAI client of `translate` asking as `delivery` says.
+    fn event_stream(
         translate: Translation,
-        pieces: &[&str],
-    ) -> (Vec<Option<Value>>, Option<usize>, Option<String>) {
+        delivery: Delivery,
+        naming: Naming<'_>,
+    ) -> (Answer, ResponseHeader) {
         let mut answer = answer();
         let mut response = ResponseHeader::build(200, None).unwrap();
         response
@@ -708,15 +708,28 @@ mod tests {
             .head(
                 &mut response,
                 translate,
-                Delivery::Assembled(assemble::Kind::Chat),
-                Naming {
-                    client: "alias",
-                    upstream: "org/served",
-                    within: Some(ALIAS_HEAD_BYTES),
-                },
+                delivery,
+                naming,
                 ClientFormat::OpenAi,
             )
             .unwrap();
+        (answer, response)
+    }
+
+    /// An answer the client asked for whole from a worker's stream (`translate`: into the
+    /// client's API), fed `pieces`: what the client got at each piece, and which piece was
+    /// taken for the first token.
+    fn assembled(
+        translate: Translation,
+        pieces: &[&str],
+    ) -> (Vec<Option<Value>>, Option<usize>, Option<String>) {
+        let naming = Naming {
+            client: "alias",
+            upstream: "org/served",
+            within: Some(ALIAS_HEAD_BYTES),
+        };
+        let (mut answer, response) =
+            event_stream(translate, Delivery::Assembled(assemble::Kind::Chat), naming);
         assert_eq!(response.headers["content-type"], "application/json");
         let (mut out, mut first) = (Vec::new(), None);
         for (index, piece) in pieces.iter().enumerate() {
@@ -844,38 +857,52 @@ mod tests {
         assert!(error.get("type").is_none(), "{error}");
         // Plain text from something before the worker, in either format.
         let text = "upstream connect error or disconnect/reset before headers";
-        let error = error_of(503, text, ClientFormat::OpenAi, false);
-        assert_eq!(error["error"]["type"], "server_error");
-        assert_eq!(error["error"]["code"], "upstream_error");
-        assert_eq!(
-            error["error"]["message"],
-            "upstream answered with status 503"
-        );
-        let error = error_of(429, text, ClientFormat::Anthropic, false);
-        assert_eq!(error["error"]["type"], "rate_limit_error");
-        let error = error_of(
-            404,
-            r#"{"message":"no such model"}"#,
-            ClientFormat::Anthropic,
-            false,
-        );
-        assert_eq!(error["error"]["type"], "not_found_error");
-        assert_eq!(error["error"]["message"], "no such model");
-        // FastAPI's own errors, before vLLM's handlers: `detail`.
+        // FastAPI's own errors, before vLLM's handlers, say it in `detail`.
         let fastapi = r#"{"detail":[{"loc":["body","max_tokens"],"msg":"Input should be a valid integer","type":"int_parsing"}]}"#;
-        let error = error_of(422, fastapi, ClientFormat::Anthropic, false);
-        assert_eq!(error["error"]["type"], "invalid_request_error");
-        assert_eq!(
-            error["error"]["message"],
-            "body.max_tokens: Input should be a valid integer"
-        );
-        let error = error_of(
-            405,
-            r#"{"detail":"Method Not Allowed"}"#,
-            ClientFormat::OpenAi,
-            false,
-        );
-        assert_eq!(error["error"]["message"], "Method Not Allowed");
+        for (status, body, format, kind, message) in [
+            (
+                503,
+                text,
+                ClientFormat::OpenAi,
+                "server_error",
+                "upstream answered with status 503",
+            ),
+            (
+                429,
+                text,
+                ClientFormat::Anthropic,
+                "rate_limit_error",
+                "upstream answered with status 429",
+            ),
+            (
+                404,
+                r#"{"message":"no such model"}"#,
+                ClientFormat::Anthropic,
+                "not_found_error",
+                "no such model",
+            ),
+            (
+                422,
+                fastapi,
+                ClientFormat::Anthropic,
+                "invalid_request_error",
+                "body.max_tokens: Input should be a valid integer",
+            ),
+            (
+                405,
+                r#"{"detail":"Method Not Allowed"}"#,
+                ClientFormat::OpenAi,
+                "invalid_request_error",
+                "Method Not Allowed",
+            ),
+        ] {
+            let error = error_of(status, body, format, false);
+            assert_eq!(error["error"]["type"], kind, "{status}");
+            assert_eq!(error["error"]["message"], message, "{status}");
+            if format == ClientFormat::OpenAi {
+                assert_eq!(error["error"]["code"], "upstream_error", "{status}");
+            }
+        }
     }
 
     #[test]
@@ -941,25 +968,12 @@ mod tests {
     #[test]
     fn a_stream_can_end_with_an_error_event_only_between_events() {
         let streamed = |delivery| {
-            let mut answer = answer();
-            let mut response = ResponseHeader::build(200, None).unwrap();
-            response
-                .insert_header("content-type", "text/event-stream")
-                .unwrap();
-            answer
-                .head(
-                    &mut response,
-                    Translation::None,
-                    delivery,
-                    Naming {
-                        client: "m",
-                        upstream: "m",
-                        within: None,
-                    },
-                    ClientFormat::OpenAi,
-                )
-                .unwrap();
-            answer
+            let naming = Naming {
+                client: "m",
+                upstream: "m",
+                within: None,
+            };
+            event_stream(Translation::None, delivery, naming).0
         };
         let mut answer = streamed(Delivery::Stream);
         assert!(answer.can_end_with_event(), "nothing sent yet");
