@@ -114,21 +114,17 @@ fn whole_translation(translate: Translation) -> AnswerFn {
 /// credentials always is ([`translate::upstream_error`]).
 fn error_writer(format: ClientFormat) -> ErrorFn {
     match format {
-        ClientFormat::OpenAi => |status, body| {
-            if !translate::refused_credentials(status) && is_error_of(body, ClientFormat::OpenAi) {
-                Bytes::copy_from_slice(body)
-            } else {
-                translate_openai::error_to_openai(status, body)
-            }
-        },
-        ClientFormat::Anthropic => |status, body| {
-            if !translate::refused_credentials(status) && is_error_of(body, ClientFormat::Anthropic)
-            {
-                Bytes::copy_from_slice(body)
-            } else {
-                translate::error_to_anthropic(status, body)
-            }
-        },
+        ClientFormat::OpenAi => |status, body| error_in(status, body, ClientFormat::OpenAi),
+        ClientFormat::Anthropic => |status, body| error_in(status, body, ClientFormat::Anthropic),
+    }
+}
+
+/// An upstream's error body as [`error_writer`] writes it for a client of `format`.
+fn error_in(status: u16, body: &[u8], format: ClientFormat) -> Bytes {
+    if !translate::refused_credentials(status) && is_error_of(body, format) {
+        Bytes::copy_from_slice(body)
+    } else {
+        translate::upstream_error(status, body, format)
     }
 }
 

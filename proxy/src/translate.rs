@@ -101,9 +101,8 @@ pub(crate) fn refused_credentials(status: u16) -> bool {
     matches!(status, 401 | 403)
 }
 
-/// What an upstream's error status is for the client. A 401 or 403 refused the gateway's own
-/// credentials (a provider's key, a worker's `--api-key`; the client's own were checked by the
-/// gateway and are never forwarded): the gateway's fault, a 502, not the client's key.
+/// What an upstream's error status is for the client. A refusal of the gateway's credentials
+/// ([`refused_credentials`]) is the gateway's fault, a 502, not the client's key.
 pub(crate) fn upstream_error_kind(status: u16) -> ErrorKind {
     match status {
         400 | 422 => ErrorKind::InvalidRequest,
