@@ -223,6 +223,10 @@ pub struct RunConfig {
     /// The workers publish KV events (`false`: vLLM without `--kv-events-config`; switchyard's
     /// pool then names none, and routers that need them cannot run).
     pub kv_events: bool,
+    /// Where switchyard's proxies write their logs, request lines and routing decisions
+    /// included (`RUST_LOG` for switchyard_proxy at debug), one file per workload, seed, router
+    /// and replica (`None`: discarded).
+    pub proxy_log: Option<PathBuf>,
 }
 
 /// Whether conversation `index` asks for whole answers when `share` of them do: every
@@ -497,6 +501,21 @@ async fn start_router(
                 } else {
                     ("off".to_owned(), Vec::new())
                 };
+                let (log_level, log) = match &config.proxy_log {
+                    Some(dir) => {
+                        std::fs::create_dir_all(dir)?;
+                        let name = format!(
+                            "{}-seed{}-{}-{replica}.log",
+                            config.workload.name(),
+                            config.seed,
+                            router.name()
+                        );
+                        let file = std::fs::File::create(dir.join(&name))
+                            .with_context(|| format!("creating {}", dir.join(name).display()))?;
+                        ("info,switchyard_proxy::observe=debug", Stdio::from(file))
+                    }
+                    None => ("warn", Stdio::null()),
+                };
                 let child = Command::new(config.bin_dir.join("switchyard-proxy"))
                     .arg("--config")
                     .arg(&path)
@@ -509,9 +528,9 @@ async fn start_router(
                         "0",
                     ])
                     .args(peers)
-                    .env("RUST_LOG", "warn")
+                    .env("RUST_LOG", log_level)
                     .stdout(Stdio::null())
-                    .stderr(Stdio::null())
+                    .stderr(log)
                     .spawn()
                     .context("starting switchyard-proxy")?;
                 processes.push(Killed(child));

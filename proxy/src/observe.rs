@@ -107,6 +107,9 @@ fn log_line(error: Option<&Error>, failure: Option<Failure>, ctx: &RequestCtx) {
                 error = error.map(|e| e.etype().as_str()),
                 error_source = error.map(|e| e.esource().as_str()),
                 last_connect_error = exchange.and_then(|x| x.last_connect_error.as_deref()),
+                ttft_ms = exchange
+                    .and_then(|x| x.answer.first_output)
+                    .map(|t| t.duration_since(ctx.started).as_millis() as u64),
                 duration_ms = ctx.started.elapsed().as_millis() as u64,
                 $message
             )

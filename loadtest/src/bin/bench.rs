@@ -196,6 +196,11 @@ struct CompareArgs {
     /// need them (vllm-router-kv, llm-d, dynamo) are refused.
     #[arg(long)]
     no_kv_events: bool,
+    /// Write switchyard's proxy logs here (one file per workload, seed, router and replica):
+    /// each request's line (worker, status, TTFT, duration) and its routing decision with every
+    /// worker's numbers. For finding why a request was slow; off by default.
+    #[arg(long)]
+    proxy_log: Option<PathBuf>,
     /// Results as JSON.
     #[arg(long, default_value = "bench-results/compare.json")]
     json: PathBuf,
@@ -617,6 +622,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 vllm_router: vllm_router.clone(),
                 whole_answers: args.whole_answers,
                 kv_events: !args.no_kv_events,
+                proxy_log: args.proxy_log.clone(),
             };
             runs.push((config, conversations));
         }

@@ -55,6 +55,14 @@ async fn a_client_aborting_a_stream_logs_nothing_at_warn_or_above() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Each line says when its first token came (the clients saw one before hanging up).
+    for line in proxy
+        .log()
+        .lines()
+        .filter(|l| l.contains("request ended by the client"))
+    {
+        assert!(line.contains(" ttft_ms="), "{line}");
+    }
     // A request after the aborts still works and is logged at info.
     let answer = client
         .post(format!("{}/v1/chat/completions", proxy.url()))

@@ -286,9 +286,15 @@ fn made_up_fields_removed(line: &str) -> String {
         .enumerate()
         .filter(|(at, field)| {
             let time = *at == 0 && field.ends_with('Z') && field.contains('T');
-            let made_up = ["request_id=", "trace_id=", "span_id=", "duration_ms="]
-                .iter()
-                .any(|name| field.starts_with(name));
+            let made_up = [
+                "request_id=",
+                "trace_id=",
+                "span_id=",
+                "ttft_ms=",
+                "duration_ms=",
+            ]
+            .iter()
+            .any(|name| field.starts_with(name));
             !(time || made_up || field.contains("127.0.0.1:"))
         })
         .map(|(_, field)| field)
