@@ -186,6 +186,11 @@ pub struct PromptTokenizer {
     /// Whether a head of a text may be tokenized alone (see [`PromptTokenizer::encode_head`]);
     /// turned off for good if a head ever turns out not to be the start of its whole.
     word_cuts: std::sync::atomic::AtomicBool,
+    /// The tokens the tokenizer's post-processor puts before and after a text when special
+    /// tokens are added (a BOS for Llama 3's `tokenizer.json`; none for byte-level ones without
+    /// a template processor): what vLLM adds to a completions prompt, whose
+    /// `add_special_tokens` is true by default (a chat prompt's template carries its own).
+    special_tokens: (Vec<u32>, Vec<u32>),
 }
 
 /// Smallest piece of a prompt worth remembering, in bytes.
@@ -795,7 +800,9 @@ impl PromptTokenizer {
             words: None,
             word_calls: std::sync::atomic::AtomicU64::new(0),
             word_cuts: std::sync::atomic::AtomicBool::new(false),
+            special_tokens: (Vec::new(), Vec::new()),
         };
+        prompt_tokenizer.special_tokens = prompt_tokenizer.added_special_tokens();
         let line_cuts = prompt_tokenizer.cuts_are_exact();
         if line_cuts {
             prompt_tokenizer.segments = Some(SegmentCache::new(SEGMENT_CACHE_TOKENS));
@@ -890,6 +897,47 @@ impl PromptTokenizer {
         Ok(out)
     }
 
+    /// Token ids of `text` with the special tokens the tokenizer adds around a text (see
+    /// `special_tokens`): what vLLM prefills for a completions prompt (or any prompt sent with
+    /// `add_special_tokens: true`).
+    pub fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let (before, after) = &self.special_tokens;
+        let mut tokens = before.clone();
+        tokens.extend(self.encode(text)?);
+        tokens.extend_from_slice(after);
+        Ok(tokens)
+    }
+
+    /// Whether adding special tokens adds any (see [`Self::encode_with_special_tokens`]).
+    pub fn adds_special_tokens(&self) -> bool {
+        !self.special_tokens.0.is_empty() || !self.special_tokens.1.is_empty()
+    }
+
+    /// What the post-processor puts around a text: the ids of a sample with special tokens,
+    /// less its ids without them (none when the two do not line up that way).
+    fn added_special_tokens(&self) -> (Vec<u32>, Vec<u32>) {
+        let sample = "Hello world";
+        let ids = |special: bool| {
+            self.tokenizer
+                .encode_fast(sample, special)
+                .map(|encoding| encoding.get_ids().to_vec())
+        };
+        let (Ok(with), Ok(without)) = (ids(true), ids(false)) else {
+            return (Vec::new(), Vec::new());
+        };
+        if without.is_empty() || with.len() < without.len() {
+            return (Vec::new(), Vec::new());
+        }
+        with.windows(without.len())
+            .position(|window| window == without.as_slice())
+            .map(|at| {
+                let before = with.get(..at).unwrap_or_default().to_vec();
+                let after = with.get(at + without.len()..).unwrap_or_default().to_vec();
+                (before, after)
+            })
+            .unwrap_or_default()
+    }
+
     /// Render and tokenize chat messages in one go.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizeError> {
         self.encode(&self.render_chat(messages)?)
@@ -913,6 +961,47 @@ mod tests {
             &dir.join("chat_template.jinja"),
         )
         .unwrap()
+    }
+
+    /// The shipped tokenizer.json with Llama 3's kind of post-processor: a BOS before every
+    /// text encoded with special tokens.
+    pub(crate) fn with_bos_json() -> Vec<u8> {
+        let mut json: serde_json::Value = serde_json::from_slice(SHIPPED_TOKENIZER_JSON).unwrap();
+        let bos = "<｜begin▁of▁sentence｜>";
+        let template = json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [0], "tokens": [bos]}}
+        });
+        let byte_level = json["post_processor"].take();
+        json["post_processor"] = json!({"type": "Sequence", "processors": [byte_level, template]});
+        serde_json::to_vec(&json).unwrap()
+    }
+
+    #[test]
+    fn special_tokens_are_what_the_post_processor_adds() {
+        let plain = shipped();
+        assert!(!plain.adds_special_tokens());
+        let text = "Once upon a time\nthere was a prompt.";
+        assert_eq!(
+            plain.encode_with_special_tokens(text).unwrap(),
+            plain.encode(text).unwrap()
+        );
+        let llama_like = PromptTokenizer::new(&with_bos_json(), SHIPPED_CHAT_TEMPLATE).unwrap();
+        assert!(llama_like.adds_special_tokens());
+        let mut expected = vec![0];
+        expected.extend(plain.encode(text).unwrap());
+        assert_eq!(
+            llama_like.encode_with_special_tokens(text).unwrap(),
+            expected
+        );
+        // The template carries its own: a chat prompt is not given another.
+        assert_eq!(
+            llama_like.encode(text).unwrap(),
+            plain.encode(text).unwrap()
+        );
     }
 
     /// Tokens the segment cache holds.

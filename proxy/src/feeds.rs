@@ -233,6 +233,9 @@ struct Running {
 struct Feeds {
     subscribers: HashMap<(PoolId, String), Running>,
     scrapers: HashMap<String, Running>,
+    /// Per pool, the check of its tokenizer against its workers' ([`crate::tokenizer_check`]),
+    /// keyed by the tokenizer and served model it checks.
+    tokenizer_checks: HashMap<PoolId, Running>,
 }
 
 #[async_trait]
@@ -245,6 +248,7 @@ impl BackgroundService for KvService {
             let table = tables.borrow_and_update().clone();
             if let Some(table) = table {
                 feeds.follow(&table, started);
+                feeds.check_tokenizers(&table, &self.store);
             }
             tokio::select! {
                 changed = tables.changed() => if changed.is_err() { break },
@@ -255,6 +259,7 @@ impl BackgroundService for KvService {
             .subscribers
             .into_values()
             .chain(feeds.scrapers.into_values())
+            .chain(feeds.tokenizer_checks.into_values())
         {
             running.task.abort();
         }
@@ -262,6 +267,34 @@ impl BackgroundService for KvService {
 }
 
 impl Feeds {
+    /// Check each cache-aware pool's tokenizer once per tokenizer and served model it is given
+    /// (a check still running for another is stopped).
+    fn check_tokenizers(&mut self, table: &RoutingTable, store: &Arc<ConfigStore>) {
+        let wanted: HashMap<PoolId, String> = table
+            .pools()
+            .filter(|pool| pool.tokenizer.is_some())
+            .map(|pool| {
+                let key = format!("{:?}|{}", pool.config.tokenizer, pool.config.served_model);
+                (pool.config.id.clone(), key)
+            })
+            .collect();
+        self.tokenizer_checks.retain(|id, running| {
+            let keep = wanted.get(id) == Some(&running.key);
+            if !keep {
+                running.task.abort();
+            }
+            keep
+        });
+        for (id, key) in wanted {
+            self.tokenizer_checks
+                .entry(id.clone())
+                .or_insert_with(|| Running {
+                    key,
+                    task: tokio::spawn(crate::tokenizer_check::run(store.clone(), id)),
+                });
+        }
+    }
+
     /// Start, restart and stop feeds so that every worker of `table`'s cache-aware pools has
     /// exactly the ones its configuration asks for.
     fn follow(&mut self, table: &RoutingTable, started: Instant) {

@@ -4,7 +4,7 @@
 //! up to date; the scorer reads them.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use switchyard_kv::index::{PrefixIndex, WorkerId};
@@ -538,6 +538,61 @@ impl Drop for Prediction {
     }
 }
 
+/// Whether a pool's tokenizer and its workers' give a probe prompt the same ids, per kind of
+/// prompt (unknown until checked).
+#[derive(Debug, Default)]
+pub struct TokenizerAgreement {
+    /// 0: unknown, 1: the same ids, 2: different ones.
+    chat: AtomicU8,
+    completions: AtomicU8,
+}
+
+/// The kinds of prompt a pool's tokenizer is checked on: a chat (its template and tokenizer)
+/// and a completions prompt (the tokenizer and the special tokens vLLM adds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeKind {
+    Chat,
+    Completions,
+}
+
+impl ProbeKind {
+    pub const ALL: [ProbeKind; 2] = [ProbeKind::Chat, ProbeKind::Completions];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            ProbeKind::Chat => "chat",
+            ProbeKind::Completions => "completions",
+        }
+    }
+}
+
+impl TokenizerAgreement {
+    fn slot(&self, kind: ProbeKind) -> &AtomicU8 {
+        match kind {
+            ProbeKind::Chat => &self.chat,
+            ProbeKind::Completions => &self.completions,
+        }
+    }
+
+    /// What the last check found for `kind` (`None`: not checked since the tokenizer changed).
+    pub fn agrees(&self, kind: ProbeKind) -> Option<bool> {
+        match self.slot(kind).load(Ordering::Relaxed) {
+            1 => Some(true),
+            2 => Some(false),
+            _ => None,
+        }
+    }
+
+    pub fn set(&self, kind: ProbeKind, agrees: Option<bool>) {
+        let value = match agrees {
+            None => 0,
+            Some(true) => 1,
+            Some(false) => 2,
+        };
+        self.slot(kind).store(value, Ordering::Relaxed);
+    }
+}
+
 /// The prefix index and worker slots of one pool, kept across snapshots while the pool lives.
 #[derive(Debug)]
 pub struct PoolKv {
@@ -566,6 +621,10 @@ pub struct PoolKv {
     pub calibration: crate::calibration::PoolCalibration,
     /// How much of the recent work comes with each prefix.
     pub popularity: crate::popularity::PrefixPopularity,
+    /// Whether the pool's tokenizer gives the ids its workers give ([`crate::tokenizer_check`]).
+    pub tokenizer_agreement: TokenizerAgreement,
+    /// The tokenizer the pool's prompts were tokenized with (`None`: none yet).
+    tokenizer_spec: Mutex<Option<Option<Tokenizer>>>,
     /// Held while a request chooses a worker and is counted against it: a request deciding on
     /// another thread meanwhile would see the chosen worker without this one's prefill, KV
     /// blocks and prediction, and could take it for idle too.
@@ -589,8 +648,26 @@ impl PoolKv {
             peer_arrival_rate: AtomicU64::new(0),
             calibration: crate::calibration::PoolCalibration::default(),
             popularity: crate::popularity::PrefixPopularity::default(),
+            tokenizer_agreement: TokenizerAgreement::default(),
+            tokenizer_spec: Mutex::new(None),
             choosing: Mutex::new(()),
         }
+    }
+
+    /// The pool tokenizes with `spec` from now on: when that is another tokenizer than before,
+    /// the prompts it tokenized are forgotten and its agreement with the workers is unknown.
+    pub fn use_tokenizer(&self, spec: &Option<Tokenizer>) {
+        let mut current = lock(&self.tokenizer_spec);
+        if current.as_ref() == Some(spec) {
+            return;
+        }
+        if current.is_some() {
+            self.prompts.clear();
+        }
+        for kind in ProbeKind::ALL {
+            self.tokenizer_agreement.set(kind, None);
+        }
+        *current = Some(spec.clone());
     }
 
     /// The worker's slot in this pool's index, assigned on first sight (lowest free).

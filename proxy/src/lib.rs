@@ -39,6 +39,7 @@ pub mod responses;
 pub mod routing;
 pub mod scorer;
 pub mod telemetry;
+pub mod tokenizer_check;
 pub mod tokens;
 pub mod translate;
 pub mod translate_openai;

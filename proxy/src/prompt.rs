@@ -162,6 +162,16 @@ impl PromptCache {
         self.entries.lock().ok()?.by_key.get(&key).cloned()
     }
 
+    /// Forget every prompt and the learned rate (another tokenizer counts them otherwise).
+    pub fn clear(&self) {
+        if let Ok(mut entries) = self.entries.lock() {
+            *entries = Entries::default();
+        }
+        if let Ok(mut rate) = self.rate.lock() {
+            *rate = Rate::default();
+        }
+    }
+
     fn put(&self, key: u64, info: Arc<PromptInfo>) {
         let Ok(mut entries) = self.entries.lock() else {
             return;
@@ -194,8 +204,21 @@ fn prompt_of(
             .render_chat(&request.chat_messages(with_system))
             .map_err(|e| e.to_string())
     };
+    // A prompt vLLM adds special tokens to (a completions prompt by default) is tokenized
+    // whole with them, when this tokenizer has any to add: its blocks start with them.
+    let text = |text: String, by_default: bool| {
+        if tokenizer.adds_special_tokens() && request.adds_special_tokens(by_default) {
+            let text = truncate(&text, MAX_ROUTING_PROMPT_CHARS);
+            tokenizer
+                .encode_with_special_tokens(text)
+                .map(Prompt::Tokens)
+                .map_err(|e| e.to_string())
+        } else {
+            Ok(Prompt::Text(text))
+        }
+    };
     Ok(match endpoint {
-        Endpoint::ChatCompletions => Prompt::Text(render(false)?),
+        Endpoint::ChatCompletions => text(render(false)?, false)?,
         Endpoint::Messages => Prompt::Text(render(true)?),
         Endpoint::Responses => Prompt::Text(
             tokenizer
@@ -203,12 +226,13 @@ fn prompt_of(
                 .map_err(|e| e.to_string())?,
         ),
         Endpoint::Completions => match request.prompt_input() {
-            Some(Ok(PromptInput::Text(text))) => Prompt::Text(text.into_owned()),
+            Some(Ok(PromptInput::Text(text_prompt))) => text(text_prompt.into_owned(), true)?,
             Some(Ok(PromptInput::Tokens(ids))) => Prompt::Tokens(ids),
             // A batch of prompts: route by the first.
-            Some(Ok(PromptInput::Texts(texts))) => {
-                Prompt::Text(texts.into_iter().next().ok_or("empty prompt")?.into_owned())
-            }
+            Some(Ok(PromptInput::Texts(texts))) => text(
+                texts.into_iter().next().ok_or("empty prompt")?.into_owned(),
+                true,
+            )?,
             Some(Ok(PromptInput::TokenBatches(batches))) => {
                 Prompt::Tokens(batches.into_iter().next().ok_or("empty prompt")?)
             }
@@ -446,6 +470,69 @@ mod tests {
             sequence_hashes_keyed(&tokens, 4, &[], Some("t:1"))
         );
         assert_ne!(salted.hashes, info.hashes);
+    }
+
+    #[test]
+    fn a_completions_prompt_starts_with_the_bos_vllm_adds_to_it() {
+        // A tokenizer.json whose post-processor adds a BOS (as Llama 3's does).
+        let mut json: serde_json::Value =
+            serde_json::from_slice(switchyard_kv::tokenize::SHIPPED_TOKENIZER_JSON).unwrap();
+        let bos = "<｜begin▁of▁sentence｜>";
+        json["post_processor"] = serde_json::json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [0], "tokens": [bos]}}
+        });
+        let tokenizer = PromptTokenizer::new(
+            &serde_json::to_vec(&json).unwrap(),
+            switchyard_kv::tokenize::SHIPPED_CHAT_TEMPLATE,
+        )
+        .unwrap();
+        let text = "The rivers of the north run cold and fast through the valleys.";
+        let mut with_bos = vec![0];
+        with_bos.extend(tokenizer.encode(text).unwrap());
+        let tokens_of = |body: &str, endpoint: Endpoint| {
+            let parsed = crate::wire::parse(body.as_bytes()).unwrap();
+            let cache = PromptCache::default();
+            let info = analyse(&tokenizer, &cache, endpoint, &parsed, 4, None, &|_| true);
+            let info = info.unwrap();
+            (info.tokens, info.hashes.clone())
+        };
+        let completions = format!(r#"{{"model":"m","prompt":"{text}"}}"#);
+        assert_eq!(
+            tokens_of(&completions, Endpoint::Completions),
+            (
+                with_bos.len(),
+                sequence_hashes_keyed(&with_bos, 4, &[], None)
+            )
+        );
+        // Unless the request says otherwise, as vLLM reads it.
+        let without = format!(r#"{{"model":"m","prompt":"{text}","add_special_tokens":false}}"#);
+        assert_eq!(
+            tokens_of(&without, Endpoint::Completions).0,
+            with_bos.len() - 1
+        );
+        // A chat prompt's template carries its own special tokens: none added by default.
+        let chat = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{text}"}}]}}"#);
+        let rendered = tokenizer
+            .render_chat(&[switchyard_kv::tokenize::ChatMessage {
+                role: "user".into(),
+                content: text.into(),
+            }])
+            .unwrap();
+        let chat_tokens = tokenizer.encode(&rendered).unwrap();
+        assert_eq!(
+            tokens_of(&chat, Endpoint::ChatCompletions).0,
+            chat_tokens.len()
+        );
+        let asked = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"{text}"}}],"add_special_tokens":true}}"#
+        );
+        assert_eq!(
+            tokens_of(&asked, Endpoint::ChatCompletions).0,
+            chat_tokens.len() + 1
+        );
     }
 
     #[test]

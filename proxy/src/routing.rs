@@ -223,7 +223,11 @@ impl RoutingTable {
             let pool_kv = kv.pool(id, pool.block_size as usize);
             let slots = workers.iter().map(|w| pool_kv.slot(&w.address)).collect();
             let tokenizer = match pool.load_balancing {
-                LoadBalancing::CacheAware => Some(kv.tokenizer(&pool.tokenizer)?),
+                LoadBalancing::CacheAware => {
+                    let tokenizer = kv.tokenizer(&pool.tokenizer)?;
+                    pool_kv.use_tokenizer(&pool.tokenizer);
+                    Some(tokenizer)
+                }
                 _ => None,
             };
             pools.insert(

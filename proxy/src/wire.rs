@@ -58,6 +58,9 @@ pub struct RequestBody<'a> {
     /// Legacy completions: a string, strings, token ids or batches of token ids.
     #[serde(borrow, default)]
     pub prompt: Option<&'a RawValue>,
+    /// vLLM's `add_special_tokens`, as sent: read through [`RequestBody::adds_special_tokens`].
+    #[serde(borrow, default)]
+    pub add_special_tokens: Option<&'a RawValue>,
     /// Text that reaches the model or the provider besides the messages.
     #[serde(borrow, default)]
     pub tools: Option<&'a RawValue>,
@@ -436,6 +439,17 @@ impl<'a> RequestBody<'a> {
             Some(raw) => serde_json::from_str(raw.get()).map_err(|_| {
                 ApiError::invalid("stream_options", "'stream_options' must be an object")
             }),
+        }
+    }
+
+    /// Whether vLLM adds the tokenizer's special tokens (a BOS) to this request's prompt: its
+    /// `add_special_tokens` when a boolean, else vLLM's default for the endpoint (true for a
+    /// completions prompt, false for a chat's, whose template carries its own).
+    pub fn adds_special_tokens(&self, by_default: bool) -> bool {
+        match self.add_special_tokens.map(RawValue::get) {
+            Some("true") => true,
+            Some("false") => false,
+            _ => by_default,
         }
     }
 

@@ -266,6 +266,11 @@ async fn answer(
         )
         .into_response();
     }
+    if path == "/tokenize" {
+        // Cache-aware pools check their tokenizer with it; this fake cannot tokenize, and says
+        // so as a server without the route would (not a request the tests count either).
+        return StatusCode::NOT_FOUND.into_response();
+    }
     if let Ok(mut received) = shared.received.lock() {
         received.push(Received {
             method: method.clone(),

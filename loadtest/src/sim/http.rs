@@ -170,6 +170,26 @@ pub(super) fn request_for(worker: &Worker, body: &[u8]) -> Result<Value, Failure
     Ok(request)
 }
 
+/// A prompt's tokens as vLLM builds them: with the tokenizer's special tokens (a BOS) when the
+/// request's `add_special_tokens` says so, else when `by_default` (true for a completions prompt,
+/// false for a chat's, whose template carries its own).
+fn encode_prompt(
+    worker: &Worker,
+    request: &Value,
+    text: &str,
+    by_default: bool,
+) -> Result<Vec<u32>, switchyard_kv::tokenize::TokenizeError> {
+    let special = request
+        .get("add_special_tokens")
+        .and_then(Value::as_bool)
+        .unwrap_or(by_default);
+    if special {
+        worker.tokenizer.encode_with_special_tokens(text)
+    } else {
+        worker.tokenizer.encode(text)
+    }
+}
+
 fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> {
     let request = request_for(worker, body)?;
     let prompt = match api {
@@ -178,7 +198,10 @@ fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> 
             if messages.is_empty() {
                 return Err(bad_request("messages must be a non-empty list"));
             }
-            worker.tokenizer.encode_chat(&messages)
+            worker
+                .tokenizer
+                .render_chat(&messages)
+                .and_then(|text| encode_prompt(worker, &request, &text, false))
         }
         Api::Messages => {
             let messages = anthropic_messages(&request);
@@ -188,7 +211,7 @@ fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> 
             worker.tokenizer.encode_chat(&messages)
         }
         Api::Completions => match request.get("prompt") {
-            Some(Value::String(text)) => worker.tokenizer.encode(text),
+            Some(Value::String(text)) => encode_prompt(worker, &request, text, true),
             Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_u64) => {
                 Ok(items
                     .iter()
@@ -755,14 +778,13 @@ async fn tokenize(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
         return bad_request("invalid JSON body").into_response();
     };
     let tokens = if request.get("messages").is_some() {
-        worker.tokenizer.encode_chat(&openai_messages(&request))
+        worker
+            .tokenizer
+            .render_chat(&openai_messages(&request))
+            .and_then(|text| encode_prompt(&worker, &request, &text, false))
     } else {
-        worker.tokenizer.encode(
-            request
-                .get("prompt")
-                .and_then(Value::as_str)
-                .unwrap_or_default(),
-        )
+        let prompt = request.get("prompt").and_then(Value::as_str);
+        encode_prompt(&worker, &request, prompt.unwrap_or_default(), true)
     };
     match tokens {
         Ok(tokens) => axum::Json(

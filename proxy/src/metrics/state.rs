@@ -85,6 +85,21 @@ impl Collector for StateCollector {
             per_pool(|p| relaxed(&p.index.stats.malformed_events)).map(counter),
         )?;
 
+        family(
+            encoder,
+            "switchyard_pool_tokenizer_agrees",
+            "Whether the pool's tokenizer gives a probe prompt the token ids a worker gives it (1), or other ids (0: routing cannot find such prompts in the workers' caches); absent until a worker answered.",
+            pools.iter().flat_map(|pool| {
+                crate::kv::ProbeKind::ALL.into_iter().filter_map(|kind| {
+                    let agrees = pool.tokenizer_agreement.agrees(kind)?;
+                    Some((
+                        [("pool", pool.id.0.as_str()), ("prompt", kind.label())],
+                        ConstGauge::new(u64::from(agrees)),
+                    ))
+                })
+            }),
+        )?;
+
         let streams: Vec<(&PoolKv, String, Arc<StreamStats>)> = pools
             .iter()
             .flat_map(|pool| {

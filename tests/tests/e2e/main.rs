@@ -32,6 +32,7 @@ mod responses;
 mod sdk_clients;
 mod sdk_tenants;
 mod tenants;
+mod tokenizer_check;
 mod traces;
 mod vllm_block_pool;
 mod vllm_compat;
