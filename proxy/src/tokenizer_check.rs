@@ -47,7 +47,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(60);
 /// What a worker said to one probe.
 enum Reply {
     Ids(Vec<u32>),
-    /// It does not serve `/tokenize` (the status it answered).
+    /// It answered 404 or 405: no such route (not vLLM), or no such model.
     NoRoute(u16),
     /// Not reached, or no ids in its answer: try again later.
     Failed,
@@ -93,7 +93,7 @@ async fn check(client: &reqwest::Client, store: &ConfigStore, id: &PoolId) -> bo
                         pool = %id,
                         worker = %worker.address,
                         status,
-                        "cannot check the pool's tokenizer: the worker does not serve /tokenize"
+                        "cannot check the pool's tokenizer: the worker answered POST /tokenize with this status (not vLLM, or not the pool's model)"
                     );
                     return true;
                 }
