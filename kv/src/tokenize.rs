@@ -190,9 +190,14 @@ pub struct PromptTokenizer {
     /// tokens are added (a BOS for Llama 3's `tokenizer.json`; none for byte-level ones without
     /// a template processor): what vLLM adds to a completions prompt, whose
     /// `add_special_tokens` is true by default (a chat prompt's template carries its own).
-    special_tokens: (Vec<u32>, Vec<u32>),
+    /// Adopted from the workers when their tokenizer adds some its `tokenizer.json` does not
+    /// say (transformers adds a BOS from `tokenizer_config.json`'s `add_bos_token`).
+    special_tokens: std::sync::RwLock<(Vec<u32>, Vec<u32>)>,
 }
 
+/// Most special tokens a worker may put before (or after) a text for this tokenizer to take
+/// them as its own ([`PromptTokenizer::adopt_special_tokens`]).
+const MAX_SPECIAL_TOKENS: usize = 4;
 /// Smallest piece of a prompt worth remembering, in bytes.
 const MIN_SEGMENT_BYTES: usize = 512;
 /// Tokens remembered per tokenizer (about 4 bytes each).
@@ -800,9 +805,10 @@ impl PromptTokenizer {
             words: None,
             word_calls: std::sync::atomic::AtomicU64::new(0),
             word_cuts: std::sync::atomic::AtomicBool::new(false),
-            special_tokens: (Vec::new(), Vec::new()),
+            special_tokens: std::sync::RwLock::default(),
         };
-        prompt_tokenizer.special_tokens = prompt_tokenizer.added_special_tokens();
+        prompt_tokenizer.special_tokens =
+            std::sync::RwLock::new(prompt_tokenizer.added_special_tokens());
         let line_cuts = prompt_tokenizer.cuts_are_exact();
         if line_cuts {
             prompt_tokenizer.segments = Some(SegmentCache::new(SEGMENT_CACHE_TOKENS));
@@ -901,16 +907,46 @@ impl PromptTokenizer {
     /// `special_tokens`): what vLLM prefills for a completions prompt (or any prompt sent with
     /// `add_special_tokens: true`).
     pub fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
-        let (before, after) = &self.special_tokens;
-        let mut tokens = before.clone();
+        let (before, after) = self.special_tokens();
+        let mut tokens = before;
         tokens.extend(self.encode(text)?);
-        tokens.extend_from_slice(after);
+        tokens.extend(after);
         Ok(tokens)
     }
 
     /// Whether adding special tokens adds any (see [`Self::encode_with_special_tokens`]).
     pub fn adds_special_tokens(&self) -> bool {
-        !self.special_tokens.0.is_empty() || !self.special_tokens.1.is_empty()
+        let (before, after) = self.special_tokens();
+        !before.is_empty() || !after.is_empty()
+    }
+
+    /// The tokens put before and after a text when special tokens are added.
+    pub fn special_tokens(&self) -> (Vec<u32>, Vec<u32>) {
+        self.special_tokens
+            .read()
+            .map(|special| special.clone())
+            .unwrap_or_default()
+    }
+
+    /// Take the special tokens a worker put around a text whose plain tokens are `plain` (its
+    /// ids for it with special tokens: `theirs`), when `theirs` is `plain` with at most
+    /// [`MAX_SPECIAL_TOKENS`] ids before and after it. Returns whether they were taken.
+    pub fn adopt_special_tokens(&self, plain: &[u32], theirs: &[u32]) -> bool {
+        if plain.is_empty() || theirs.len() < plain.len() {
+            return false;
+        }
+        let found = theirs
+            .windows(plain.len())
+            .position(|window| window == plain)
+            .filter(|&at| at <= MAX_SPECIAL_TOKENS)
+            .filter(|&at| theirs.len() - at - plain.len() <= MAX_SPECIAL_TOKENS);
+        let (Some(at), Ok(mut special)) = (found, self.special_tokens.write()) else {
+            return false;
+        };
+        let before = theirs.get(..at).unwrap_or_default().to_vec();
+        let after = theirs.get(at + plain.len()..).unwrap_or_default().to_vec();
+        *special = (before, after);
+        true
     }
 
     /// What the post-processor puts around a text: the ids of a sample with special tokens,
@@ -1002,6 +1038,18 @@ mod tests {
             llama_like.encode(text).unwrap(),
             plain.encode(text).unwrap()
         );
+        // A worker that adds a BOS the tokenizer.json does not name (transformers reads
+        // add_bos_token from tokenizer_config.json): taken from its ids, when they wrap ours.
+        let adopter = shipped();
+        let ids = adopter.encode(text).unwrap();
+        assert!(!adopter.adopt_special_tokens(&ids, &ids[1..]));
+        let mut unrelated = vec![7; 6];
+        unrelated.extend(&ids);
+        assert!(!adopter.adopt_special_tokens(&ids, &unrelated));
+        assert!(!adopter.adds_special_tokens());
+        assert!(adopter.adopt_special_tokens(&ids, &expected));
+        assert_eq!(adopter.special_tokens(), (vec![0], vec![]));
+        assert_eq!(adopter.encode_with_special_tokens(text).unwrap(), expected);
     }
 
     /// Tokens the segment cache holds.

@@ -14,6 +14,12 @@
 //! A worker that cannot be reached is tried again (every worker in turn, backing off to a
 //! minute); one that answers `/tokenize` with 404 (not vLLM, or a build without the route)
 //! ends the check without a verdict.
+//!
+//! One difference is mended rather than reported: a worker that puts special tokens around a
+//! completions prompt (a BOS) that the pool's `tokenizer.json` does not name, as transformers
+//! does from `tokenizer_config.json`'s `add_bos_token` for Llama 2, Mistral or DeepSeek: when
+//! the worker's ids are the pool's with a few more before or after, the pool's tokenizer adds
+//! those from then on (for every pool that loads the same files).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -104,7 +110,18 @@ async fn check(client: &reqwest::Client, store: &ConfigStore, id: &PoolId) -> bo
             continue;
         }
         for (kind, theirs) in verdicts {
-            let ours = probe_ids(&tokenizer, kind).unwrap_or_default();
+            let mut ours = probe_ids(&tokenizer, kind).unwrap_or_default();
+            if kind == ProbeKind::Completions && ours != theirs {
+                // The worker's tokenizer may add a BOS its tokenizer.json does not name
+                // (transformers reads `add_bos_token` from tokenizer_config.json): take it.
+                let plain = tokenizer.encode(PROBE_PROMPT).unwrap_or_default();
+                if tokenizer.adopt_special_tokens(&plain, &theirs) {
+                    let (before, after) = tokenizer.special_tokens();
+                    tracing::info!(pool = %id, worker = %worker.address, before = ?before, after = ?after, "the pool's tokenizer now adds the special tokens its worker adds to a completions prompt");
+                    pool.kv.prompts.clear();
+                    ours = probe_ids(&tokenizer, kind).unwrap_or_default();
+                }
+            }
             let agrees = ours == theirs;
             pool.kv.tokenizer_agreement.set(kind, Some(agrees));
             if agrees {

@@ -51,11 +51,11 @@ async fn agreement(proxy: &Proxy, prompt: &str) -> u64 {
     }
 }
 
-/// The blocks of the completions `prompt` the proxy finds cached on any worker.
-async fn matched_blocks(proxy: &Proxy, prompt: &str) -> u64 {
+/// The blocks of the completions request `body` the proxy finds cached on any worker.
+async fn matched_blocks(proxy: &Proxy, body: &Value) -> u64 {
     let explained: Value = reqwest::Client::new()
         .post(format!("{}/debug/route/v1/completions", proxy.admin_url()))
-        .json(&json!({"model": "default", "prompt": prompt, "max_tokens": 1}))
+        .json(body)
         .send()
         .await
         .unwrap()
@@ -78,6 +78,22 @@ async fn a_pool_knows_whether_its_tokenizer_is_its_workers_and_hashes_completion
     std::fs::write(&tokenizer, tokenizer_with_bos()).unwrap();
     let template = dir.path().join("chat_template.jinja");
     std::fs::write(&template, switchyard_kv::tokenize::SHIPPED_CHAT_TEMPLATE).unwrap();
+    // Another model's template: every conversation opens with a line the workers' does not.
+    let other_template = dir.path().join("other_template.jinja");
+    std::fs::write(
+        &other_template,
+        format!(
+            "Policy v2\n{}",
+            switchyard_kv::tokenize::SHIPPED_CHAT_TEMPLATE
+        ),
+    )
+    .unwrap();
+    let shipped_json = dir.path().join("shipped.json");
+    std::fs::write(
+        &shipped_json,
+        switchyard_kv::tokenize::SHIPPED_TOKENIZER_JSON,
+    )
+    .unwrap();
     let sim = Sim::start(&[
         "--workers",
         "2",
@@ -88,45 +104,56 @@ async fn a_pool_knows_whether_its_tokenizer_is_its_workers_and_hashes_completion
         "--tokenizer",
         tokenizer.to_str().unwrap(),
     ]);
-    let configured = Proxy::start(
-        &pool_yaml(
-            &sim,
-            &format!(
-                "  tokenizer: {{path: \"{}\", chatTemplate: \"{}\"}}\n",
-                tokenizer.display(),
-                template.display()
-            ),
-        ),
+    let tokenizer_yaml = |json: &std::path::Path, template: &std::path::Path| {
+        format!(
+            "  tokenizer: {{path: \"{}\", chatTemplate: \"{}\"}}\n",
+            json.display(),
+            template.display()
+        )
+    };
+    let same = Proxy::start(
+        &pool_yaml(&sim, &tokenizer_yaml(&tokenizer, &template)),
         &[],
     )
     .await;
-    let shipped = Proxy::start(&pool_yaml(&sim, ""), &[]).await;
+    // Without the BOS in its tokenizer.json, and with another chat template.
+    let other = Proxy::start(
+        &pool_yaml(&sim, &tokenizer_yaml(&shipped_json, &other_template)),
+        &[],
+    )
+    .await;
 
-    // The configured pool agrees on both; the shipped tokenizer has the same chat template and
-    // vocabulary, so chats agree, but it adds no BOS to a completions prompt.
-    assert_eq!(agreement(&configured, "chat").await, 1);
-    assert_eq!(agreement(&configured, "completions").await, 1);
-    assert_eq!(agreement(&shipped, "chat").await, 1);
-    assert_eq!(agreement(&shipped, "completions").await, 0);
-    shipped
+    assert_eq!(agreement(&same, "chat").await, 1);
+    assert_eq!(agreement(&same, "completions").await, 1);
+    assert!(!same.log().contains("other token ids") && !same.log().contains("now adds"));
+    // The other template renders conversations differently: said, at warn.
+    assert_eq!(agreement(&other, "chat").await, 0);
+    other
         .wait_for_log("other token ids than its worker", Duration::from_secs(5))
         .await;
-    let warning = shipped
+    let warning = other
         .log()
         .lines()
         .find(|l| l.contains("other token ids than its worker"))
         .unwrap()
         .to_owned();
     assert!(
-        warning.contains(" WARN ") && warning.contains("prompt=\"completions\""),
+        warning.contains(" WARN ") && warning.contains("prompt=\"chat\""),
         "{warning}"
     );
-    assert!(!configured.log().contains("other token ids"));
+    // The worker's ids for a completions prompt are the pool's behind a BOS: taken.
+    assert_eq!(agreement(&other, "completions").await, 1);
+    assert!(
+        other
+            .log()
+            .contains("now adds the special tokens its worker adds"),
+        "{}",
+        other.log()
+    );
 
-    // A completions prompt the worker prefilled is found in its cache by the pool whose
-    // tokenizer adds the BOS the worker added, and by no other.
-    configured.wait_subscribed(sim.workers.len()).await;
-    shipped.wait_subscribed(sim.workers.len()).await;
+    // A completions prompt the worker prefilled (BOS first) is found in its cache by both.
+    same.wait_subscribed(sim.workers.len()).await;
+    other.wait_subscribed(sim.workers.len()).await;
     let prompt: String = (0..30)
         .map(|i| {
             format!(
@@ -136,19 +163,25 @@ async fn a_pool_knows_whether_its_tokenizer_is_its_workers_and_hashes_completion
         })
         .collect();
     let answer = reqwest::Client::new()
-        .post(format!("{}/v1/completions", configured.url()))
+        .post(format!("{}/v1/completions", same.url()))
         .json(&json!({"model": "default", "prompt": prompt, "max_tokens": 2}))
         .send()
         .await
         .unwrap();
     assert_eq!(answer.status(), 200);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while matched_blocks(&configured, &prompt).await < 10 {
-        assert!(
-            Instant::now() < deadline,
-            "the configured pool never found the prompt's blocks"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let routed = json!({"model": "default", "prompt": prompt, "max_tokens": 1});
+    for proxy in [&same, &other] {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while matched_blocks(proxy, &routed).await < 10 {
+            assert!(
+                Instant::now() < deadline,
+                "the pool never found the prompt's blocks"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
-    assert_eq!(matched_blocks(&shipped, &prompt).await, 0);
+    // Without the BOS (the request asks for none) the same text matches nothing.
+    let without =
+        json!({"model": "default", "prompt": prompt, "max_tokens": 1, "add_special_tokens": false});
+    assert_eq!(matched_blocks(&same, &without).await, 0);
 }
