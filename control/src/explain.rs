@@ -266,7 +266,9 @@ pub fn run(args: &ExplainArgs, snapshot: &Snapshot) -> anyhow::Result<ExitCode> 
         report.json.insert("requireLocal".into(), true.into());
     }
     match switchyard_policy::targets(snapshot, model_config, &decision) {
-        Err(NoTarget::Rejected { status, message }) => report.outcome(status, message),
+        Err(NoTarget::Rejected {
+            status, message, ..
+        }) => report.outcome(status, message),
         Err(NoTarget::NoLocalTarget { rule }) => report.outcome(
             503,
             format!("must stay on local hardware ({rule}) and '{model}' has no local pool"),

@@ -69,6 +69,7 @@ pub enum Outcome<'e> {
     Reject {
         status: u16,
         message: &'e str,
+        retry_after_s: Option<u32>,
     },
 }
 
@@ -270,12 +271,17 @@ impl Evaluator {
                         classes,
                     };
                 }
-                Action::Reject { status, message } => {
+                Action::Reject {
+                    status,
+                    message,
+                    retry_after_s,
+                } => {
                     note(format!("matched: reject with {status}"));
                     return Decision {
                         outcome: Outcome::Reject {
                             status: *status,
                             message,
+                            retry_after_s: *retry_after_s,
                         },
                         rule: Some(rule),
                         require_local,
@@ -421,7 +427,12 @@ pub struct Targets<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NoTarget {
     /// A `reject` rule matched.
-    Rejected { status: u16, message: String },
+    Rejected {
+        status: u16,
+        message: String,
+        /// Seconds for `Retry-After`.
+        retry_after_s: Option<u32>,
+    },
     /// Local hardware is required and none of the targets is local.
     NoLocalTarget { rule: String },
 }
@@ -441,10 +452,15 @@ pub fn targets<'a>(
     decision: &Decision<'a>,
 ) -> Result<Targets<'a>, NoTarget> {
     let mut chosen = match decision.outcome {
-        Outcome::Reject { status, message } => {
+        Outcome::Reject {
+            status,
+            message,
+            retry_after_s,
+        } => {
             return Err(NoTarget::Rejected {
                 status,
                 message: message.to_owned(),
+                retry_after_s,
             });
         }
         Outcome::Default => Targets {

@@ -189,8 +189,15 @@ pub fn plan(table: &RoutingTable, request: &Request<'_>) -> Result<Plan, Box<Rej
     let rule = decision.rule_name();
     let chosen = switchyard_policy::targets(&table.snapshot, model, &decision).map_err(|no| {
         match no {
-            NoTarget::Rejected { status, message } => Box::new(Rejection {
-                error: ApiError::new(ErrorKind::Status(status), "rejected_by_policy", message),
+            NoTarget::Rejected {
+                status,
+                message,
+                retry_after_s,
+            } => Box::new(Rejection {
+                error: ApiError {
+                    retry_after: retry_after_s.map(u64::from),
+                    ..ApiError::new(ErrorKind::Status(status), "rejected_by_policy", message)
+                },
                 reason: "policy",
                 verdict: Some(Verdict {
                     rule: rule.clone().unwrap_or_default(),

@@ -698,9 +698,21 @@ impl RuleContext<'_> {
                 );
                 return None;
             }
+            if reject
+                .retry_after_seconds
+                .is_some_and(|seconds| !(1..=86_400).contains(&seconds))
+            {
+                self.error(
+                    ".action.reject.retryAfterSeconds",
+                    "must be between 1 and 86400 seconds".to_owned(),
+                    errors,
+                );
+                return None;
+            }
             return Some(Action::Reject {
                 status: reject.status,
                 message: reject.message.trim().to_owned(),
+                retry_after_s: reject.retry_after_seconds,
             });
         }
         if let Some(require) = action.require_local {

@@ -547,6 +547,11 @@ pub struct RejectSpec {
     pub status: u16,
     #[schemars(length(min = 1))]
     pub message: String,
+    /// Sent as `Retry-After` (seconds): when a client that honours it (the OpenAI and
+    /// Anthropic SDKs do) should try again, for a rule that sheds load (429, 503).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub retry_after_seconds: Option<u32>,
 }
 
 /// What a matching rule does: exactly one of these.

@@ -316,7 +316,13 @@ pub struct PoolStateMatch {
 #[serde(rename_all = "camelCase")]
 pub enum Action {
     Route(RouteTarget),
-    Reject { status: u16, message: String },
+    Reject {
+        status: u16,
+        message: String,
+        /// Sent as `Retry-After`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        retry_after_s: Option<u32>,
+    },
     RequireLocal,
     FallThrough,
 }

@@ -226,6 +226,14 @@ fn cases() -> Vec<(String, &'static str, &'static str, &'static str)> {
             "not an error status",
         ),
         (
+            policy(
+                "{name: r, action: {reject: {status: 429, message: busy, retryAfterSeconds: 0}}}",
+            ),
+            "InferencePolicy default/p",
+            "spec.rules[0].action.reject.retryAfterSeconds",
+            "between 1 and 86400",
+        ),
+        (
             policy("{name: r, action: {reject: {status: 429, message: \" \"}}}"),
             "InferencePolicy default/p",
             "spec.rules[0].action.reject.message",

@@ -74,7 +74,7 @@ spec:
       action: {requireLocal: true}
     - name: batch-rejected
       match: {headers: {x-priority: batch}}
-      action: {reject: {status: 429, message: no batch work now}}
+      action: {reject: {status: 429, message: no batch work now, retryAfterSeconds: 30}}
     - name: simple-to-small-model
       match: {models: [assistant], promptClasses: {anyOf: [simple]}}
       action: {route: {inferenceModel: assistant-small}}
@@ -212,6 +212,7 @@ fn a_reject_rule_answers_with_its_status_and_is_counted_as_policy() {
     let rejection = plan_for(&table, &chat("assistant", &ordinary()), &headers, None).unwrap_err();
     assert_eq!(rejection.error.status(), 429);
     assert_eq!(rejection.error.message, "no batch work now");
+    assert_eq!(rejection.error.retry_after, Some(30));
     assert_eq!(rejection.reason, "policy");
     assert_eq!(rejection.verdict.unwrap().outcome, "reject");
 }

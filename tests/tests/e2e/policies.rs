@@ -371,8 +371,9 @@ async fn batch_requests_only_when_the_pool_is_quiet() {
     let (status, _, _) = g.chat(Some(BATCH), ask("assistant", COMPLEX), &batch).await;
     assert_eq!(status, 200);
     g.large_load(3, 0).await; // 6 waiting across the pool: more than 4
-    let (status, body, _) = g.chat(Some(BATCH), ask("assistant", COMPLEX), &batch).await;
+    let (status, body, headers) = g.chat(Some(BATCH), ask("assistant", COMPLEX), &batch).await;
     assert_eq!(status, 429, "{body}");
+    assert_eq!(headers["retry-after"], "30");
     assert_eq!(body["error"]["type"], "rate_limit_error");
     assert_eq!(body["error"]["code"], "rejected_by_policy");
     assert!(
