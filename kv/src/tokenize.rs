@@ -190,14 +190,59 @@ pub struct PromptTokenizer {
     /// tokens are added (a BOS for Llama 3's `tokenizer.json`; none for byte-level ones without
     /// a template processor): what vLLM adds to a completions prompt, whose
     /// `add_special_tokens` is true by default (a chat prompt's template carries its own).
-    /// Adopted from the workers when their tokenizer adds some its `tokenizer.json` does not
-    /// say (transformers adds a BOS from `tokenizer_config.json`'s `add_bos_token`).
-    special_tokens: std::sync::RwLock<(Vec<u32>, Vec<u32>)>,
+    special_tokens: std::sync::Arc<SpecialTokens>,
+    /// Tells this tokenizer apart from every other loaded in the process (cache keys).
+    instance: u64,
 }
 
-/// Most special tokens a worker may put before (or after) a text for this tokenizer to take
-/// them as its own ([`PromptTokenizer::adopt_special_tokens`]).
+/// Most special tokens [`SpecialTokens::around`] takes before (or after) a text.
 const MAX_SPECIAL_TOKENS: usize = 4;
+
+/// The tokens put before and after a prompt's own when special tokens are added to it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpecialTokens {
+    pub before: Vec<u32>,
+    pub after: Vec<u32>,
+}
+
+impl SpecialTokens {
+    pub fn is_empty(&self) -> bool {
+        self.before.is_empty() && self.after.is_empty()
+    }
+
+    /// `plain` with these around it.
+    pub fn wrap(&self, plain: Vec<u32>) -> Vec<u32> {
+        if self.is_empty() {
+            return plain;
+        }
+        let mut tokens = Vec::with_capacity(self.before.len() + plain.len() + self.after.len());
+        tokens.extend_from_slice(&self.before);
+        tokens.extend(plain);
+        tokens.extend_from_slice(&self.after);
+        tokens
+    }
+
+    /// What `wrapped` has around `plain`, when it is `plain` with at most
+    /// [`MAX_SPECIAL_TOKENS`] ids before and after it (a worker's ids for a text whose plain
+    /// ids are `plain`: the special tokens its tokenizer adds).
+    pub fn around(plain: &[u32], wrapped: &[u32]) -> Option<SpecialTokens> {
+        if plain.is_empty() || wrapped.len() < plain.len() {
+            return None;
+        }
+        let at = wrapped
+            .windows(plain.len())
+            .position(|window| window == plain)
+            .filter(|&at| at <= MAX_SPECIAL_TOKENS)
+            .filter(|&at| wrapped.len() - at - plain.len() <= MAX_SPECIAL_TOKENS)?;
+        Some(SpecialTokens {
+            before: wrapped.get(..at)?.to_vec(),
+            after: wrapped.get(at + plain.len()..)?.to_vec(),
+        })
+    }
+}
+
+/// Numbers the tokenizers loaded in this process ([`PromptTokenizer::instance`]).
+static INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 /// Smallest piece of a prompt worth remembering, in bytes.
 const MIN_SEGMENT_BYTES: usize = 512;
 /// Tokens remembered per tokenizer (about 4 bytes each).
@@ -805,10 +850,11 @@ impl PromptTokenizer {
             words: None,
             word_calls: std::sync::atomic::AtomicU64::new(0),
             word_cuts: std::sync::atomic::AtomicBool::new(false),
-            special_tokens: std::sync::RwLock::default(),
+            special_tokens: std::sync::Arc::default(),
+            instance: INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         };
         prompt_tokenizer.special_tokens =
-            std::sync::RwLock::new(prompt_tokenizer.added_special_tokens());
+            std::sync::Arc::new(prompt_tokenizer.added_special_tokens());
         let line_cuts = prompt_tokenizer.cuts_are_exact();
         if line_cuts {
             prompt_tokenizer.segments = Some(SegmentCache::new(SEGMENT_CACHE_TOKENS));
@@ -907,71 +953,33 @@ impl PromptTokenizer {
     /// `special_tokens`): what vLLM prefills for a completions prompt (or any prompt sent with
     /// `add_special_tokens: true`).
     pub fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
-        let (before, after) = self.special_tokens();
-        let mut tokens = before;
-        tokens.extend(self.encode(text)?);
-        tokens.extend(after);
-        Ok(tokens)
+        Ok(self.special_tokens.wrap(self.encode(text)?))
     }
 
-    /// Whether adding special tokens adds any (see [`Self::encode_with_special_tokens`]).
-    pub fn adds_special_tokens(&self) -> bool {
-        let (before, after) = self.special_tokens();
-        !before.is_empty() || !after.is_empty()
+    /// The special tokens this tokenizer's post-processor adds around a text.
+    pub fn special_tokens(&self) -> &std::sync::Arc<SpecialTokens> {
+        &self.special_tokens
     }
 
-    /// The tokens put before and after a text when special tokens are added.
-    pub fn special_tokens(&self) -> (Vec<u32>, Vec<u32>) {
-        self.special_tokens
-            .read()
-            .map(|special| special.clone())
-            .unwrap_or_default()
-    }
-
-    /// Take the special tokens a worker put around a text whose plain tokens are `plain` (its
-    /// ids for it with special tokens: `theirs`), when `theirs` is `plain` with at most
-    /// [`MAX_SPECIAL_TOKENS`] ids before and after it. Returns whether they were taken.
-    pub fn adopt_special_tokens(&self, plain: &[u32], theirs: &[u32]) -> bool {
-        if plain.is_empty() || theirs.len() < plain.len() {
-            return false;
-        }
-        let found = theirs
-            .windows(plain.len())
-            .position(|window| window == plain)
-            .filter(|&at| at <= MAX_SPECIAL_TOKENS)
-            .filter(|&at| theirs.len() - at - plain.len() <= MAX_SPECIAL_TOKENS);
-        let (Some(at), Ok(mut special)) = (found, self.special_tokens.write()) else {
-            return false;
-        };
-        let before = theirs.get(..at).unwrap_or_default().to_vec();
-        let after = theirs.get(at + plain.len()..).unwrap_or_default().to_vec();
-        *special = (before, after);
-        true
+    /// A number no other tokenizer loaded in this process has: tokens cached under it are this
+    /// tokenizer's.
+    pub fn instance(&self) -> u64 {
+        self.instance
     }
 
     /// What the post-processor puts around a text: the ids of a sample with special tokens,
     /// less its ids without them (none when the two do not line up that way).
-    fn added_special_tokens(&self) -> (Vec<u32>, Vec<u32>) {
+    fn added_special_tokens(&self) -> SpecialTokens {
         let sample = "Hello world";
         let ids = |special: bool| {
             self.tokenizer
                 .encode_fast(sample, special)
                 .map(|encoding| encoding.get_ids().to_vec())
         };
-        let (Ok(with), Ok(without)) = (ids(true), ids(false)) else {
-            return (Vec::new(), Vec::new());
-        };
-        if without.is_empty() || with.len() < without.len() {
-            return (Vec::new(), Vec::new());
+        match (ids(true), ids(false)) {
+            (Ok(with), Ok(without)) => SpecialTokens::around(&without, &with).unwrap_or_default(),
+            _ => SpecialTokens::default(),
         }
-        with.windows(without.len())
-            .position(|window| window == without.as_slice())
-            .map(|at| {
-                let before = with.get(..at).unwrap_or_default().to_vec();
-                let after = with.get(at + without.len()..).unwrap_or_default().to_vec();
-                (before, after)
-            })
-            .unwrap_or_default()
     }
 
     /// Render and tokenize chat messages in one go.
@@ -1019,14 +1027,20 @@ mod tests {
     #[test]
     fn special_tokens_are_what_the_post_processor_adds() {
         let plain = shipped();
-        assert!(!plain.adds_special_tokens());
+        assert!(plain.special_tokens().is_empty());
         let text = "Once upon a time\nthere was a prompt.";
         assert_eq!(
             plain.encode_with_special_tokens(text).unwrap(),
             plain.encode(text).unwrap()
         );
         let llama_like = PromptTokenizer::new(&with_bos_json(), SHIPPED_CHAT_TEMPLATE).unwrap();
-        assert!(llama_like.adds_special_tokens());
+        assert_eq!(
+            **llama_like.special_tokens(),
+            SpecialTokens {
+                before: vec![0],
+                after: vec![]
+            }
+        );
         let mut expected = vec![0];
         expected.extend(plain.encode(text).unwrap());
         assert_eq!(
@@ -1038,18 +1052,30 @@ mod tests {
             llama_like.encode(text).unwrap(),
             plain.encode(text).unwrap()
         );
-        // A worker that adds a BOS the tokenizer.json does not name (transformers reads
-        // add_bos_token from tokenizer_config.json): taken from its ids, when they wrap ours.
-        let adopter = shipped();
-        let ids = adopter.encode(text).unwrap();
-        assert!(!adopter.adopt_special_tokens(&ids, &ids[1..]));
-        let mut unrelated = vec![7; 6];
-        unrelated.extend(&ids);
-        assert!(!adopter.adopt_special_tokens(&ids, &unrelated));
-        assert!(!adopter.adds_special_tokens());
-        assert!(adopter.adopt_special_tokens(&ids, &expected));
-        assert_eq!(adopter.special_tokens(), (vec![0], vec![]));
-        assert_eq!(adopter.encode_with_special_tokens(text).unwrap(), expected);
+        assert_ne!(plain.instance(), llama_like.instance());
+    }
+
+    #[test]
+    fn special_tokens_around_a_text_are_found_only_close_to_it() {
+        let ids = [5, 6, 7];
+        assert_eq!(
+            SpecialTokens::around(&ids, &[1, 5, 6, 7, 2]),
+            Some(SpecialTokens {
+                before: vec![1],
+                after: vec![2]
+            })
+        );
+        assert_eq!(
+            SpecialTokens::around(&ids, &ids),
+            Some(SpecialTokens::default())
+        );
+        // Not the text, or too far from it.
+        assert_eq!(SpecialTokens::around(&ids, &[5, 6]), None);
+        assert_eq!(SpecialTokens::around(&ids, &[5, 9, 7]), None);
+        assert_eq!(SpecialTokens::around(&ids, &[1, 1, 1, 1, 1, 5, 6, 7]), None);
+        assert_eq!(SpecialTokens::around(&[], &[1]), None);
+        let special = SpecialTokens::around(&ids, &[1, 5, 6, 7]).unwrap();
+        assert_eq!(special.wrap(vec![9]), vec![1, 9]);
     }
 
     /// Tokens the segment cache holds.

@@ -267,14 +267,18 @@ impl BackgroundService for KvService {
 }
 
 impl Feeds {
-    /// Check each cache-aware pool's tokenizer once per tokenizer and served model it is given
-    /// (a check still running for another is stopped).
+    /// Check each cache-aware pool's tokenizer once per tokenizer, served model and block size
+    /// it is given (a check still running for another is stopped).
     fn check_tokenizers(&mut self, table: &RoutingTable, store: &Arc<ConfigStore>) {
         let wanted: HashMap<PoolId, String> = table
             .pools()
             .filter(|pool| pool.tokenizer.is_some())
             .map(|pool| {
-                let key = format!("{:?}|{}", pool.config.tokenizer, pool.config.served_model);
+                // A new block size is a new KV state (and agreement) for the pool.
+                let key = format!(
+                    "{:?}|{}|{}",
+                    pool.config.tokenizer, pool.config.served_model, pool.config.block_size
+                );
                 (pool.config.id.clone(), key)
             })
             .collect();

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use sha2::{Digest, Sha256};
 use switchyard_kv::hash::{SequenceHash, sequence_hashes_keyed};
-use switchyard_kv::tokenize::PromptTokenizer;
+use switchyard_kv::tokenize::{PromptTokenizer, SpecialTokens};
 use switchyard_snapshot::snapshot::Tenant;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -42,13 +42,16 @@ pub struct Unfinished {
     text: Arc<str>,
     /// The head's hashes, which the whole's must start with.
     head: Vec<SequenceHash>,
-    /// Tokens of the head: what the whole adds past them teaches the pool's rate.
+    /// Tokens of the head's text (special tokens aside): what the whole adds past them teaches
+    /// the pool's rate.
     head_tokens: usize,
     /// Bytes of the text the head covers.
     head_bytes: usize,
     key: u64,
     block_size: usize,
     cache_salt: Option<String>,
+    /// Special tokens around the text's own (a completions prompt's BOS), or none.
+    special: Arc<SpecialTokens>,
 }
 
 #[cfg(test)]
@@ -63,6 +66,7 @@ impl Unfinished {
             key: 0,
             block_size: 16,
             cache_salt: None,
+            special: Arc::default(),
         }
     }
 }
@@ -131,11 +135,14 @@ struct Rate {
     samples: u32,
 }
 
-/// Recently tokenized prompts, first in first out, and the pool's learned tokens per byte.
+/// Recently tokenized prompts, first in first out, the pool's learned tokens per byte, and the
+/// special tokens its workers add that its tokenizer does not say it adds.
 #[derive(Debug, Default)]
 pub struct PromptCache {
     entries: Mutex<Entries>,
     rate: Mutex<Rate>,
+    /// Taken from the workers ([`crate::tokenizer_check`]); `None`: the tokenizer's own.
+    adopted_special: Mutex<Option<Arc<SpecialTokens>>>,
 }
 
 impl PromptCache {
@@ -162,14 +169,42 @@ impl PromptCache {
         self.entries.lock().ok()?.by_key.get(&key).cloned()
     }
 
-    /// Forget every prompt and the learned rate (another tokenizer counts them otherwise).
+    /// Forget every prompt, the learned rate and adopted special tokens (another tokenizer
+    /// counts them otherwise).
     pub fn clear(&self) {
-        if let Ok(mut entries) = self.entries.lock() {
-            *entries = Entries::default();
-        }
+        self.clear_prompts();
         if let Ok(mut rate) = self.rate.lock() {
             *rate = Rate::default();
         }
+        if let Ok(mut adopted) = self.adopted_special.lock() {
+            *adopted = None;
+        }
+    }
+
+    fn clear_prompts(&self) {
+        if let Ok(mut entries) = self.entries.lock() {
+            *entries = Entries::default();
+        }
+    }
+
+    /// The special tokens this pool's prompts get when a request adds them: those taken from
+    /// its workers, else its tokenizer's own.
+    pub fn special_tokens(&self, tokenizer: &PromptTokenizer) -> Arc<SpecialTokens> {
+        self.adopted_special
+            .lock()
+            .ok()
+            .and_then(|adopted| adopted.clone())
+            .unwrap_or_else(|| tokenizer.special_tokens().clone())
+    }
+
+    /// From now on this pool's prompts get `special` when a request adds special tokens (its
+    /// workers add those, whatever its tokenizer.json says); the prompts tokenized before are
+    /// forgotten.
+    pub fn adopt_special_tokens(&self, special: SpecialTokens) {
+        if let Ok(mut adopted) = self.adopted_special.lock() {
+            *adopted = Some(Arc::new(special));
+        }
+        self.clear_prompts();
     }
 
     fn put(&self, key: u64, info: Arc<PromptInfo>) {
@@ -188,9 +223,10 @@ impl PromptCache {
     }
 }
 
-/// What to tokenize: rendered text, or token ids the client sent itself.
+/// What to tokenize: rendered text (and whether the worker adds special tokens around it), or
+/// token ids the client sent itself.
 enum Prompt {
-    Text(String),
+    Text { text: String, special: bool },
     Tokens(Vec<u32>),
 }
 
@@ -204,35 +240,29 @@ fn prompt_of(
             .render_chat(&request.chat_messages(with_system))
             .map_err(|e| e.to_string())
     };
-    // A prompt vLLM adds special tokens to (a completions prompt by default) is tokenized
-    // whole with them, when this tokenizer has any to add: its blocks start with them.
-    let text = |text: String, by_default: bool| {
-        if tokenizer.adds_special_tokens() && request.adds_special_tokens(by_default) {
-            let text = truncate(&text, MAX_ROUTING_PROMPT_CHARS);
-            tokenizer
-                .encode_with_special_tokens(text)
-                .map(Prompt::Tokens)
-                .map_err(|e| e.to_string())
-        } else {
-            Ok(Prompt::Text(text))
-        }
+    // vLLM adds the tokenizer's special tokens (a BOS) to a completions prompt unless told not
+    // to, to a chat's only when told to (its template carries its own).
+    let text = |text: String, by_default: bool| Prompt::Text {
+        text,
+        special: request.adds_special_tokens(by_default),
     };
     Ok(match endpoint {
-        Endpoint::ChatCompletions => text(render(false)?, false)?,
-        Endpoint::Messages => Prompt::Text(render(true)?),
-        Endpoint::Responses => Prompt::Text(
+        Endpoint::ChatCompletions => text(render(false)?, false),
+        Endpoint::Messages => text(render(true)?, false),
+        Endpoint::Responses => text(
             tokenizer
                 .render_chat(&request.responses_messages())
                 .map_err(|e| e.to_string())?,
+            false,
         ),
         Endpoint::Completions => match request.prompt_input() {
-            Some(Ok(PromptInput::Text(text_prompt))) => text(text_prompt.into_owned(), true)?,
+            Some(Ok(PromptInput::Text(prompt))) => text(prompt.into_owned(), true),
             Some(Ok(PromptInput::Tokens(ids))) => Prompt::Tokens(ids),
             // A batch of prompts: route by the first.
             Some(Ok(PromptInput::Texts(texts))) => text(
                 texts.into_iter().next().ok_or("empty prompt")?.into_owned(),
                 true,
-            )?,
+            ),
             Some(Ok(PromptInput::TokenBatches(batches))) => {
                 Prompt::Tokens(batches.into_iter().next().ok_or("empty prompt")?)
             }
@@ -285,10 +315,20 @@ pub fn analyse(
     let hashes = |tokens: &[u32]| sequence_hashes_keyed(tokens, block_size, &[], cache_salt);
     let tokens = match prompt_of(tokenizer, endpoint, request)? {
         Prompt::Tokens(tokens) => tokens,
-        Prompt::Text(text) => {
+        Prompt::Text { text, special } => {
             let text = truncate(&text, MAX_ROUTING_PROMPT_CHARS);
             let salt_key = cache_salt.map_or(0, |salt| xxh3_64(salt.as_bytes()).rotate_left(17));
-            let key = xxh3_64(text.as_bytes()) ^ block_size as u64 ^ salt_key;
+            // Special tokens (a BOS) go before and after the text's own tokens.
+            let special = if special {
+                cache.special_tokens(tokenizer)
+            } else {
+                Arc::default()
+            };
+            let key = xxh3_64(text.as_bytes())
+                ^ block_size as u64
+                ^ salt_key
+                ^ tokenizer.instance().rotate_left(32)
+                ^ u64::from(!special.is_empty()).rotate_left(48);
             if let Some(hit) = cache.get(key) {
                 return Ok(hit);
             }
@@ -309,30 +349,34 @@ pub fn analyse(
                 } else {
                     tokenizer.encode_head(text, want)
                 };
-                let (mut tokens, mut bytes) = head.map_err(|e| e.to_string())?;
+                let (mut own, mut bytes) = head.map_err(|e| e.to_string())?;
                 // Text seen before comes free: where it ends is likely where this prompt's
                 // own text begins, so the next step tries one more piece, not four times more.
-                let seen = tokenizer.extend_cached(text, &mut tokens, &mut bytes);
-                let head = hashes(&tokens);
+                let seen = tokenizer.extend_cached(text, &mut own, &mut bytes);
+                let own_tokens = own.len();
                 if bytes >= text.len() {
+                    let tokens = special.wrap(own);
                     let info = Arc::new(PromptInfo {
                         tokens: tokens.len(),
-                        hashes: head,
+                        hashes: hashes(&tokens),
                         unfinished: None,
                     });
                     cache.put(key, info.clone());
                     return Ok(info);
                 }
+                let mut tokens = special.before.clone();
+                tokens.extend(own);
+                let head = hashes(&tokens);
                 let tail = text.len() - bytes;
                 let short_tail =
                     tail < SHORT_TAIL_BYTES && tail.saturating_mul(SHORT_TAIL_PARTS) <= bytes;
                 if short_tail || !held(&head) {
-                    let own = tokens.len() as f64 / bytes.max(1) as f64;
+                    let own_rate = own_tokens as f64 / bytes.max(1) as f64;
                     let per_byte = match learned {
                         // A long head measures its own text well enough.
-                        _ if tokens.len() >= FIRST_HEAD_TOKENS => own,
-                        Some(rate) if (own / rate - 1.0).abs() <= RATE_TOLERANCE => {
-                            (tokens.len() as f64 + rate * RATE_PRIOR_BYTES)
+                        _ if own_tokens >= FIRST_HEAD_TOKENS => own_rate,
+                        Some(rate) if (own_rate / rate - 1.0).abs() <= RATE_TOLERANCE => {
+                            (own_tokens as f64 + rate * RATE_PRIOR_BYTES)
                                 / (bytes as f64 + RATE_PRIOR_BYTES)
                         }
                         // Unlike the pool's usual text (another script, code, digits): measure
@@ -341,27 +385,28 @@ pub fn analyse(
                             want = FIRST_HEAD_TOKENS;
                             continue;
                         }
-                        None => own,
+                        None => own_rate,
                     };
                     let rest = tail as f64 * per_byte;
                     return Ok(Arc::new(PromptInfo {
-                        tokens: tokens.len() + rest.round() as usize,
+                        tokens: tokens.len() + rest.round() as usize + special.after.len(),
                         hashes: head.clone(),
                         unfinished: Some(Arc::new(Unfinished {
                             text: Arc::from(text),
                             head,
-                            head_tokens: tokens.len(),
+                            head_tokens: own_tokens,
                             head_bytes: bytes,
                             key,
                             block_size,
                             cache_salt: cache_salt.map(str::to_owned),
+                            special,
                         })),
                     }));
                 }
                 want = if seen {
-                    tokens.len() + 1
+                    own_tokens + 1
                 } else {
-                    want.max(tokens.len()).saturating_mul(4)
+                    want.max(own_tokens).saturating_mul(4)
                 };
             }
         }
@@ -385,7 +430,9 @@ pub fn finish(
     if let Some(known) = cache.get(unfinished.key) {
         return Some(known);
     }
-    let tokens = tokenizer.encode(&unfinished.text).ok()?;
+    let own = tokenizer.encode(&unfinished.text).ok()?;
+    let own_tokens = own.len();
+    let tokens = unfinished.special.wrap(own);
     let info = Arc::new(PromptInfo {
         tokens: tokens.len(),
         hashes: sequence_hashes_keyed(
@@ -404,7 +451,7 @@ pub fn finish(
         tokenizer.stop_cutting_words();
     } else {
         cache.learn_rate(
-            info.tokens.saturating_sub(unfinished.head_tokens),
+            own_tokens.saturating_sub(unfinished.head_tokens),
             unfinished.text.len().saturating_sub(unfinished.head_bytes),
         );
     }

@@ -223,11 +223,7 @@ impl RoutingTable {
             let pool_kv = kv.pool(id, pool.block_size as usize);
             let slots = workers.iter().map(|w| pool_kv.slot(&w.address)).collect();
             let tokenizer = match pool.load_balancing {
-                LoadBalancing::CacheAware => {
-                    let tokenizer = kv.tokenizer(&pool.tokenizer)?;
-                    pool_kv.use_tokenizer(&pool.tokenizer);
-                    Some(tokenizer)
-                }
+                LoadBalancing::CacheAware => Some(kv.tokenizer(&pool.tokenizer)?),
                 _ => None,
             };
             pools.insert(
@@ -244,6 +240,10 @@ impl RoutingTable {
         }
         registry.retain(&live);
         kv.retain(&snapshot.pools.keys().cloned().collect::<Vec<_>>());
+        // Only once the whole table is built: a table refused part-way changes nothing.
+        for pool in pools.values().filter(|pool| pool.tokenizer.is_some()) {
+            pool.kv.use_tokenizer(&pool.config.tokenizer);
+        }
         let created_at = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());

@@ -6,34 +6,38 @@
 //! never finds a prompt cached: routing falls back to queues alone and nothing says so. So once
 //! per tokenizer a pool is given, the proxy asks one of its vLLM workers to tokenize two fixed
 //! probes (`POST /tokenize`: a short conversation, and a completions prompt, which vLLM gives
-//! the tokenizer's special tokens) and compares the ids with its own. A difference is logged at
-//! warn with where the ids part, and `switchyard_pool_tokenizer_agrees{pool, prompt}` reads 0
-//! (1 when they agree; absent until a worker answered). The probes are fixed text: nothing a
-//! client sent.
-//!
-//! A worker that cannot be reached is tried again (every worker in turn, backing off to a
-//! minute); one that answers `/tokenize` with 404 (not vLLM, or a build without the route)
-//! ends the check without a verdict.
+//! the tokenizer's special tokens) and compares the ids with what routing would hash. A
+//! difference is logged at warn with where the ids part, and
+//! `switchyard_pool_tokenizer_agrees{pool, prompt}` reads 0 (1 when they agree; absent until a
+//! worker answered). The probes are fixed text: nothing a client sent.
 //!
 //! One difference is mended rather than reported: a worker that puts special tokens around a
-//! completions prompt (a BOS) that the pool's `tokenizer.json` does not name, as transformers
-//! does from `tokenizer_config.json`'s `add_bos_token` for Llama 2, Mistral or DeepSeek: when
-//! the worker's ids are the pool's with a few more before or after, the pool's tokenizer adds
-//! those from then on (for every pool that loads the same files).
+//! completions prompt (a BOS) other than those the pool's `tokenizer.json` names, as
+//! transformers does from `tokenizer_config.json`'s `add_bos_token` for Llama 2, Mistral or
+//! DeepSeek. When the worker's ids are the pool's plain ones with a few more before or after,
+//! the pool adds those from then on (that pool alone: see [`PromptCache::adopt_special_tokens`]).
+//!
+//! A worker that cannot be reached, or answers 5xx, 408 or 429, is tried again (every worker in
+//! turn, then again after a wait that doubles up to a minute). A 404 or 405 (not vLLM, or not
+//! the pool's model) ends the check; another 4xx (a template that refuses the probe, an
+//! authenticating sidecar) leaves that probe without a verdict. Each is said once, at info.
+//!
+//! [`PromptCache::adopt_special_tokens`]: crate::prompt::PromptCache::adopt_special_tokens
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use switchyard_kv::tokenize::{ChatMessage, PromptTokenizer};
+use switchyard_kv::tokenize::{ChatMessage, PromptTokenizer, SpecialTokens};
 use switchyard_snapshot::PoolId;
 
 use crate::config::ConfigStore;
 use crate::kv::ProbeKind;
+use crate::routing::PoolRuntime;
 
-/// The conversation probe: every role the usual templates render, a few kinds of text.
-const PROBE_CHAT: [(&str, &str); 4] = [
-    ("system", "You are a helpful assistant. Answer briefly."),
+/// The conversation probe: both roles every template renders (no system message: some
+/// templates refuse one), a few kinds of text.
+const PROBE_CHAT: [(&str, &str); 3] = [
     (
         "user",
         "What is the capital of France? Reply in one word, then spell it backwards.",
@@ -51,96 +55,155 @@ const PROBE_PROMPT: &str =
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
 /// What a worker said to one probe.
+#[derive(Debug, PartialEq)]
 enum Reply {
     Ids(Vec<u32>),
-    /// It answered 404 or 405: no such route (not vLLM), or no such model.
+    /// 404 or 405: no such route (not vLLM) or no such model; the check ends.
     NoRoute(u16),
-    /// Not reached, or no ids in its answer: try again later.
+    /// Another client error: this probe gets no verdict.
+    Refused(u16),
+    /// Not reached, a server error, or an answer without ids: try again later.
     Failed,
 }
 
+/// Whether the check of one probe is over.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Probe {
+    Pending,
+    Done,
+}
+
 /// Check the tokenizer of `pool` (as the live table has it at each try) against its workers
-/// until one answers; the verdict goes to the pool's KV state and the log.
+/// until each probe has its verdict or none can have one.
 pub async fn run(store: Arc<ConfigStore>, pool: PoolId) {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()
         .unwrap_or_default();
+    let mut probes = [Probe::Pending; ProbeKind::ALL.len()];
     let mut backoff = Duration::from_secs(1);
     loop {
-        if check(&client, &store, &pool).await {
-            return;
+        match check(&client, &store, &pool, &mut probes).await {
+            Some(true) => return,
+            Some(false) => {}
+            None => {
+                tracing::debug!(pool = %pool, "no worker answered the tokenizer probes; trying again");
+            }
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
 }
 
-/// One try over the pool's workers; whether the check is over.
-async fn check(client: &reqwest::Client, store: &ConfigStore, id: &PoolId) -> bool {
-    let Some(table) = store.current() else {
-        return false;
-    };
+/// One try over the pool's workers: `Some(true)` when the check is over, `Some(false)` when a
+/// worker answered some probes, `None` when none answered.
+async fn check(
+    client: &reqwest::Client,
+    store: &ConfigStore,
+    id: &PoolId,
+    probes: &mut [Probe; ProbeKind::ALL.len()],
+) -> Option<bool> {
+    let table = store.current()?;
     let Some(pool) = table.pool(id) else {
-        return true;
+        return Some(true);
     };
     let Some(tokenizer) = pool.tokenizer.clone() else {
-        return true;
+        return Some(true);
     };
     let served = pool.config.served_model.as_str();
+    let mut answered = false;
     for worker in &pool.workers {
         let url = format!("http://{}/tokenize", worker.address);
-        let mut verdicts = Vec::new();
-        for kind in ProbeKind::ALL {
-            match ask(client, &url, &probe_body(kind, served)).await {
-                Reply::Ids(theirs) => verdicts.push((kind, theirs)),
+        for (kind, probe) in ProbeKind::ALL.into_iter().zip(probes.iter_mut()) {
+            if *probe == Probe::Done {
+                continue;
+            }
+            let reply = ask(client, &url, &probe_body(kind, served)).await;
+            let label = kind.label();
+            match reply {
+                Reply::Ids(theirs) => {
+                    answered = true;
+                    *probe = Probe::Done;
+                    judge(store, pool, &tokenizer, &worker.address, kind, &theirs);
+                }
                 Reply::NoRoute(status) => {
-                    tracing::info!(
-                        pool = %id,
-                        worker = %worker.address,
-                        status,
-                        "cannot check the pool's tokenizer: the worker answered POST /tokenize with this status (not vLLM, or not the pool's model)"
-                    );
-                    return true;
+                    tracing::info!(pool = %id, worker = %worker.address, status, "cannot check the pool's tokenizer: the worker answered POST /tokenize with this status (not vLLM, or not the pool's model)");
+                    return Some(true);
                 }
-                Reply::Failed => break,
-            }
-        }
-        if verdicts.len() < ProbeKind::ALL.len() {
-            continue;
-        }
-        for (kind, theirs) in verdicts {
-            let mut ours = probe_ids(&tokenizer, kind).unwrap_or_default();
-            if kind == ProbeKind::Completions && ours != theirs {
-                // The worker's tokenizer may add a BOS its tokenizer.json does not name
-                // (transformers reads `add_bos_token` from tokenizer_config.json): take it.
-                let plain = tokenizer.encode(PROBE_PROMPT).unwrap_or_default();
-                if tokenizer.adopt_special_tokens(&plain, &theirs) {
-                    let (before, after) = tokenizer.special_tokens();
-                    tracing::info!(pool = %id, worker = %worker.address, before = ?before, after = ?after, "the pool's tokenizer now adds the special tokens its worker adds to a completions prompt");
-                    pool.kv.prompts.clear();
-                    ours = probe_ids(&tokenizer, kind).unwrap_or_default();
+                Reply::Refused(status) => {
+                    answered = true;
+                    *probe = Probe::Done;
+                    tracing::info!(pool = %id, worker = %worker.address, prompt = label, status, "cannot check the pool's tokenizer on this probe: the worker refused it");
                 }
-            }
-            let agrees = ours == theirs;
-            pool.kv.tokenizer_agreement.set(kind, Some(agrees));
-            if agrees {
-                tracing::info!(pool = %id, worker = %worker.address, prompt = kind.label(), tokens = ours.len(), "the pool's tokenizer agrees with its workers'");
-            } else {
-                tracing::warn!(
-                    pool = %id,
-                    worker = %worker.address,
-                    prompt = kind.label(),
-                    tokens = ours.len(),
-                    worker_tokens = theirs.len(),
-                    first_difference = first_difference(&ours, &theirs),
-                    "the pool's tokenizer gives a probe prompt other token ids than its worker: routing cannot find such prompts in the workers' KV caches; set the pool's spec.tokenizer to the workers' tokenizer.json and chat template"
-                );
+                Reply::Failed => {}
             }
         }
-        return true;
+        if probes.iter().all(|p| *p == Probe::Done) {
+            return Some(true);
+        }
     }
-    false
+    answered.then_some(false)
+}
+
+/// Compare a worker's ids for a probe with the pool's and record the verdict, unless the pool
+/// has been given another tokenizer (or rebuilt) since: its own check will say.
+fn judge(
+    store: &ConfigStore,
+    checked: &PoolRuntime,
+    tokenizer: &Arc<PromptTokenizer>,
+    worker: &str,
+    kind: ProbeKind,
+    theirs: &[u32],
+) {
+    let id = &checked.config.id;
+    let current = store.current();
+    let still = current
+        .as_ref()
+        .and_then(|table| table.pool(id))
+        .filter(|pool| {
+            Arc::ptr_eq(&pool.kv, &checked.kv)
+                && pool
+                    .tokenizer
+                    .as_ref()
+                    .is_some_and(|t| Arc::ptr_eq(t, tokenizer))
+        });
+    let Some(pool) = still else {
+        return;
+    };
+    let prompts = &pool.kv.prompts;
+    let Ok(mut ours) = probe_ids(tokenizer, &prompts.special_tokens(tokenizer), kind) else {
+        tracing::info!(pool = %id, prompt = kind.label(), "cannot check the pool's tokenizer: it cannot tokenize the probe itself");
+        return;
+    };
+    if theirs.is_empty() || ours.is_empty() {
+        tracing::info!(pool = %id, worker, prompt = kind.label(), "cannot check the pool's tokenizer: no ids for the probe");
+        return;
+    }
+    if kind == ProbeKind::Completions && ours != theirs {
+        // The worker's tokenizer may add special tokens its tokenizer.json does not name.
+        let plain = probe_ids(tokenizer, &SpecialTokens::default(), kind).unwrap_or_default();
+        if let Some(special) = SpecialTokens::around(&plain, theirs) {
+            tracing::info!(pool = %id, worker, before = ?special.before, after = ?special.after, "the pool's completions prompts now get the special tokens its worker gives them");
+            prompts.adopt_special_tokens(special);
+            ours =
+                probe_ids(tokenizer, &prompts.special_tokens(tokenizer), kind).unwrap_or_default();
+        }
+    }
+    let agrees = ours == theirs;
+    pool.kv.tokenizer_agreement.set(kind, Some(agrees));
+    if agrees {
+        tracing::info!(pool = %id, worker, prompt = kind.label(), tokens = ours.len(), "the pool's tokenizer agrees with its workers'");
+    } else {
+        tracing::warn!(
+            pool = %id,
+            worker,
+            prompt = kind.label(),
+            tokens = ours.len(),
+            worker_tokens = theirs.len(),
+            first_difference = first_difference(&ours, theirs),
+            "the pool's tokenizer gives a probe prompt other token ids than its worker: routing cannot find such prompts in the workers' KV caches; set the pool's spec.tokenizer to the workers' tokenizer.json and chat template"
+        );
+    }
 }
 
 /// The `/tokenize` request for a probe, as vLLM takes it.
@@ -157,9 +220,11 @@ fn probe_body(kind: ProbeKind, model: &str) -> Value {
     }
 }
 
-/// The ids the pool's tokenizer gives a probe, as routing tokenizes such a prompt.
+/// The ids routing hashes for a probe: a chat rendered by the template, a completions prompt
+/// with `special` around it (vLLM adds special tokens there by default).
 fn probe_ids(
     tokenizer: &PromptTokenizer,
+    special: &SpecialTokens,
     kind: ProbeKind,
 ) -> Result<Vec<u32>, switchyard_kv::tokenize::TokenizeError> {
     match kind {
@@ -173,7 +238,7 @@ fn probe_ids(
                 .collect();
             tokenizer.encode_chat(&messages)
         }
-        ProbeKind::Completions => tokenizer.encode_with_special_tokens(PROBE_PROMPT),
+        ProbeKind::Completions => Ok(special.wrap(tokenizer.encode(PROBE_PROMPT)?)),
     }
 }
 
@@ -181,25 +246,34 @@ async fn ask(client: &reqwest::Client, url: &str, body: &Value) -> Reply {
     let Ok(response) = client.post(url).json(body).send().await else {
         return Reply::Failed;
     };
-    let status = response.status().as_u16();
-    if status == 404 || status == 405 {
-        return Reply::NoRoute(status);
+    match classify(response.status().as_u16()) {
+        Some(reply) => reply,
+        None => match response.json::<Value>().await {
+            Ok(answer) => ids(&answer).map_or(Reply::Failed, Reply::Ids),
+            Err(_) => Reply::Failed,
+        },
     }
-    if !response.status().is_success() {
-        return Reply::Failed;
+}
+
+/// What a status alone says (`None`: a success, whose body has the ids).
+fn classify(status: u16) -> Option<Reply> {
+    match status {
+        200..=299 => None,
+        404 | 405 => Some(Reply::NoRoute(status)),
+        408 | 429 => Some(Reply::Failed),
+        400..=499 => Some(Reply::Refused(status)),
+        _ => Some(Reply::Failed),
     }
-    let Ok(answer) = response.json::<Value>().await else {
-        return Reply::Failed;
-    };
-    let ids: Option<Vec<u32>> = answer
-        .get("tokens")
-        .and_then(Value::as_array)
-        .and_then(|ids| {
-            ids.iter()
-                .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
-                .collect()
-        });
-    ids.map_or(Reply::Failed, Reply::Ids)
+}
+
+/// vLLM's `/tokenize` answer's ids.
+fn ids(answer: &Value) -> Option<Vec<u32>> {
+    answer
+        .get("tokens")?
+        .as_array()?
+        .iter()
+        .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
+        .collect()
 }
 
 /// Where two id sequences part (the shorter's length when one is the start of the other).
@@ -213,21 +287,89 @@ fn first_difference(a: &[u32], b: &[u32]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::Endpoint;
+    use crate::prompt::{PromptCache, analyse};
+
+    /// The ids routing hashes for a probe's request, through the request path's own
+    /// tokenization (block size 1: one hash per token, so equal hashes mean equal ids).
+    fn routed_hashes(
+        tokenizer: &PromptTokenizer,
+        cache: &PromptCache,
+        kind: ProbeKind,
+    ) -> Vec<switchyard_kv::hash::SequenceHash> {
+        let body = serde_json::to_vec(&probe_body(kind, "m")).unwrap();
+        let parsed = crate::wire::parse(&body).unwrap();
+        let endpoint = match kind {
+            ProbeKind::Chat => Endpoint::ChatCompletions,
+            ProbeKind::Completions => Endpoint::Completions,
+        };
+        analyse(tokenizer, cache, endpoint, &parsed, 1, None, &|_| true)
+            .unwrap()
+            .hashes
+            .clone()
+    }
 
     #[test]
-    fn probes_are_tokenized_as_routing_tokenizes_them() {
-        let tokenizer = PromptTokenizer::shipped().unwrap();
-        let chat = probe_ids(&tokenizer, ProbeKind::Chat).unwrap();
-        let rendered = tokenizer
-            .render_chat(&switchyard_kv::tokenize::openai_messages(&probe_body(
-                ProbeKind::Chat,
-                "m",
-            )))
+    fn probes_are_the_ids_routing_hashes_for_such_requests() {
+        let hashes = |ids: &[u32]| switchyard_kv::hash::sequence_hashes_keyed(ids, 1, &[], None);
+        let mut json: Value =
+            serde_json::from_slice(switchyard_kv::tokenize::SHIPPED_TOKENIZER_JSON).unwrap();
+        let bos = "<｜begin▁of▁sentence｜>";
+        json["post_processor"] = json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [0], "tokens": [bos]}}
+        });
+        let with_bos = PromptTokenizer::new(
+            &serde_json::to_vec(&json).unwrap(),
+            switchyard_kv::tokenize::SHIPPED_CHAT_TEMPLATE,
+        )
+        .unwrap();
+        for tokenizer in [PromptTokenizer::shipped().unwrap(), with_bos] {
+            let cache = PromptCache::default();
+            for kind in ProbeKind::ALL {
+                let probe = probe_ids(&tokenizer, &cache.special_tokens(&tokenizer), kind).unwrap();
+                assert_eq!(hashes(&probe), routed_hashes(&tokenizer, &cache, kind));
+            }
+            // Special tokens taken from the workers are what both use from then on.
+            let adopted = SpecialTokens {
+                before: vec![1, 2],
+                after: vec![3],
+            };
+            cache.adopt_special_tokens(adopted.clone());
+            let probe = probe_ids(
+                &tokenizer,
+                &cache.special_tokens(&tokenizer),
+                ProbeKind::Completions,
+            )
             .unwrap();
-        assert_eq!(chat, tokenizer.encode(&rendered).unwrap());
-        assert!(rendered.contains("sirap"));
-        let completions = probe_ids(&tokenizer, ProbeKind::Completions).unwrap();
-        assert_eq!(completions, tokenizer.encode(PROBE_PROMPT).unwrap());
+            assert_eq!(probe.first(), Some(&1));
+            assert_eq!(probe.last(), Some(&3));
+            assert_eq!(
+                hashes(&probe),
+                routed_hashes(&tokenizer, &cache, ProbeKind::Completions)
+            );
+        }
+    }
+
+    #[test]
+    fn statuses_end_the_check_refuse_the_probe_or_try_again() {
+        assert_eq!(classify(200), None);
+        assert_eq!(classify(404), Some(Reply::NoRoute(404)));
+        assert_eq!(classify(405), Some(Reply::NoRoute(405)));
+        assert_eq!(classify(400), Some(Reply::Refused(400)));
+        assert_eq!(classify(401), Some(Reply::Refused(401)));
+        assert_eq!(classify(422), Some(Reply::Refused(422)));
+        assert_eq!(classify(408), Some(Reply::Failed));
+        assert_eq!(classify(429), Some(Reply::Failed));
+        assert_eq!(classify(503), Some(Reply::Failed));
+        assert_eq!(
+            ids(&json!({"count": 2, "tokens": [7, 8]})),
+            Some(vec![7, 8])
+        );
+        assert_eq!(ids(&json!({"tokens": [-1]})), None);
+        assert_eq!(ids(&json!({"choices": []})), None);
     }
 
     #[test]

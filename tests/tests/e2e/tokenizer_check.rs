@@ -125,7 +125,10 @@ async fn a_pool_knows_whether_its_tokenizer_is_its_workers_and_hashes_completion
 
     assert_eq!(agreement(&same, "chat").await, 1);
     assert_eq!(agreement(&same, "completions").await, 1);
-    assert!(!same.log().contains("other token ids") && !same.log().contains("now adds"));
+    assert!(
+        !same.log().contains("other token ids")
+            && !same.log().contains("now get the special tokens")
+    );
     // The other template renders conversations differently: said, at warn.
     assert_eq!(agreement(&other, "chat").await, 0);
     other
@@ -146,7 +149,7 @@ async fn a_pool_knows_whether_its_tokenizer_is_its_workers_and_hashes_completion
     assert!(
         other
             .log()
-            .contains("now adds the special tokens its worker adds"),
+            .contains("now get the special tokens its worker gives them"),
         "{}",
         other.log()
     );
