@@ -364,8 +364,11 @@ pub fn analyse(
                     cache.put(key, info.clone());
                     return Ok(info);
                 }
-                let mut tokens = special.before.clone();
-                tokens.extend(own);
+                let tokens = if special.before.is_empty() {
+                    own
+                } else {
+                    [special.before.as_slice(), &own].concat()
+                };
                 let head = hashes(&tokens);
                 let tail = text.len() - bytes;
                 let short_tail =
