@@ -156,9 +156,23 @@ async fn replay_range(
 }
 
 /// Subscribe to one worker's events until cancelled, reconnecting with backoff.
+/// The block size of a stored block in `batch` other than the pool's, if there is one.
+fn other_block_size(batch: &switchyard_kv::events::KvEventBatch, pool: usize) -> Option<u32> {
+    batch.events.iter().find_map(|event| match event {
+        switchyard_kv::events::KvEvent::BlockStored(stored)
+            if stored.block_size as usize != pool =>
+        {
+            Some(stored.block_size)
+        }
+        _ => None,
+    })
+}
+
 async fn run_subscriber(target: StreamTarget) {
     let stats = target.pool.stream_stats(target.slot);
     let mut backoff = Duration::from_millis(100);
+    // Said once per worker: every later event of another size is counted, not logged.
+    let mut block_size_said = false;
     loop {
         let mut socket = zeromq::SubSocket::new();
         let connected = async {
@@ -185,6 +199,18 @@ async fn run_subscriber(target: StreamTarget) {
             };
             match decode_frames(&message.into_vec()) {
                 Ok(message) => {
+                    let pool_block_size = target.pool.index.block_size();
+                    if !block_size_said
+                        && let Some(theirs) = other_block_size(&message.batch, pool_block_size)
+                    {
+                        block_size_said = true;
+                        tracing::warn!(
+                            worker = %target.address,
+                            worker_block_size = theirs,
+                            pool_block_size,
+                            "the worker's KV blocks are not the pool's size: their events cannot be indexed, so routing cannot see what it caches; set the pool's spec.blockSize to the worker's --block-size"
+                        );
+                    }
                     expected = Some(
                         on_message(&target, &stats, expected, message.seq, &message.batch).await,
                     );

@@ -139,6 +139,55 @@ async fn small_fleet(extra: &[&str]) -> (Sim, Proxy) {
     (sim, proxy)
 }
 
+/// vLLM started with another `--block-size` than the pool's `blockSize`: its events cannot be
+/// indexed, and the proxy says so once, naming both sizes.
+#[tokio::test]
+async fn a_worker_whose_blocks_are_not_the_pools_size_is_named_at_warn() {
+    let sim = Sim::start(&[
+        "--workers",
+        "1",
+        "--time-scale",
+        "0.01",
+        "--block-size",
+        "16",
+    ]);
+    let yaml = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: sim}}\nspec:\n  model: {}\n  blockSize: 32\n  endpoints: [{}]\n{}",
+        sim.model,
+        sim.endpoints_yaml(),
+        switchyard_e2e::model_doc("default", "sim", None)
+    );
+    let proxy = Proxy::start(&yaml, &[]).await;
+    proxy.wait_subscribed(1).await;
+    for question in ["first", "second"] {
+        send(&proxy, &chat("default", &system_prompt(), question)).await;
+    }
+    proxy
+        .wait_for_log("not the pool's size", Duration::from_secs(10))
+        .await;
+    let log = proxy.log();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("not the pool's size"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    let warning = warnings[0];
+    assert!(
+        warning.contains(" WARN ")
+            && warning.contains("worker_block_size=16")
+            && warning.contains("pool_block_size=32"),
+        "{warning}"
+    );
+    let metrics = proxy.metrics().await;
+    let series = "switchyard_kv_malformed_events_total{pool=\"default/sim\"} ";
+    let malformed: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{metrics}"));
+    assert!(malformed > 0, "{metrics}");
+}
+
 #[tokio::test]
 async fn requests_follow_the_worker_that_caches_their_prefix_and_follow_it_after_eviction() {
     let (sim, proxy) = small_fleet(&[]).await;
