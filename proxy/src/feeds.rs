@@ -155,7 +155,6 @@ async fn replay_range(
     Ok(())
 }
 
-/// Subscribe to one worker's events until cancelled, reconnecting with backoff.
 /// The block size of a stored block in `batch` other than the pool's, if there is one.
 fn other_block_size(batch: &switchyard_kv::events::KvEventBatch, pool: usize) -> Option<u32> {
     batch.events.iter().find_map(|event| match event {
@@ -168,6 +167,7 @@ fn other_block_size(batch: &switchyard_kv::events::KvEventBatch, pool: usize) ->
     })
 }
 
+/// Subscribe to one worker's events until cancelled, reconnecting with backoff.
 async fn run_subscriber(target: StreamTarget) {
     let stats = target.pool.stream_stats(target.slot);
     let mut backoff = Duration::from_millis(100);

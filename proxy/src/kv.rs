@@ -545,6 +545,9 @@ pub struct TokenizerAgreement {
     /// 0: unknown, 1: the same ids, 2: different ones.
     chat: AtomicU8,
     completions: AtomicU8,
+    /// The tokenizer ([`PromptTokenizer::instance`]) the verdicts are about: a verdict on
+    /// another is dropped.
+    tokenizer: AtomicU64,
 }
 
 /// The kinds of prompt a pool's tokenizer is checked on: a chat (its template and tokenizer)
@@ -583,13 +586,20 @@ impl TokenizerAgreement {
         }
     }
 
-    pub fn set(&self, kind: ProbeKind, agrees: Option<bool>) {
-        let value = match agrees {
-            None => 0,
-            Some(true) => 1,
-            Some(false) => 2,
-        };
-        self.slot(kind).store(value, Ordering::Relaxed);
+    /// Record a verdict on the tokenizer `instance` (dropped when the pool has another now).
+    pub fn set(&self, kind: ProbeKind, instance: u64, agrees: bool) {
+        if self.tokenizer.load(Ordering::Relaxed) == instance {
+            self.slot(kind)
+                .store(if agrees { 1 } else { 2 }, Ordering::Relaxed);
+        }
+    }
+
+    /// Verdicts are about `instance` from now on, and unknown.
+    fn reset(&self, instance: u64) {
+        self.tokenizer.store(instance, Ordering::Relaxed);
+        for kind in ProbeKind::ALL {
+            self.slot(kind).store(0, Ordering::Relaxed);
+        }
     }
 }
 
@@ -654,19 +664,20 @@ impl PoolKv {
         }
     }
 
-    /// The pool tokenizes with `spec` from now on: when that is another tokenizer than before,
-    /// the prompts it tokenized are forgotten and its agreement with the workers is unknown.
-    pub fn use_tokenizer(&self, spec: &Option<Tokenizer>) {
+    /// The pool tokenizes with `tokenizer` (loaded from `spec`) from now on: when that is
+    /// another tokenizer than before, the prompts it tokenized are forgotten and its agreement
+    /// with the workers is unknown.
+    pub fn use_tokenizer(&self, spec: &Option<Tokenizer>, tokenizer: &PromptTokenizer) {
         let mut current = lock(&self.tokenizer_spec);
-        if current.as_ref() == Some(spec) {
+        if current.as_ref() == Some(spec)
+            && self.tokenizer_agreement.tokenizer.load(Ordering::Relaxed) == tokenizer.instance()
+        {
             return;
         }
         if current.is_some() {
             self.prompts.clear();
         }
-        for kind in ProbeKind::ALL {
-            self.tokenizer_agreement.set(kind, None);
-        }
+        self.tokenizer_agreement.reset(tokenizer.instance());
         *current = Some(spec.clone());
     }
 
@@ -1393,6 +1404,36 @@ mod tests {
         // A replica that stops telling (its prompt past its prefill) leaves nothing behind.
         kv.set_peer_prefixes(PeerPrefixes::new(&[]));
         assert_eq!(kv.overlap(&longer).deepest(), 0);
+    }
+
+    #[test]
+    fn a_tokenizer_verdict_counts_only_for_the_tokenizer_the_pool_has() {
+        let kv = PoolKv::new(PoolId::new("default", "p"), 16);
+        let (old, new) = (
+            PromptTokenizer::shipped().unwrap(),
+            PromptTokenizer::shipped().unwrap(),
+        );
+        let other_files = Some(Tokenizer {
+            path: "other.json".into(),
+            chat_template: "other.jinja".into(),
+        });
+        kv.use_tokenizer(&None, &old);
+        kv.tokenizer_agreement
+            .set(ProbeKind::Chat, old.instance(), false);
+        assert_eq!(kv.tokenizer_agreement.agrees(ProbeKind::Chat), Some(false));
+        assert_eq!(kv.tokenizer_agreement.agrees(ProbeKind::Completions), None);
+        // Given another tokenizer: the verdict is gone, and a late one on the old is dropped.
+        kv.use_tokenizer(&other_files, &new);
+        assert_eq!(kv.tokenizer_agreement.agrees(ProbeKind::Chat), None);
+        kv.tokenizer_agreement
+            .set(ProbeKind::Chat, old.instance(), false);
+        assert_eq!(kv.tokenizer_agreement.agrees(ProbeKind::Chat), None);
+        kv.tokenizer_agreement
+            .set(ProbeKind::Chat, new.instance(), true);
+        assert_eq!(kv.tokenizer_agreement.agrees(ProbeKind::Chat), Some(true));
+        // The same tokenizer again changes nothing.
+        kv.use_tokenizer(&other_files, &new);
+        assert_eq!(kv.tokenizer_agreement.agrees(ProbeKind::Chat), Some(true));
     }
 
     #[test]

@@ -141,8 +141,28 @@ struct Rate {
 pub struct PromptCache {
     entries: Mutex<Entries>,
     rate: Mutex<Rate>,
-    /// Taken from the workers ([`crate::tokenizer_check`]); `None`: the tokenizer's own.
-    adopted_special: Mutex<Option<Arc<SpecialTokens>>>,
+    /// Taken from the workers ([`crate::tokenizer_check`]) for the tokenizer of that
+    /// [`PromptTokenizer::instance`]; else the tokenizer's own.
+    adopted_special: Mutex<Option<(u64, Arc<SpecialTokens>)>>,
+}
+
+/// No special tokens (shared: a request without any allocates nothing for them).
+static NO_SPECIAL_TOKENS: std::sync::LazyLock<Arc<SpecialTokens>> =
+    std::sync::LazyLock::new(Arc::default);
+
+/// A cache-key part for the special tokens around a text (0: none).
+fn special_key(special: &SpecialTokens) -> u64 {
+    if special.is_empty() {
+        return 0;
+    }
+    let ids: Vec<u8> = special
+        .before
+        .iter()
+        .chain([&u32::MAX])
+        .chain(&special.after)
+        .flat_map(|id| id.to_le_bytes())
+        .collect();
+    xxh3_64(&ids).rotate_left(48)
 }
 
 impl PromptCache {
@@ -187,22 +207,27 @@ impl PromptCache {
         }
     }
 
-    /// The special tokens this pool's prompts get when a request adds them: those taken from
-    /// its workers, else its tokenizer's own.
+    /// The special tokens this pool's prompts get from `tokenizer` when a request adds them:
+    /// those taken from its workers for it, else its own.
     pub fn special_tokens(&self, tokenizer: &PromptTokenizer) -> Arc<SpecialTokens> {
         self.adopted_special
             .lock()
             .ok()
-            .and_then(|adopted| adopted.clone())
+            .and_then(|adopted| {
+                adopted
+                    .as_ref()
+                    .filter(|(instance, _)| *instance == tokenizer.instance())
+                    .map(|(_, special)| special.clone())
+            })
             .unwrap_or_else(|| tokenizer.special_tokens().clone())
     }
 
-    /// From now on this pool's prompts get `special` when a request adds special tokens (its
-    /// workers add those, whatever its tokenizer.json says); the prompts tokenized before are
-    /// forgotten.
-    pub fn adopt_special_tokens(&self, special: SpecialTokens) {
+    /// From now on this pool's prompts get `special` from `tokenizer` when a request adds
+    /// special tokens (its workers add those, whatever its tokenizer.json says); the prompts
+    /// tokenized before are forgotten.
+    pub fn adopt_special_tokens(&self, tokenizer: &PromptTokenizer, special: SpecialTokens) {
         if let Ok(mut adopted) = self.adopted_special.lock() {
-            *adopted = Some(Arc::new(special));
+            *adopted = Some((tokenizer.instance(), Arc::new(special)));
         }
         self.clear_prompts();
     }
@@ -315,20 +340,32 @@ pub fn analyse(
     let hashes = |tokens: &[u32]| sequence_hashes_keyed(tokens, block_size, &[], cache_salt);
     let tokens = match prompt_of(tokenizer, endpoint, request)? {
         Prompt::Tokens(tokens) => tokens,
-        Prompt::Text { text, special } => {
-            let text = truncate(&text, MAX_ROUTING_PROMPT_CHARS);
+        Prompt::Text {
+            text: whole,
+            special: adds_special,
+        } => {
+            let text = truncate(&whole, MAX_ROUTING_PROMPT_CHARS);
             let salt_key = cache_salt.map_or(0, |salt| xxh3_64(salt.as_bytes()).rotate_left(17));
-            // Special tokens (a BOS) go before and after the text's own tokens.
-            let special = if special {
-                cache.special_tokens(tokenizer)
+            // Special tokens (a BOS) go before the text's own tokens, and after them unless the
+            // text was cut short here (the worker has more of it).
+            let special = if adds_special {
+                match cache.special_tokens(tokenizer) {
+                    special if text.len() < whole.len() && !special.after.is_empty() => {
+                        Arc::new(SpecialTokens {
+                            before: special.before.clone(),
+                            after: Vec::new(),
+                        })
+                    }
+                    special => special,
+                }
             } else {
-                Arc::default()
+                NO_SPECIAL_TOKENS.clone()
             };
             let key = xxh3_64(text.as_bytes())
                 ^ block_size as u64
                 ^ salt_key
                 ^ tokenizer.instance().rotate_left(32)
-                ^ u64::from(!special.is_empty()).rotate_left(48);
+                ^ special_key(&special);
             if let Some(hit) = cache.get(key) {
                 return Ok(hit);
             }
@@ -462,6 +499,26 @@ pub fn finish(
     Some(info)
 }
 
+/// The shipped tokenizer with a post-processor that puts a BOS (id 0) before every text
+/// encoded with special tokens, as Llama 3's `tokenizer.json` does.
+#[cfg(test)]
+pub(crate) fn tokenizer_with_bos() -> PromptTokenizer {
+    let mut json: serde_json::Value =
+        serde_json::from_slice(switchyard_kv::tokenize::SHIPPED_TOKENIZER_JSON).unwrap();
+    let bos = "<｜begin▁of▁sentence｜>";
+    json["post_processor"] = serde_json::json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [0], "tokens": [bos]}}
+    });
+    PromptTokenizer::new(
+        &serde_json::to_vec(&json).unwrap(),
+        switchyard_kv::tokenize::SHIPPED_CHAT_TEMPLATE,
+    )
+    .unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -524,21 +581,7 @@ mod tests {
 
     #[test]
     fn a_completions_prompt_starts_with_the_bos_vllm_adds_to_it() {
-        // A tokenizer.json whose post-processor adds a BOS (as Llama 3's does).
-        let mut json: serde_json::Value =
-            serde_json::from_slice(switchyard_kv::tokenize::SHIPPED_TOKENIZER_JSON).unwrap();
-        let bos = "<｜begin▁of▁sentence｜>";
-        json["post_processor"] = serde_json::json!({
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {bos: {"id": bos, "ids": [0], "tokens": [bos]}}
-        });
-        let tokenizer = PromptTokenizer::new(
-            &serde_json::to_vec(&json).unwrap(),
-            switchyard_kv::tokenize::SHIPPED_CHAT_TEMPLATE,
-        )
-        .unwrap();
+        let tokenizer = tokenizer_with_bos();
         let text = "The rivers of the north run cold and fast through the valleys.";
         let mut with_bos = vec![0];
         with_bos.extend(tokenizer.encode(text).unwrap());
@@ -583,6 +626,53 @@ mod tests {
             tokens_of(&asked, Endpoint::ChatCompletions).0,
             chat_tokens.len() + 1
         );
+    }
+
+    #[test]
+    fn a_long_completions_prompt_no_worker_holds_keeps_its_bos_in_head_and_whole() {
+        let tokenizer = tokenizer_with_bos();
+        let cache = PromptCache::default();
+        let text: String = (0..400)
+            .map(|i| format!("item{i} lantern orchard "))
+            .collect();
+        let body = serde_json::json!({"model": "m", "prompt": text}).to_string();
+        let parsed = crate::wire::parse(body.as_bytes()).unwrap();
+        // No worker holds it: routed by a head, the rest estimated.
+        let routed = analyse(
+            &tokenizer,
+            &cache,
+            Endpoint::Completions,
+            &parsed,
+            4,
+            None,
+            &|_| false,
+        )
+        .unwrap();
+        let unfinished = routed.unfinished.clone().expect("routed by its head");
+        let mut whole = vec![0];
+        whole.extend(tokenizer.encode(&text).unwrap());
+        let whole_hashes = sequence_hashes_keyed(&whole, 4, &[], None);
+        assert!(whole_hashes.starts_with(&routed.hashes));
+        assert!(routed.hashes.len() < whole_hashes.len());
+        let estimate = routed.tokens as f64 / whole.len() as f64;
+        assert!((0.8..1.25).contains(&estimate), "{estimate}");
+        // Finished off the path: the whole with its BOS, word cuts still trusted.
+        let finished = finish(&tokenizer, &cache, &unfinished).unwrap();
+        assert_eq!(finished.tokens, whole.len());
+        assert_eq!(finished.hashes, whole_hashes);
+        assert!(tokenizer.cuts_words());
+        // And found whole next time.
+        let again = analyse(
+            &tokenizer,
+            &cache,
+            Endpoint::Completions,
+            &parsed,
+            4,
+            None,
+            &|_| false,
+        )
+        .unwrap();
+        assert!(Arc::ptr_eq(&again, &finished));
     }
 
     #[test]

@@ -240,9 +240,12 @@ impl RoutingTable {
         }
         registry.retain(&live);
         kv.retain(&snapshot.pools.keys().cloned().collect::<Vec<_>>());
-        // Only once the whole table is built: a table refused part-way changes nothing.
-        for pool in pools.values().filter(|pool| pool.tokenizer.is_some()) {
-            pool.kv.use_tokenizer(&pool.config.tokenizer);
+        // Only once the whole table is built: a table refused part-way leaves the pools'
+        // tokenized prompts alone (its new tokenizers and KV states are kept by the registry).
+        for pool in pools.values() {
+            if let Some(tokenizer) = &pool.tokenizer {
+                pool.kv.use_tokenizer(&pool.config.tokenizer, tokenizer);
+            }
         }
         let created_at = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

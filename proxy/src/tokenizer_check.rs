@@ -4,12 +4,12 @@
 //! request by hashing the ids the pool's tokenizer gives its prompt. A pool whose tokenizer or
 //! chat template differs from its workers' (another model's, the shipped default left in place)
 //! never finds a prompt cached: routing falls back to queues alone and nothing says so. So once
-//! per tokenizer a pool is given, the proxy asks one of its vLLM workers to tokenize two fixed
-//! probes (`POST /tokenize`: a short conversation, and a completions prompt, which vLLM gives
-//! the tokenizer's special tokens) and compares the ids with what routing would hash. A
-//! difference is logged at warn with where the ids part, and
-//! `switchyard_pool_tokenizer_agrees{pool, prompt}` reads 0 (1 when they agree; absent until a
-//! worker answered). The probes are fixed text: nothing a client sent.
+//! per tokenizer, served model and block size a pool is given, the proxy asks its vLLM workers
+//! to tokenize two fixed probes (`POST /tokenize`: a short conversation, and a completions
+//! prompt, which vLLM gives the tokenizer's special tokens) and compares the first answer to
+//! each with the ids routing would hash. A difference is logged at warn with where the ids
+//! part, and `switchyard_pool_tokenizer_agrees{pool, prompt}` reads 0 (1 when they agree;
+//! absent until a worker answered). The probes are fixed text: nothing a client sent.
 //!
 //! One difference is mended rather than reported: a worker that puts special tokens around a
 //! completions prompt (a BOS) other than those the pool's `tokenizer.json` names, as
@@ -18,9 +18,10 @@
 //! the pool adds those from then on (that pool alone: see [`PromptCache::adopt_special_tokens`]).
 //!
 //! A worker that cannot be reached, or answers 5xx, 408 or 429, is tried again (every worker in
-//! turn, then again after a wait that doubles up to a minute). A 404 or 405 (not vLLM, or not
-//! the pool's model) ends the check; another 4xx (a template that refuses the probe, an
-//! authenticating sidecar) leaves that probe without a verdict. Each is said once, at info.
+//! turn, then again after a wait that doubles up to a minute). One that answers a probe with
+//! another 4xx (404: not vLLM, or not the pool's model; 400: a template that refuses the probe;
+//! an authenticating sidecar) is not asked it again, said once at info; a probe every worker
+//! refused has no verdict.
 //!
 //! [`PromptCache::adopt_special_tokens`]: crate::prompt::PromptCache::adopt_special_tokens
 
@@ -58,91 +59,98 @@ const MAX_BACKOFF: Duration = Duration::from_secs(60);
 #[derive(Debug, PartialEq)]
 enum Reply {
     Ids(Vec<u32>),
-    /// 404 or 405: no such route (not vLLM) or no such model; the check ends.
-    NoRoute(u16),
-    /// Another client error: this probe gets no verdict.
+    /// A client error other than 408 and 429 (404: no such route, not vLLM, or no such model;
+    /// 400: its template refused the probe): this probe is not asked of it again.
     Refused(u16),
     /// Not reached, a server error, or an answer without ids: try again later.
     Failed,
 }
 
-/// Whether the check of one probe is over.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Probe {
-    Pending,
-    Done,
+/// Where the check of the pool stands.
+#[derive(Debug, Default)]
+struct Progress {
+    /// Probes with their verdict (or none to be had).
+    done: Vec<ProbeKind>,
+    /// Workers that answered a probe with a client error, per probe.
+    refused: Vec<(ProbeKind, String)>,
+}
+
+impl Progress {
+    fn refused_by(&self, kind: ProbeKind, worker: &str) -> bool {
+        self.refused.iter().any(|(k, w)| *k == kind && w == worker)
+    }
 }
 
 /// Check the tokenizer of `pool` (as the live table has it at each try) against its workers
-/// until each probe has its verdict or none can have one.
+/// until each probe has its verdict or every worker refused it.
 pub async fn run(store: Arc<ConfigStore>, pool: PoolId) {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()
         .unwrap_or_default();
-    let mut probes = [Probe::Pending; ProbeKind::ALL.len()];
+    let mut progress = Progress::default();
     let mut backoff = Duration::from_secs(1);
     loop {
-        match check(&client, &store, &pool, &mut probes).await {
-            Some(true) => return,
-            Some(false) => {}
-            None => {
-                tracing::debug!(pool = %pool, "no worker answered the tokenizer probes; trying again");
-            }
+        if check(&client, &store, &pool, &mut progress).await {
+            return;
         }
+        tracing::debug!(pool = %pool, "the tokenizer probes are not all answered; trying again");
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
 }
 
-/// One try over the pool's workers: `Some(true)` when the check is over, `Some(false)` when a
-/// worker answered some probes, `None` when none answered.
+/// One try over the pool's workers; whether the check is over.
 async fn check(
     client: &reqwest::Client,
     store: &ConfigStore,
     id: &PoolId,
-    probes: &mut [Probe; ProbeKind::ALL.len()],
-) -> Option<bool> {
-    let table = store.current()?;
+    progress: &mut Progress,
+) -> bool {
+    let Some(table) = store.current() else {
+        return false;
+    };
     let Some(pool) = table.pool(id) else {
-        return Some(true);
+        return true;
     };
     let Some(tokenizer) = pool.tokenizer.clone() else {
-        return Some(true);
+        return true;
     };
     let served = pool.config.served_model.as_str();
-    let mut answered = false;
     for worker in &pool.workers {
-        let url = format!("http://{}/tokenize", worker.address);
-        for (kind, probe) in ProbeKind::ALL.into_iter().zip(probes.iter_mut()) {
-            if *probe == Probe::Done {
+        let address = worker.address.as_str();
+        let url = format!("http://{address}/tokenize");
+        for kind in ProbeKind::ALL {
+            if progress.done.contains(&kind) || progress.refused_by(kind, address) {
                 continue;
             }
-            let reply = ask(client, &url, &probe_body(kind, served)).await;
-            let label = kind.label();
-            match reply {
+            match ask(client, &url, &probe_body(kind, served)).await {
                 Reply::Ids(theirs) => {
-                    answered = true;
-                    *probe = Probe::Done;
-                    judge(store, pool, &tokenizer, &worker.address, kind, &theirs);
-                }
-                Reply::NoRoute(status) => {
-                    tracing::info!(pool = %id, worker = %worker.address, status, "cannot check the pool's tokenizer: the worker answered POST /tokenize with this status (not vLLM, or not the pool's model)");
-                    return Some(true);
+                    progress.done.push(kind);
+                    judge(store, pool, &tokenizer, address, kind, &theirs);
                 }
                 Reply::Refused(status) => {
-                    answered = true;
-                    *probe = Probe::Done;
-                    tracing::info!(pool = %id, worker = %worker.address, prompt = label, status, "cannot check the pool's tokenizer on this probe: the worker refused it");
+                    tracing::info!(pool = %id, worker = address, prompt = kind.label(), status, "the worker refused a tokenizer probe (404: not vLLM, or not the pool's model; 400: its template refused it); asking the pool's other workers");
+                    progress.refused.push((kind, address.to_owned()));
                 }
                 Reply::Failed => {}
             }
         }
-        if probes.iter().all(|p| *p == Probe::Done) {
-            return Some(true);
+    }
+    // A probe every worker refused has no verdict to wait for.
+    for kind in ProbeKind::ALL {
+        let everyone = pool
+            .workers
+            .iter()
+            .all(|worker| progress.refused_by(kind, &worker.address));
+        if !progress.done.contains(&kind) && !pool.workers.is_empty() && everyone {
+            progress.done.push(kind);
+            tracing::info!(pool = %id, prompt = kind.label(), "cannot check the pool's tokenizer on this probe: every worker refused it");
         }
     }
-    answered.then_some(false)
+    ProbeKind::ALL
+        .iter()
+        .all(|kind| progress.done.contains(kind))
 }
 
 /// Compare a worker's ids for a probe with the pool's and record the verdict, unless the pool
@@ -184,13 +192,15 @@ fn judge(
         let plain = probe_ids(tokenizer, &SpecialTokens::default(), kind).unwrap_or_default();
         if let Some(special) = SpecialTokens::around(&plain, theirs) {
             tracing::info!(pool = %id, worker, before = ?special.before, after = ?special.after, "the pool's completions prompts now get the special tokens its worker gives them");
-            prompts.adopt_special_tokens(special);
+            prompts.adopt_special_tokens(tokenizer, special);
             ours =
                 probe_ids(tokenizer, &prompts.special_tokens(tokenizer), kind).unwrap_or_default();
         }
     }
     let agrees = ours == theirs;
-    pool.kv.tokenizer_agreement.set(kind, Some(agrees));
+    pool.kv
+        .tokenizer_agreement
+        .set(kind, tokenizer.instance(), agrees);
     if agrees {
         tracing::info!(pool = %id, worker, prompt = kind.label(), tokens = ours.len(), "the pool's tokenizer agrees with its workers'");
     } else {
@@ -259,7 +269,6 @@ async fn ask(client: &reqwest::Client, url: &str, body: &Value) -> Reply {
 fn classify(status: u16) -> Option<Reply> {
     match status {
         200..=299 => None,
-        404 | 405 => Some(Reply::NoRoute(status)),
         408 | 429 => Some(Reply::Failed),
         400..=499 => Some(Reply::Refused(status)),
         _ => Some(Reply::Failed),
@@ -312,20 +321,7 @@ mod tests {
     #[test]
     fn probes_are_the_ids_routing_hashes_for_such_requests() {
         let hashes = |ids: &[u32]| switchyard_kv::hash::sequence_hashes_keyed(ids, 1, &[], None);
-        let mut json: Value =
-            serde_json::from_slice(switchyard_kv::tokenize::SHIPPED_TOKENIZER_JSON).unwrap();
-        let bos = "<｜begin▁of▁sentence｜>";
-        json["post_processor"] = json!({
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {bos: {"id": bos, "ids": [0], "tokens": [bos]}}
-        });
-        let with_bos = PromptTokenizer::new(
-            &serde_json::to_vec(&json).unwrap(),
-            switchyard_kv::tokenize::SHIPPED_CHAT_TEMPLATE,
-        )
-        .unwrap();
+        let with_bos = crate::prompt::tokenizer_with_bos();
         for tokenizer in [PromptTokenizer::shipped().unwrap(), with_bos] {
             let cache = PromptCache::default();
             for kind in ProbeKind::ALL {
@@ -337,7 +333,7 @@ mod tests {
                 before: vec![1, 2],
                 after: vec![3],
             };
-            cache.adopt_special_tokens(adopted.clone());
+            cache.adopt_special_tokens(&tokenizer, adopted.clone());
             let probe = probe_ids(
                 &tokenizer,
                 &cache.special_tokens(&tokenizer),
@@ -350,14 +346,17 @@ mod tests {
                 hashes(&probe),
                 routed_hashes(&tokenizer, &cache, ProbeKind::Completions)
             );
+            // Taken for this tokenizer only: another (a reloaded pool's) uses its own.
+            let another = PromptTokenizer::shipped().unwrap();
+            assert_eq!(cache.special_tokens(&another), *another.special_tokens());
         }
     }
 
     #[test]
-    fn statuses_end_the_check_refuse_the_probe_or_try_again() {
+    fn client_errors_refuse_the_probe_and_the_rest_try_again() {
         assert_eq!(classify(200), None);
-        assert_eq!(classify(404), Some(Reply::NoRoute(404)));
-        assert_eq!(classify(405), Some(Reply::NoRoute(405)));
+        assert_eq!(classify(404), Some(Reply::Refused(404)));
+        assert_eq!(classify(405), Some(Reply::Refused(405)));
         assert_eq!(classify(400), Some(Reply::Refused(400)));
         assert_eq!(classify(401), Some(Reply::Refused(401)));
         assert_eq!(classify(422), Some(Reply::Refused(422)));
