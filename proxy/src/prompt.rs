@@ -638,16 +638,19 @@ mod tests {
         let body = serde_json::json!({"model": "m", "prompt": text}).to_string();
         let parsed = crate::wire::parse(body.as_bytes()).unwrap();
         // No worker holds it: routed by a head, the rest estimated.
-        let routed = analyse(
-            &tokenizer,
-            &cache,
-            Endpoint::Completions,
-            &parsed,
-            4,
-            None,
-            &|_| false,
-        )
-        .unwrap();
+        let route = || {
+            analyse(
+                &tokenizer,
+                &cache,
+                Endpoint::Completions,
+                &parsed,
+                4,
+                None,
+                &|_| false,
+            )
+            .unwrap()
+        };
+        let routed = route();
         let unfinished = routed.unfinished.clone().expect("routed by its head");
         let mut whole = vec![0];
         whole.extend(tokenizer.encode(&text).unwrap());
@@ -662,17 +665,7 @@ mod tests {
         assert_eq!(finished.hashes, whole_hashes);
         assert!(tokenizer.cuts_words());
         // And found whole next time.
-        let again = analyse(
-            &tokenizer,
-            &cache,
-            Endpoint::Completions,
-            &parsed,
-            4,
-            None,
-            &|_| false,
-        )
-        .unwrap();
-        assert!(Arc::ptr_eq(&again, &finished));
+        assert!(Arc::ptr_eq(&route(), &finished));
     }
 
     #[test]
