@@ -267,8 +267,18 @@ pub fn run(args: &ExplainArgs, snapshot: &Snapshot) -> anyhow::Result<ExitCode> 
     }
     match switchyard_policy::targets(snapshot, model_config, &decision) {
         Err(NoTarget::Rejected {
-            status, message, ..
-        }) => report.outcome(status, message),
+            status,
+            message,
+            retry_after_s,
+        }) => {
+            report.outcome(status, message);
+            if let Some(seconds) = retry_after_s {
+                report.line(format!("retry after: {seconds} s (Retry-After)"));
+                report
+                    .json
+                    .insert("retryAfterSeconds".into(), seconds.into());
+            }
+        }
         Err(NoTarget::NoLocalTarget { rule }) => report.outcome(
             503,
             format!("must stay on local hardware ({rule}) and '{model}' has no local pool"),

@@ -148,6 +148,7 @@ fn explain_names_the_rule_the_classes_and_the_target() {
     ]);
     let report: Value = serde_json::from_slice(&output.stdout).unwrap();
     assert_eq!(report["status"], 429);
+    assert_eq!(report["retryAfterSeconds"], 30);
     assert_eq!(
         report["matchedRule"],
         "default/gateway/batch-only-when-quiet"
