@@ -243,6 +243,7 @@ impl SpecialTokens {
 
 /// Numbers the tokenizers loaded in this process ([`PromptTokenizer::instance`]).
 static INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// Smallest piece of a prompt worth remembering, in bytes.
 const MIN_SEGMENT_BYTES: usize = 512;
 /// Tokens remembered per tokenizer (about 4 bytes each).
@@ -1009,7 +1010,7 @@ mod tests {
 
     /// The shipped tokenizer.json with Llama 3's kind of post-processor: a BOS before every
     /// text encoded with special tokens.
-    pub(crate) fn with_bos_json() -> Vec<u8> {
+    fn with_bos_json() -> Vec<u8> {
         let mut json: serde_json::Value = serde_json::from_slice(SHIPPED_TOKENIZER_JSON).unwrap();
         let bos = "<｜begin▁of▁sentence｜>";
         let template = json!({

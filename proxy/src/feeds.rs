@@ -260,7 +260,7 @@ struct Feeds {
     subscribers: HashMap<(PoolId, String), Running>,
     scrapers: HashMap<String, Running>,
     /// Per pool, the check of its tokenizer against its workers' ([`crate::tokenizer_check`]),
-    /// keyed by the tokenizer and served model it checks.
+    /// keyed by the tokenizer, served model and block size it checks.
     tokenizer_checks: HashMap<PoolId, Running>,
 }
 
