@@ -631,10 +631,9 @@ pub struct PoolKv {
     pub calibration: crate::calibration::PoolCalibration,
     /// How much of the recent work comes with each prefix.
     pub popularity: crate::popularity::PrefixPopularity,
-    /// Whether the pool's tokenizer gives the ids its workers give ([`crate::tokenizer_check`]).
+    /// Whether the pool's tokenizer gives the ids its workers give ([`crate::tokenizer_check`]),
+    /// and which tokenizer that is (the one the pool's prompts are tokenized with).
     pub tokenizer_agreement: TokenizerAgreement,
-    /// The tokenizer the pool's prompts were tokenized with (`None`: none yet).
-    tokenizer_spec: Mutex<Option<Option<Tokenizer>>>,
     /// Held while a request chooses a worker and is counted against it: a request deciding on
     /// another thread meanwhile would see the chosen worker without this one's prefill, KV
     /// blocks and prediction, and could take it for idle too.
@@ -659,26 +658,23 @@ impl PoolKv {
             calibration: crate::calibration::PoolCalibration::default(),
             popularity: crate::popularity::PrefixPopularity::default(),
             tokenizer_agreement: TokenizerAgreement::default(),
-            tokenizer_spec: Mutex::new(None),
             choosing: Mutex::new(()),
         }
     }
 
-    /// The pool tokenizes with `tokenizer` (loaded from `spec`) from now on: when that is
-    /// another tokenizer than before, the prompts it tokenized are forgotten and its agreement
-    /// with the workers is unknown.
-    pub fn use_tokenizer(&self, spec: &Option<Tokenizer>, tokenizer: &PromptTokenizer) {
-        let mut current = lock(&self.tokenizer_spec);
-        if current.as_ref() == Some(spec)
-            && self.tokenizer_agreement.tokenizer.load(Ordering::Relaxed) == tokenizer.instance()
-        {
+    /// The pool tokenizes with `tokenizer` from now on: when that is another tokenizer than
+    /// before (the registry loads one per spec), the prompts it tokenized are forgotten and its
+    /// agreement with the workers is unknown.
+    pub fn use_tokenizer(&self, tokenizer: &PromptTokenizer) {
+        let before = self.tokenizer_agreement.tokenizer.load(Ordering::Relaxed);
+        if before == tokenizer.instance() {
             return;
         }
-        if current.is_some() {
+        // 0: none yet (instances count from 1).
+        if before != 0 {
             self.prompts.clear();
         }
         self.tokenizer_agreement.reset(tokenizer.instance());
-        *current = Some(spec.clone());
     }
 
     /// The worker's slot in this pool's index, assigned on first sight (lowest free).
@@ -1413,17 +1409,13 @@ mod tests {
             PromptTokenizer::shipped().unwrap(),
             PromptTokenizer::shipped().unwrap(),
         );
-        let other_files = Some(Tokenizer {
-            path: "other.json".into(),
-            chat_template: "other.jinja".into(),
-        });
-        kv.use_tokenizer(&None, &old);
+        kv.use_tokenizer(&old);
         kv.tokenizer_agreement
             .set(ProbeKind::Chat, old.instance(), false);
         assert_eq!(kv.tokenizer_agreement.agrees(ProbeKind::Chat), Some(false));
         assert_eq!(kv.tokenizer_agreement.agrees(ProbeKind::Completions), None);
         // Given another tokenizer: the verdict is gone, and a late one on the old is dropped.
-        kv.use_tokenizer(&other_files, &new);
+        kv.use_tokenizer(&new);
         assert_eq!(kv.tokenizer_agreement.agrees(ProbeKind::Chat), None);
         kv.tokenizer_agreement
             .set(ProbeKind::Chat, old.instance(), false);
@@ -1432,7 +1424,7 @@ mod tests {
             .set(ProbeKind::Chat, new.instance(), true);
         assert_eq!(kv.tokenizer_agreement.agrees(ProbeKind::Chat), Some(true));
         // The same tokenizer again changes nothing.
-        kv.use_tokenizer(&other_files, &new);
+        kv.use_tokenizer(&new);
         assert_eq!(kv.tokenizer_agreement.agrees(ProbeKind::Chat), Some(true));
     }
 

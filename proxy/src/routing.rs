@@ -244,7 +244,7 @@ impl RoutingTable {
         // tokenized prompts alone (its new tokenizers and KV states are kept by the registry).
         for pool in pools.values() {
             if let Some(tokenizer) = &pool.tokenizer {
-                pool.kv.use_tokenizer(&pool.config.tokenizer, tokenizer);
+                pool.kv.use_tokenizer(tokenizer);
             }
         }
         let created_at = std::time::SystemTime::now()
