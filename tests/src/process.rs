@@ -190,10 +190,18 @@ impl Proxy {
         key: Option<&str>,
         body: &serde_json::Value,
     ) -> serde_json::Value {
-        let mut request = reqwest::Client::new().post(format!(
-            "{}/debug/route/v1/chat/completions",
-            self.admin_url()
-        ));
+        self.debug_route_at("/v1/chat/completions", key, body).await
+    }
+
+    /// [`Proxy::debug_route`] for a request to `path` (`/v1/completions`, `/v1/messages`).
+    pub async fn debug_route_at(
+        &self,
+        path: &str,
+        key: Option<&str>,
+        body: &serde_json::Value,
+    ) -> serde_json::Value {
+        let mut request =
+            reqwest::Client::new().post(format!("{}/debug/route{path}", self.admin_url()));
         if let Some(key) = key {
             request = request.bearer_auth(key);
         }

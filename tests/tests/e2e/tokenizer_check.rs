@@ -53,15 +53,7 @@ async fn agreement(proxy: &Proxy, prompt: &str) -> u64 {
 
 /// The blocks of the completions request `body` the proxy finds cached on any worker.
 async fn matched_blocks(proxy: &Proxy, body: &Value) -> u64 {
-    let explained: Value = reqwest::Client::new()
-        .post(format!("{}/debug/route/v1/completions", proxy.admin_url()))
-        .json(body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let explained = proxy.debug_route_at("/v1/completions", None, body).await;
     explained["scores"]
         .as_array()
         .unwrap_or_else(|| panic!("no scores: {explained}"))
