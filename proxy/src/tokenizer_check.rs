@@ -241,10 +241,7 @@ fn probe_ids(
         ProbeKind::Chat => {
             let messages: Vec<ChatMessage> = PROBE_CHAT
                 .iter()
-                .map(|(role, content)| ChatMessage {
-                    role: (*role).to_owned(),
-                    content: (*content).to_owned(),
-                })
+                .map(|(role, content)| ChatMessage::new(role, content))
                 .collect();
             tokenizer.encode_chat(&messages)
         }

@@ -16,6 +16,7 @@ use serde::Deserialize;
 use serde::de::Deserializer;
 use serde_json::Value;
 use serde_json::value::RawValue;
+use switchyard_kv::chat_template::{TemplateInputs, TemplateValue};
 use switchyard_kv::tokenize::ChatMessage;
 
 use crate::api::ApiError;
@@ -151,6 +152,15 @@ pub struct RequestBody<'a> {
     /// and the prompt echoed.
     #[serde(borrow, default)]
     pub echo: Option<&'a RawValue>,
+    /// Chat template inputs vLLM reads (see [`RequestBody::template_inputs`]).
+    #[serde(borrow, default)]
+    pub chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub reasoning_effort: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub add_generation_prompt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub continue_final_message: Option<&'a RawValue>,
 }
 
 /// A field that is present, `null` included (serde's `Option` makes `null` absent): the
@@ -208,6 +218,9 @@ pub struct Message<'a> {
     /// OpenAI `tool` messages: the call answered.
     #[serde(borrow, default)]
     pub tool_call_id: Option<&'a RawValue>,
+    /// vLLM's field for an assistant turn's reasoning (its chat template may render it).
+    #[serde(borrow, default)]
+    pub reasoning: Option<&'a RawValue>,
 }
 
 /// One OpenAI tool call of an assistant message.
@@ -517,29 +530,63 @@ impl<'a> RequestBody<'a> {
 
     /// The conversation as the chat template takes it: `system` first (Anthropic's, when
     /// `with_system`), then every message with its text (parts joined by newlines, as vLLM does
-    /// for string templates; other parts as compact JSON so they still count as prompt content).
+    /// for string templates; other parts as compact JSON so they still count as prompt content),
+    /// its text parts, and the fields vLLM passes on (an assistant's tool calls and reasoning, a
+    /// tool answer's call id, a name).
     pub fn chat_messages(&self, with_system: bool) -> Vec<ChatMessage> {
         let mut out = Vec::new();
         if let Some(system) = self.system.as_ref().filter(|_| with_system) {
             let text = system.template_text();
             if !text.is_empty() {
-                out.push(ChatMessage {
-                    role: "system".into(),
-                    content: text,
-                });
+                out.push(ChatMessage::new("system", &text));
             }
         }
         for message in self.messages.iter().flatten() {
-            out.push(ChatMessage {
-                role: message.role.clone().into_owned(),
-                content: message
+            let mut chat = ChatMessage::new(
+                &message.role,
+                &message
                     .content
                     .as_ref()
                     .map_or_else(String::new, Content::template_text),
-            });
+            );
+            chat.parts = match &message.content {
+                Some(content) => content.text_parts(),
+                None => Some(Vec::new()),
+            };
+            let raw = |name: &str| match name {
+                "tool_calls" => message.raw_tool_calls,
+                "tool_call_id" => message.tool_call_id,
+                "name" => message.name,
+                "reasoning" => message.reasoning,
+                _ => None,
+            };
+            out.push(chat.with_openai_fields(|name| raw(name).and_then(template_value)));
         }
         out
     }
+
+    /// What vLLM gives a chat template besides the messages: the request's tools,
+    /// `documents`, `chat_template_kwargs`, `reasoning_effort`, `add_generation_prompt` and
+    /// `continue_final_message` (see [`TemplateInputs::openai`]).
+    pub fn template_inputs(&self) -> TemplateInputs {
+        TemplateInputs::openai(|name| {
+            let raw = match name {
+                "tools" => self.tools,
+                "documents" => self.documents,
+                "chat_template_kwargs" => self.chat_template_kwargs,
+                "reasoning_effort" => self.reasoning_effort,
+                "add_generation_prompt" => self.add_generation_prompt,
+                "continue_final_message" => self.continue_final_message,
+                _ => None,
+            };
+            raw.and_then(template_value)
+        })
+    }
+}
+
+/// A raw JSON value as a chat template reads it (object keys in the order sent).
+fn template_value(raw: &RawValue) -> Option<TemplateValue> {
+    serde_json::from_str(raw.get()).ok()
 }
 
 mod content;

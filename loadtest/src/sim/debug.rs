@@ -13,7 +13,6 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
-use switchyard_kv::tokenize::openai_messages;
 
 use super::engine::Prediction;
 use super::http::Worker;
@@ -56,13 +55,8 @@ fn ask(worker: &Worker, body: &[u8]) -> Result<Asked, AskError> {
     if model != worker.model {
         return Err(AskError::Model(model.to_owned()));
     }
-    let messages = openai_messages(&request);
-    if messages.is_empty() {
-        return Err(AskError::NoMessages);
-    }
-    let prompt = worker
-        .tokenizer
-        .encode_chat(&messages)
+    let prompt = super::http::chat_prompt(worker, &request, body)
+        .ok_or(AskError::NoMessages)?
         .map_err(|e| AskError::Tokenize(e.to_string()))?;
     let cache_salt = request
         .get("cache_salt")

@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use switchyard_kv::tokenize::{PromptTokenizer, anthropic_messages, openai_messages};
+use switchyard_kv::tokenize::{PromptTokenizer, anthropic_messages, openai_chat};
 use tokio::sync::mpsc;
 
 use super::audio;
@@ -190,19 +190,34 @@ fn encode_prompt(
     }
 }
 
+/// A chat request's prompt tokens as vLLM builds them: its messages and template inputs (tools,
+/// `chat_template_kwargs`, ...) through the chat template, then the tokenizer. `None`: no
+/// messages.
+pub(super) fn chat_prompt(
+    worker: &Worker,
+    request: &Value,
+    body: &[u8],
+) -> Option<Result<Vec<u32>, switchyard_kv::tokenize::TokenizeError>> {
+    // Parsed again keeping the order of object keys: templates print tools with `tojson`.
+    let ordered: switchyard_kv::chat_template::TemplateValue =
+        serde_json::from_slice(body).unwrap_or_default();
+    let (messages, inputs) = openai_chat(&ordered);
+    if messages.is_empty() {
+        return None;
+    }
+    Some(
+        worker
+            .tokenizer
+            .render_chat_with(&messages, &inputs)
+            .and_then(|text| encode_prompt(worker, request, &text, false)),
+    )
+}
+
 fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> {
     let request = request_for(worker, body)?;
     let prompt = match api {
-        Api::Chat => {
-            let messages = openai_messages(&request);
-            if messages.is_empty() {
-                return Err(bad_request("messages must be a non-empty list"));
-            }
-            worker
-                .tokenizer
-                .render_chat(&messages)
-                .and_then(|text| encode_prompt(worker, &request, &text, false))
-        }
+        Api::Chat => chat_prompt(worker, &request, body)
+            .ok_or_else(|| bad_request("messages must be a non-empty list"))?,
         Api::Messages => {
             let messages = anthropic_messages(&request);
             if messages.is_empty() {
@@ -778,10 +793,7 @@ async fn tokenize(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
         return bad_request("invalid JSON body").into_response();
     };
     let tokens = if request.get("messages").is_some() {
-        worker
-            .tokenizer
-            .render_chat(&openai_messages(&request))
-            .and_then(|text| encode_prompt(&worker, &request, &text, false))
+        chat_prompt(&worker, &request, &body).unwrap_or_else(|| Ok(Vec::new()))
     } else {
         let prompt = request.get("prompt").and_then(Value::as_str);
         encode_prompt(&worker, &request, prompt.unwrap_or_default(), true)

@@ -154,10 +154,10 @@ fn prepare(worker: &Worker, body: &[u8]) -> Result<Prepared, Failure> {
         for item in response["output"].as_array().into_iter().flatten() {
             if item["type"] == "message" {
                 for part in item["content"].as_array().into_iter().flatten() {
-                    messages.push(ChatMessage {
-                        role: "assistant".into(),
-                        content: part["text"].as_str().unwrap_or_default().to_owned(),
-                    });
+                    messages.push(ChatMessage::new(
+                        "assistant",
+                        part["text"].as_str().unwrap_or_default(),
+                    ));
                 }
             }
         }

@@ -169,6 +169,20 @@ impl Content<'_> {
         }
     }
 
+    /// Each text part's text, for a content of parts (`None` for a string): what vLLM gives a
+    /// template that loops over a message's content.
+    pub(super) fn text_parts(&self) -> Option<Vec<String>> {
+        match self {
+            Content::Parts(parts) => Some(
+                parts
+                    .iter()
+                    .filter_map(|part| part.fields.text.as_ref().map(|t| t.clone().into_owned()))
+                    .collect(),
+            ),
+            _ => None,
+        }
+    }
+
     /// The first part's text (vLLM reads an assistant item's `content[0].text`).
     pub(super) fn first_text(&self) -> String {
         match self {

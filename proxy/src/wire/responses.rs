@@ -170,10 +170,7 @@ impl<'a> RequestBody<'a> {
             _ => {}
         }
         out.into_iter()
-            .map(|(role, content)| ChatMessage {
-                role,
-                content: content.unwrap_or_default(),
-            })
+            .map(|(role, content)| ChatMessage::new(&role, &content.unwrap_or_default()))
             .collect()
     }
 

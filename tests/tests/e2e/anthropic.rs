@@ -181,14 +181,8 @@ async fn count_tokens_is_answered_with_the_pools_tokenizer() {
     let tokenizer = PromptTokenizer::shipped().unwrap();
     let rendered = tokenizer
         .render_chat(&[
-            ChatMessage {
-                role: "system".into(),
-                content: "Be brief.".into(),
-            },
-            ChatMessage {
-                role: "user".into(),
-                content: "Name three rivers.".into(),
-            },
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Name three rivers."),
         ])
         .unwrap();
     assert_eq!(

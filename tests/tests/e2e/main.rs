@@ -11,6 +11,7 @@ mod bench_quick;
 mod cache_routing;
 mod calibration;
 mod chat;
+mod chat_templates;
 mod connections;
 mod control_cli;
 mod control_socket;
