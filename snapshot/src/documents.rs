@@ -110,7 +110,8 @@ pub struct KvEventsSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct TokenizerSpec {
-    /// Path of a Hugging Face `tokenizer.json`.
+    /// Path of a Hugging Face `tokenizer.json` (a `tokenizer_config.json` beside it gives the
+    /// chat template its special tokens: `bos_token`, `eos_token`, ...).
     pub path: String,
     /// Path of the Jinja chat template.
     pub chat_template: String,
