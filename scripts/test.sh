@@ -14,7 +14,8 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
   echo "$want" > "$stamp"
 fi
 
-# vLLM's own KV-event and block-pool code, and two of its chat templates, straight from its wheel (no torch needed: see
+# vLLM's own KV-event and block-pool code, its chat-template helpers and two of its templates,
+# straight from its wheel (no torch needed: see
 # tests/python/vllm_kv.py and tests/python/vllm_block_pool.py).
 vllm_version=0.34.0
 vllm_src=.cache/vllm-$vllm_version
@@ -27,6 +28,9 @@ vllm_files=(
   vllm/utils/math_utils.py
   vllm/utils/gc_utils.py
   vllm/envs.py
+  vllm/renderers/hf.py
+  vllm/renderers/params.py
+  vllm/renderers/chat_utils/chat_message.py
   vllm/transformers_utils/chat_templates/template_chatml.jinja
   vllm/transformers_utils/chat_templates/template_minicpmv45.jinja
 )

@@ -59,44 +59,64 @@ impl Default for TemplateInputs {
 impl TemplateInputs {
     /// The inputs of an OpenAI Chat Completions request, `field(name)` giving one of its fields
     /// (parsed keeping the order of object keys: `tojson` prints them in that order). As
-    /// `ChatCompletionRequest.build_chat_params` and `OnlineRenderer.render_chat` build them:
-    /// `chat_template_kwargs` first, then `add_generation_prompt`, `continue_final_message`,
-    /// `documents` and `reasoning_effort` over them (a null or `"auto"` leaves the user's).
+    /// `ChatCompletionRequest.build_chat_params`, `OnlineRenderer.preprocess_chat` and
+    /// `ChatParams.with_defaults` merge them: `chat_template_kwargs` less its null and `"auto"`
+    /// values, under `add_generation_prompt`, `continue_final_message`, `documents` and
+    /// `reasoning_effort` (with `enable_thinking` unless the user set it), each of those four
+    /// only when given (`"auto"` effort still turns thinking on); the user's `tools` over the
+    /// request's. The gateway does not know a
+    /// worker's `--default-chat-template-kwargs`.
     pub fn openai(field: impl Fn(&str) -> Option<Value>) -> TemplateInputs {
+        let given = |value: &Value| !value.is_none() && !value.is_undefined();
         let flag = |name: &str, default: bool| {
             field(name)
                 .filter(|value| value.kind() == ValueKind::Bool)
                 .map_or(default, |value| value.is_true())
         };
         let mut kwargs: Vec<(String, Value)> = Vec::new();
+        let mut user_thinking = false;
         if let Some(user) = field("chat_template_kwargs")
             && user.kind() == ValueKind::Map
             && let Ok(keys) = user.try_iter()
         {
             for key in keys {
                 if let (Some(name), Ok(value)) = (key.as_str(), user.get_item(&key)) {
-                    kwargs.push((name.to_owned(), value));
+                    user_thinking |= name == "enable_thinking";
+                    if given(&value) && value.as_str() != Some("auto") {
+                        kwargs.push((name.to_owned(), value));
+                    }
                 }
             }
         }
+        let mut take = |name: &str| {
+            let at = kwargs.iter().position(|(key, _)| key == name)?;
+            Some(kwargs.remove(at).1)
+        };
+        let user_tools = take("tools");
+        let user_documents = take("documents");
+        // The request's own fields, which vLLM passes by name.
+        take("add_generation_prompt");
+        take("continue_final_message");
         let set = |kwargs: &mut Vec<(String, Value)>, name: &str, value: Value| {
             kwargs.retain(|(key, _)| key != name);
             kwargs.push((name.to_owned(), value));
         };
-        let user_thinking = kwargs.iter().any(|(key, _)| key == "enable_thinking");
-        if let Some(effort) = field("reasoning_effort").filter(|effort| {
-            !effort.is_none() && !effort.is_undefined() && effort.as_str() != Some("auto")
-        }) {
+        if let Some(effort) = field("reasoning_effort").filter(given) {
             if !user_thinking {
                 let thinking = effort.as_str() != Some("none");
                 set(&mut kwargs, "enable_thinking", Value::from(thinking));
             }
-            set(&mut kwargs, "reasoning_effort", effort);
+            // "auto" is left out of the merge, the thinking it implies is not.
+            if effort.as_str() != Some("auto") {
+                set(&mut kwargs, "reasoning_effort", effort);
+            }
         }
-        let documents = field("documents").filter(|d| !d.is_none() && !d.is_undefined());
-        let tools = field("tools")
-            .filter(|tools| tools.kind() == ValueKind::Seq)
-            .map(|tools| openai_tools(&tools));
+        let documents = field("documents").filter(given).or(user_documents);
+        let tools = user_tools.or_else(|| {
+            field("tools")
+                .filter(|tools| tools.kind() == ValueKind::Seq)
+                .map(|tools| openai_tools(&tools))
+        });
         TemplateInputs {
             tools,
             documents,
@@ -153,10 +173,11 @@ pub fn openai_tools(tools: &Value) -> Value {
     )
 }
 
-/// An assistant message's `tool_calls` as vLLM's `_postprocess_messages` leaves them: each call
-/// as sent, its `function.arguments` parsed from their JSON string into an object (`{}` when
-/// empty, not JSON, or not an object). `None` for an empty list (the message then renders as
-/// plain text) or anything but a list.
+/// An assistant message's `tool_calls` as vLLM leaves them: validated as OpenAI's
+/// `ChatCompletionMessageToolCallParam` (keys `id`, `function` with `arguments` and `name`, and
+/// `type`, in that order; others dropped), then by `_postprocess_messages` the arguments parsed
+/// from their JSON string into an object (`{}` when empty, not JSON, or not an object). `None`
+/// for an empty list (the message then renders as plain text) or anything but a list.
 pub fn openai_tool_calls(calls: &Value) -> Option<Value> {
     if calls.kind() != ValueKind::Seq || calls.len() == Some(0) {
         return None;
@@ -166,43 +187,34 @@ pub fn openai_tool_calls(calls: &Value) -> Option<Value> {
         calls
             .into_iter()
             .map(|call| {
-                let Ok(keys) = call.try_iter() else {
+                if call.kind() != ValueKind::Map {
                     return call;
+                }
+                let field = |value: &Value, name: &str| {
+                    value.get_attr(name).ok().filter(|v| !v.is_undefined())
                 };
                 let mut out: IndexMap<Value, Value> = IndexMap::new();
-                for key in keys {
-                    let value = call.get_item(&key).unwrap_or_default();
-                    let value = if key.as_str() == Some("function") {
-                        function_with_object_arguments(&value)
-                    } else {
-                        value
-                    };
-                    out.insert(key, value);
+                if let Some(id) = field(&call, "id") {
+                    out.insert(Value::from("id"), id);
                 }
+                let function = field(&call, "function").unwrap_or_default();
+                let mut dumped: IndexMap<Value, Value> = IndexMap::new();
+                dumped.insert(
+                    Value::from("arguments"),
+                    object_arguments(&field(&function, "arguments").unwrap_or_default()),
+                );
+                if let Some(name) = field(&function, "name") {
+                    dumped.insert(Value::from("name"), name);
+                }
+                out.insert(Value::from("function"), Value::from_object(dumped));
+                out.insert(
+                    Value::from("type"),
+                    field(&call, "type").unwrap_or(Value::from("function")),
+                );
                 Value::from_object(out)
             })
             .collect::<Vec<_>>(),
     ))
-}
-
-fn function_with_object_arguments(function: &Value) -> Value {
-    let Ok(keys) = function.try_iter() else {
-        return function.clone();
-    };
-    let mut out: IndexMap<Value, Value> = IndexMap::new();
-    for key in keys {
-        let value = function.get_item(&key).unwrap_or_default();
-        let value = if key.as_str() == Some("arguments") {
-            object_arguments(&value)
-        } else {
-            value
-        };
-        out.insert(key, value);
-    }
-    if !out.contains_key(&Value::from("arguments")) {
-        out.insert(Value::from("arguments"), empty_object());
-    }
-    Value::from_object(out)
 }
 
 fn object_arguments(arguments: &Value) -> Value {
@@ -258,6 +270,16 @@ impl ChatTemplate {
             developer_role: source.contains("\"developer\"") || source.contains("'developer'"),
             special_tokens,
         })
+    }
+
+    /// vLLM's content format for this template: `"openai"` when messages' content is given as
+    /// parts, else `"string"`.
+    pub(crate) fn content_format(&self) -> &'static str {
+        if self.parts_content {
+            "openai"
+        } else {
+            "string"
+        }
     }
 
     pub(crate) fn set_special_tokens(&mut self, special_tokens: Vec<(String, String)>) {
@@ -527,7 +549,8 @@ fn without_generation_tags(source: &str) -> String {
 /// Whether the template loops over a message's content (vLLM's `_detect_content_format`
 /// finds such a `for` in the template's syntax tree; this reads the tags): a `for` over
 /// `X['content']`, `X["content"]` or `X.content` where `X` is a loop variable over the
-/// messages (or over a variable set from them), or over a variable named `content`.
+/// messages (or over a variable set from them), or over a variable named `content` (vLLM: one
+/// outside a macro; aliases through namespaces and macro parameters are not followed here).
 fn loops_over_content(source: &str) -> bool {
     let tags = block_tags(source);
     let mut conversations = vec!["messages".to_owned()];
@@ -559,6 +582,9 @@ fn loops_over_content(source: &str) -> bool {
         .filter_map(|tag| {
             let rest = tag.strip_prefix("for ")?;
             let (target, iterable) = rest.split_once(" in ")?;
+            // `for x in xs if cond` and `for x in xs recursive`: the iterable is `xs`.
+            let iterable = iterable.split(" if ").next().unwrap_or(iterable).trim();
+            let iterable = iterable.strip_suffix(" recursive").unwrap_or(iterable);
             Some((target.trim(), iterable.trim()))
         })
         .collect();
@@ -569,9 +595,7 @@ fn loops_over_content(source: &str) -> bool {
         .filter(|target| is_identifier(target))
         .collect();
     loops.iter().any(|(_, iterable)| {
-        reads_variable(iterable, "content")
-            && !iterable.starts_with("content.")
-            && !iterable.starts_with("content[")
+        *iterable == "content"
             || items.iter().any(|item| {
                 ["['content']", "[\"content\"]", ".content"]
                     .iter()
@@ -982,7 +1006,7 @@ mod tests {
             )
         );
         let calls = openai_tool_calls(&parse(
-            r#"[{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"q\": \"x\", \"a\": 1}"}},
+            r#"[{"type": "function", "id": "c1", "function": {"name": "f", "arguments": "{\"q\": \"x\", \"a\": 1}", "x": 2}, "index": 0},
                 {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]"#,
         ));
         assert_eq!(
@@ -991,7 +1015,7 @@ mod tests {
                 .and_then(|c| python_json_string(c).ok())
                 .as_deref(),
             Some(
-                r#"[{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"q": "x", "a": 1}}}, {"id": "c2", "type": "function", "function": {"name": "g", "arguments": {}}}]"#
+                r#"[{"id": "c1", "function": {"arguments": {"q": "x", "a": 1}, "name": "f"}, "type": "function"}, {"id": "c2", "function": {"arguments": {}, "name": "g"}, "type": "function"}]"#
             )
         );
         assert!(openai_tool_calls(&parse("[]")).is_none());
@@ -1000,12 +1024,16 @@ mod tests {
     #[test]
     fn request_fields_become_template_kwargs_as_vllm_merges_them() {
         let request = parse(
-            r#"{"chat_template_kwargs": {"enable_thinking": false, "add_generation_prompt": false, "x": 1},
+            r#"{"chat_template_kwargs": {"enable_thinking": false, "add_generation_prompt": true, "x": 1, "y": null, "z": "auto", "documents": [1]},
                 "reasoning_effort": "high", "continue_final_message": true, "add_generation_prompt": false}"#,
         );
         let inputs = TemplateInputs::openai(|name| request.get_attr(name).ok());
         assert!(!inputs.add_generation_prompt);
         assert!(inputs.continue_final_message);
+        assert_eq!(
+            inputs.documents.map(|d| d.to_string()).as_deref(),
+            Some("[1]")
+        );
         let kwargs: Vec<String> = inputs
             .kwargs
             .iter()
@@ -1013,12 +1041,7 @@ mod tests {
             .collect();
         assert_eq!(
             kwargs,
-            [
-                "enable_thinking=False",
-                "add_generation_prompt=False",
-                "x=1",
-                "reasoning_effort=high"
-            ]
+            ["enable_thinking=False", "x=1", "reasoning_effort=high"]
         );
         let none = parse(r#"{"reasoning_effort": "none"}"#);
         let inputs = TemplateInputs::openai(|name| none.get_attr(name).ok());

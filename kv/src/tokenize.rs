@@ -42,6 +42,50 @@ pub struct ChatMessage {
 }
 
 impl ChatMessage {
+    /// A message with its content as vLLM takes it (`parse_chat_message_content`): the text
+    /// parts joined by newlines (others as JSON) and, for content given as parts (or none),
+    /// the text parts themselves; a system message's parts lose a first line that is Claude
+    /// Code's billing header (a part left empty is dropped).
+    pub fn from_content(role: &str, content: MessageContent) -> ChatMessage {
+        let (mut pieces, string) = match content {
+            MessageContent::None => (Vec::new(), false),
+            MessageContent::String(text) => (vec![ContentPiece::Text(text)], true),
+            MessageContent::Parts(pieces) => (pieces, false),
+        };
+        let mut stripped = false;
+        if role == "system" {
+            pieces.retain_mut(|piece| match piece {
+                ContentPiece::Text(text) if text.starts_with(CLAUDE_CODE_BILLING_HEADER) => {
+                    stripped = true;
+                    let rest = text.split_once('\n').map_or("", |(_, rest)| rest);
+                    *text = rest.to_owned();
+                    !text.is_empty()
+                }
+                _ => true,
+            });
+        }
+        let content = pieces
+            .iter()
+            .map(ContentPiece::text)
+            .collect::<Vec<_>>()
+            .join("\n");
+        let parts = (!string || stripped).then(|| {
+            pieces
+                .into_iter()
+                .filter_map(|piece| match piece {
+                    ContentPiece::Text(text) => Some(text),
+                    ContentPiece::Other(_) => None,
+                })
+                .collect()
+        });
+        ChatMessage {
+            role: role.to_owned(),
+            content,
+            parts,
+            ..ChatMessage::default()
+        }
+    }
+
     /// A message of text alone.
     pub fn new(role: &str, content: &str) -> ChatMessage {
         ChatMessage {
@@ -52,7 +96,8 @@ impl ChatMessage {
     }
 
     /// The fields vLLM passes on from an OpenAI chat message besides its role and content
-    /// (`parse_chat_message_content`): an assistant's `tool_calls` and `reasoning`, a tool
+    /// (`parse_chat_message_content`): an assistant's `tool_calls` and `reasoning` (or
+    /// `reasoning_content`), a tool
     /// answer's `tool_call_id`, a string `name`. `field(name)` gives one of the message's
     /// fields, parsed keeping the order of object keys.
     pub fn with_openai_fields(mut self, field: impl Fn(&str) -> Option<minijinja::Value>) -> Self {
@@ -61,7 +106,10 @@ impl ChatMessage {
             self.tool_calls = present("tool_calls")
                 .as_ref()
                 .and_then(crate::chat_template::openai_tool_calls);
-            self.reasoning = present("reasoning").and_then(|r| r.as_str().map(str::to_owned));
+            // vLLM renames the older `reasoning_content` to `reasoning` when that is absent.
+            self.reasoning = present("reasoning")
+                .or_else(|| present("reasoning_content"))
+                .and_then(|r| r.as_str().map(str::to_owned));
         }
         if self.role == "tool" {
             self.tool_call_id = present("tool_call_id");
@@ -71,44 +119,70 @@ impl ChatMessage {
     }
 }
 
-/// The text of each part of an OpenAI or Anthropic content array (none for no content, `None`
-/// for a string): what a template that loops over content is given (vLLM keeps text parts, in
-/// order).
-pub fn content_parts(content: &Value) -> Option<Vec<String>> {
-    let parts = match content {
-        Value::Array(parts) => parts,
-        // No content: no parts (vLLM's `content = []`).
-        Value::Null => return Some(Vec::new()),
-        _ => return None,
-    };
-    Some(
-        parts
-            .iter()
-            .filter_map(|part| match part {
-                Value::String(text) => Some(text.clone()),
-                part => part.get("text").and_then(Value::as_str).map(str::to_owned),
-            })
-            .collect(),
-    )
+/// One part of a message's content as vLLM reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ContentPiece {
+    /// A text part's text: a string part, a `text`, `input_text` or `output_text` part's
+    /// `text` (or an untyped part's), a `refusal` part's `refusal`, a `thinking` part's
+    /// `thinking` (vLLM's `TEXT_PART_TYPES`).
+    Text(String),
+    /// Another part (an image, a tool block), as compact JSON: it still counts as prompt content.
+    Other(String),
 }
 
-/// Text of OpenAI or Anthropic content: a string, or the text parts of a block array joined by
-/// newlines (as vLLM does for string-format templates). Other blocks are rendered as compact JSON
-/// so they still count as prompt content.
-pub fn content_text(content: &Value) -> String {
-    match content {
-        Value::String(text) => text.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .map(|part| match part.get("text").and_then(Value::as_str) {
-                Some(text) => text.to_owned(),
-                None => part.to_string(),
-            })
-            .collect::<Vec<_>>()
-            .join("\n"),
-        Value::Null => String::new(),
-        other => other.to_string(),
+impl ContentPiece {
+    /// A content part as JSON.
+    pub fn of_part(part: &Value) -> ContentPiece {
+        let field = |name: &str| part.get(name).and_then(Value::as_str).map(str::to_owned);
+        let text = match part {
+            Value::String(text) => Some(text.clone()),
+            _ => match part.get("type").and_then(Value::as_str) {
+                Some("text" | "input_text" | "output_text") | None => field("text"),
+                Some("refusal") => field("refusal"),
+                Some("thinking") => field("thinking"),
+                Some(_) => None,
+            },
+        };
+        text.map_or_else(|| ContentPiece::Other(part.to_string()), ContentPiece::Text)
     }
+
+    fn text(&self) -> &str {
+        match self {
+            ContentPiece::Text(text) | ContentPiece::Other(text) => text,
+        }
+    }
+}
+
+/// A message's content: none, a string, or parts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MessageContent {
+    None,
+    String(String),
+    Parts(Vec<ContentPiece>),
+}
+
+impl MessageContent {
+    /// OpenAI or Anthropic content as JSON (anything but a string or a list reads as its JSON).
+    pub fn of_json(content: &Value) -> MessageContent {
+        match content {
+            Value::Null => MessageContent::None,
+            Value::String(text) => MessageContent::String(text.clone()),
+            Value::Array(parts) => {
+                MessageContent::Parts(parts.iter().map(ContentPiece::of_part).collect())
+            }
+            other => MessageContent::String(other.to_string()),
+        }
+    }
+}
+
+/// The first line of a system text Claude Code adds, which changes with every request; vLLM
+/// drops that line (`_strip_claude_code_billing_header`) so the prompt stays cacheable.
+const CLAUDE_CODE_BILLING_HEADER: &str = "x-anthropic-billing-header";
+
+/// Text of OpenAI or Anthropic content: a string, or the parts joined by newlines (as vLLM
+/// does for string-format templates; parts that are not text as compact JSON).
+pub fn content_text(content: &Value) -> String {
+    ChatMessage::from_content("", MessageContent::of_json(content)).content
 }
 
 /// Messages of an OpenAI Chat Completions request (`messages`).
@@ -137,12 +211,11 @@ pub fn openai_chat(request: &minijinja::Value) -> (Vec<ChatMessage>, TemplateInp
                         .ok()
                         .and_then(|c| serde_json::to_value(&c).ok())
                         .unwrap_or(Value::Null);
-                    let mut message = ChatMessage::new(
+                    ChatMessage::from_content(
                         role.as_ref().and_then(|r| r.as_str()).unwrap_or("user"),
-                        &content_text(&content),
-                    );
-                    message.parts = content_parts(&content);
-                    message.with_openai_fields(|name| m.get_attr(name).ok())
+                        MessageContent::of_json(&content),
+                    )
+                    .with_openai_fields(|name| m.get_attr(name).ok())
                 })
                 .collect()
         })
@@ -157,9 +230,9 @@ pub fn openai_chat(request: &minijinja::Value) -> (Vec<ChatMessage>, TemplateInp
 pub fn anthropic_messages(request: &Value) -> Vec<ChatMessage> {
     let mut out = Vec::new();
     if let Some(system) = request.get("system") {
-        let text = content_text(system);
-        if !text.is_empty() {
-            out.push(ChatMessage::new("system", &text));
+        let system = ChatMessage::from_content("system", MessageContent::of_json(system));
+        if !system.content.is_empty() {
+            out.push(ChatMessage::new("system", &system.content));
         }
     }
     out.extend(openai_messages(request));
@@ -994,6 +1067,12 @@ impl PromptTokenizer {
             Err(_) => None,
         };
         PromptTokenizer::with_config(&json, &template, config.as_ref())
+    }
+
+    /// vLLM's content format for the chat template (`"openai"`: it loops over a message's
+    /// content, which it is given as parts; `"string"`).
+    pub fn content_format(&self) -> &'static str {
+        self.template.content_format()
     }
 
     /// The prompt text a worker builds from chat messages (with the generation prompt).

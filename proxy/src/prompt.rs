@@ -631,7 +631,17 @@ mod tests {
             body.replace(r#""chat_template_kwargs":{"enable_thinking":false},"#, ""),
             body.replace(r#""z":1,"#, ""),
             body.replace(r#""reasoning":"why","#, ""),
+            body.replace(r#""reasoning":"why","#, r#""reasoning_content":"because","#),
             body.replace(r#""tool_call_id":"c","#, ""),
+            // A string part, a refusal, a system message with Claude Code's billing line.
+            body.replace(
+                r#"{"type":"text","text":"two"}"#,
+                r#""two",{"type":"refusal","refusal":"no"},{"type":"image_url","image_url":{"url":"u"}}"#,
+            ),
+            body.replace(
+                r#""messages":["#,
+                r#""messages":[{"role":"system","content":"x-anthropic-billing-header: cch=1\nBe brief."},"#,
+            ),
         ] {
             let (other, other_tokens) = worker(&without);
             assert_ne!(other, text);

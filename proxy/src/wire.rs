@@ -17,7 +17,7 @@ use serde::de::Deserializer;
 use serde_json::Value;
 use serde_json::value::RawValue;
 use switchyard_kv::chat_template::{TemplateInputs, TemplateValue};
-use switchyard_kv::tokenize::ChatMessage;
+use switchyard_kv::tokenize::{ChatMessage, MessageContent};
 
 use crate::api::ApiError;
 
@@ -218,9 +218,12 @@ pub struct Message<'a> {
     /// OpenAI `tool` messages: the call answered.
     #[serde(borrow, default)]
     pub tool_call_id: Option<&'a RawValue>,
-    /// vLLM's field for an assistant turn's reasoning (its chat template may render it).
+    /// vLLM's field for an assistant turn's reasoning (its chat template may render it), and
+    /// the older name it renames.
     #[serde(borrow, default)]
     pub reasoning: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub reasoning_content: Option<&'a RawValue>,
 }
 
 /// One OpenAI tool call of an assistant message.
@@ -536,28 +539,25 @@ impl<'a> RequestBody<'a> {
     pub fn chat_messages(&self, with_system: bool) -> Vec<ChatMessage> {
         let mut out = Vec::new();
         if let Some(system) = self.system.as_ref().filter(|_| with_system) {
-            let text = system.template_text();
-            if !text.is_empty() {
-                out.push(ChatMessage::new("system", &text));
+            let system = ChatMessage::from_content("system", system.message_content());
+            if !system.content.is_empty() {
+                out.push(ChatMessage::new("system", &system.content));
             }
         }
         for message in self.messages.iter().flatten() {
-            let mut chat = ChatMessage::new(
+            let chat = ChatMessage::from_content(
                 &message.role,
-                &message
+                message
                     .content
                     .as_ref()
-                    .map_or_else(String::new, Content::template_text),
+                    .map_or(MessageContent::None, Content::message_content),
             );
-            chat.parts = match &message.content {
-                Some(content) => content.text_parts(),
-                None => Some(Vec::new()),
-            };
             let raw = |name: &str| match name {
                 "tool_calls" => message.raw_tool_calls,
                 "tool_call_id" => message.tool_call_id,
                 "name" => message.name,
                 "reasoning" => message.reasoning,
+                "reasoning_content" => message.reasoning_content,
                 _ => None,
             };
             out.push(chat.with_openai_fields(|name| raw(name).and_then(template_value)));

@@ -8,6 +8,7 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 use serde_json::value::RawValue;
+use switchyard_kv::tokenize::{ChatMessage, ContentPiece, MessageContent};
 
 /// Message content: a string, or an array of parts (OpenAI) or blocks (Anthropic).
 #[derive(Debug)]
@@ -33,6 +34,12 @@ pub struct PartFields<'a> {
     pub kind: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     pub text: Option<Cow<'a, str>>,
+    /// The text of OpenAI `refusal` parts and of `thinking` parts (raw: other blocks may carry
+    /// fields of these names that are not strings).
+    #[serde(borrow, default)]
+    pub refusal: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub thinking: Option<&'a RawValue>,
     /// Anthropic `tool_result` blocks nest their content.
     #[serde(borrow, default)]
     pub content: Option<Content<'a>>,
@@ -155,31 +162,41 @@ impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
 
 impl Content<'_> {
     pub(super) fn template_text(&self) -> String {
-        match self {
-            Content::Text(text) => text.clone().into_owned(),
-            Content::Parts(parts) => parts
-                .iter()
-                .map(|part| match &part.fields.text {
-                    Some(text) => text.clone().into_owned(),
-                    None => compact(part.raw),
-                })
-                .collect::<Vec<_>>()
-                .join("\n"),
-            Content::Other => String::new(),
-        }
+        ChatMessage::from_content("", self.message_content()).content
     }
 
-    /// Each text part's text, for a content of parts (`None` for a string): what vLLM gives a
-    /// template that loops over a message's content.
-    pub(super) fn text_parts(&self) -> Option<Vec<String>> {
+    /// The content as vLLM takes it apart (see [`ContentPiece::of_part`], which this follows
+    /// for the parts as sent).
+    pub(super) fn message_content(&self) -> MessageContent {
         match self {
-            Content::Parts(parts) => Some(
+            Content::Text(text) => MessageContent::String(text.clone().into_owned()),
+            Content::Parts(parts) => MessageContent::Parts(
                 parts
                     .iter()
-                    .filter_map(|part| part.fields.text.as_ref().map(|t| t.clone().into_owned()))
+                    .map(|part| {
+                        let raw_text = |raw: Option<&RawValue>| {
+                            raw.and_then(|raw| serde_json::from_str::<String>(raw.get()).ok())
+                        };
+                        let text = if part.raw.get().starts_with('"') {
+                            raw_text(Some(part.raw))
+                        } else {
+                            match part.fields.kind.as_deref() {
+                                Some("text" | "input_text" | "output_text") | None => {
+                                    part.fields.text.clone().map(Cow::into_owned)
+                                }
+                                Some("refusal") => raw_text(part.fields.refusal),
+                                Some("thinking") => raw_text(part.fields.thinking),
+                                Some(_) => None,
+                            }
+                        };
+                        text.map_or_else(
+                            || ContentPiece::Other(compact(part.raw)),
+                            ContentPiece::Text,
+                        )
+                    })
                     .collect(),
             ),
-            _ => None,
+            Content::Other => MessageContent::String(String::new()),
         }
     }
 

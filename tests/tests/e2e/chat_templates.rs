@@ -3,6 +3,10 @@
 //! must be the text vLLM renders, or no prompt with tools, tool calls, reasoning or template
 //! arguments is ever found in a worker's cache.
 //!
+//! vLLM's side ([tests/python/hf_chat_template.py](../../python/hf_chat_template.py)) runs vLLM's
+//! own helpers from its wheel where they load without torch (content format detection,
+//! developer roles, Claude Code's billing line, tool-call arguments, the kwargs merge).
+//!
 //! Templates: a Qwen3-style template with tools, tool calls and thinking
 //! (`template_minicpmv45.jinja` from the vLLM wheel, unpacked by scripts/test.sh into
 //! `.cache/vllm-0.34.0/`, or `VLLM_SRC`), the shipped ChatML one, and one written here for what
@@ -30,7 +34,7 @@ Tools:
 {% endif %}
 {% for message in messages %}
   {% if message['role'] == 'assistant' %}
-<|assistant|>{% generation %}{% for part in message['content'] %}{{ part['text'] | trim }}{% endfor %}
+<|assistant|>{% generation %}{% for part in message['content'] if part.type == 'text' %}{{ part['text'] | trim }}{% endfor %}
     {% for call in message.tool_calls or [] %}
 [{{ call.function.name }}] {{ call.function.arguments | tojson(sort_keys=true, separators=(',', ':')) }}
     {% endfor %}{% endgeneration %}
@@ -41,6 +45,7 @@ Tools:
   {% endif %}
 {% endfor %}
 {% for key, value in (extra or {}).items() %}{{ key }}={{ value }};{% endfor %}
+{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ mode }}{{ enable_thinking }}
 {% if add_generation_prompt %}<|assistant|>{% endif %}
 "#;
 
@@ -89,23 +94,33 @@ fn requests() -> Vec<&'static str> {
         r#"{"model": "m", "add_generation_prompt": false, "continue_final_message": true,
             "messages": [{"role": "user", "content": "Finish: roses are"}, {"role": "assistant", "content": "red, violets  "}]}"#,
         r#"{"model": "m", "messages": [{"role": "developer", "content": "Be kind."}, {"role": "user", "content": "Hello", "name": "ann"}, {"role": "developer", "content": "Be brief."}]}"#,
+        // Claude Code's billing line, an older reasoning field, a refusal part, tool calls with
+        // their keys in another order and extra keys, template arguments that vLLM drops
+        // (null, "auto") or takes by name, an "auto" effort.
+        r#"{"model": "m", "reasoning_effort": "auto",
+            "chat_template_kwargs": {"enable_thinking": null, "mode": "auto", "documents": [{"title": "T", "text": "D"}], "add_generation_prompt": false},
+            "messages": [
+              {"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1.0; cch=42\nYou are Claude Code."}, {"type": "text", "text": "x-anthropic-billing-header: only"}]},
+              {"role": "user", "content": "List files."},
+              {"role": "assistant", "content": [{"type": "refusal", "refusal": "Not that one."}], "reasoning_content": "The user wants ls.",
+               "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": "{\"path\": \".\", \"all\": true}", "extra": 1}, "id": "t1", "index": 0}]},
+              {"role": "tool", "tool_call_id": "t1", "content": "a.txt"}
+            ]}"#,
     ]
 }
 
 struct Case {
     template: String,
-    content_format: &'static str,
     special_tokens: Value,
     tokenizer: PromptTokenizer,
 }
 
-fn case(template: String, content_format: &'static str) -> Case {
+fn case(template: String) -> Case {
     let config = json!({"bos_token": {"content": "<s>"}, "eos_token": "</s>"});
     let tokenizer = PromptTokenizer::with_config(SHIPPED_TOKENIZER_JSON, &template, Some(&config))
         .unwrap_or_else(|e| panic!("template: {e}"));
     Case {
         template,
-        content_format,
         special_tokens: json!({"bos_token": "<s>", "eos_token": "</s>"}),
         tokenizer,
     }
@@ -118,7 +133,6 @@ fn transformers_renders(cases: &[Case]) -> Vec<Value> {
         for request in requests() {
             input.push(json!({
                 "template": case.template,
-                "content_format": case.content_format,
                 "special_tokens": case.special_tokens,
                 "request": request,
             }));
@@ -153,9 +167,9 @@ fn transformers_renders(cases: &[Case]) -> Vec<Value> {
 #[test]
 fn tools_tool_calls_reasoning_and_template_arguments_render_as_transformers_renders_them() {
     let cases = [
-        case(vllm_template("template_minicpmv45.jinja"), "string"),
-        case(vllm_template("template_chatml.jinja"), "string"),
-        case(PLAIN_TEMPLATE.to_owned(), "openai"),
+        case(vllm_template("template_minicpmv45.jinja")),
+        case(vllm_template("template_chatml.jinja")),
+        case(PLAIN_TEMPLATE.to_owned()),
     ];
     let expected = transformers_renders(&cases);
     assert_eq!(expected.len(), cases.len() * requests().len());
@@ -166,6 +180,10 @@ fn tools_tool_calls_reasoning_and_template_arguments_render_as_transformers_rend
         .flat_map(|case| requests().into_iter().map(move |request| (case, request)))
         .enumerate()
     {
+        // vLLM's content format, from vLLM's own detection.
+        if let Some(format) = expected[i]["format"].as_str() {
+            assert_eq!(case.tokenizer.content_format(), format, "case {i}");
+        }
         let ordered: TemplateValue = serde_json::from_str(request).unwrap();
         let (messages, inputs) = openai_chat(&ordered);
         let ours = case.tokenizer.render_chat_with(&messages, &inputs);
