@@ -545,26 +545,30 @@ pub struct TokenizerAgreement {
     /// 0: unknown, 1: the same ids, 2: different ones.
     chat: AtomicU8,
     completions: AtomicU8,
+    tools: AtomicU8,
     /// The tokenizer ([`PromptTokenizer::instance`]) the verdicts are about: a verdict on
     /// another is dropped.
     tokenizer: AtomicU64,
 }
 
-/// The kinds of prompt a pool's tokenizer is checked on: a chat (its template and tokenizer)
-/// and a completions prompt (the tokenizer and the special tokens vLLM adds).
+/// The kinds of prompt a pool's tokenizer is checked on: a chat (its template and tokenizer),
+/// a completions prompt (the tokenizer and the special tokens vLLM adds) and a chat with a tool,
+/// a tool call and its answer (what the template does with those).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProbeKind {
     Chat,
     Completions,
+    Tools,
 }
 
 impl ProbeKind {
-    pub const ALL: [ProbeKind; 2] = [ProbeKind::Chat, ProbeKind::Completions];
+    pub const ALL: [ProbeKind; 3] = [ProbeKind::Chat, ProbeKind::Completions, ProbeKind::Tools];
 
     pub fn label(self) -> &'static str {
         match self {
             ProbeKind::Chat => "chat",
             ProbeKind::Completions => "completions",
+            ProbeKind::Tools => "tools",
         }
     }
 }
@@ -574,6 +578,7 @@ impl TokenizerAgreement {
         match kind {
             ProbeKind::Chat => &self.chat,
             ProbeKind::Completions => &self.completions,
+            ProbeKind::Tools => &self.tools,
         }
     }
 

@@ -29,7 +29,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use switchyard_kv::tokenize::{ChatMessage, PromptTokenizer, SpecialTokens};
+use switchyard_kv::chat_template::TemplateValue;
+use switchyard_kv::tokenize::{ChatMessage, PromptTokenizer, SpecialTokens, openai_chat};
 use switchyard_snapshot::PoolId;
 
 use crate::config::ConfigStore;
@@ -49,6 +50,19 @@ const PROBE_CHAT: [(&str, &str); 3] = [
         "And of Japan? Also give its population in 2020 (roughly), e.g. \"14 million\".",
     ),
 ];
+/// The tools probe: a conversation with a tool, a call of it and its answer (the JSON text is
+/// what both sides read: keys in the order written).
+const PROBE_TOOLS: &str = r#"{"messages": [
+  {"role": "user", "content": "What is the weather in Paris today?"},
+  {"role": "assistant", "content": null, "tool_calls": [{"id": "call_probe", "type": "function",
+    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+  {"role": "tool", "tool_call_id": "call_probe", "content": "Sunny, 21 degrees."},
+  {"role": "user", "content": "And tomorrow?"}],
+ "tools": [{"type": "function", "function": {"name": "get_weather",
+   "description": "The weather in a city on a given day.",
+   "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}}],
+ "add_generation_prompt": true}"#;
 /// The completions probe.
 const PROBE_PROMPT: &str =
     "The quick brown fox jumps over the lazy dog.\nNumbers: 12345, 3.14159; symbols: #@$%&*()";
@@ -227,6 +241,13 @@ fn probe_body(kind: ProbeKind, model: &str) -> Value {
             json!({"model": model, "messages": messages, "add_generation_prompt": true})
         }
         ProbeKind::Completions => json!({"model": model, "prompt": PROBE_PROMPT}),
+        ProbeKind::Tools => {
+            let mut body: Value = serde_json::from_str(PROBE_TOOLS).unwrap_or_default();
+            if let Some(fields) = body.as_object_mut() {
+                fields.insert("model".into(), json!(model));
+            }
+            body
+        }
     }
 }
 
@@ -246,6 +267,13 @@ fn probe_ids(
             tokenizer.encode_chat(&messages)
         }
         ProbeKind::Completions => Ok(special.wrap(tokenizer.encode(PROBE_PROMPT)?)),
+        ProbeKind::Tools => {
+            // As the worker gets it: the body is sent as serde_json writes it.
+            let sent = probe_body(kind, "").to_string();
+            let ordered: TemplateValue = serde_json::from_str(&sent).unwrap_or_default();
+            let (messages, inputs) = openai_chat(&ordered);
+            tokenizer.encode(&tokenizer.render_chat_with(&messages, &inputs)?)
+        }
     }
 }
 
@@ -306,7 +334,7 @@ mod tests {
         let body = serde_json::to_vec(&probe_body(kind, "m")).unwrap();
         let parsed = crate::wire::parse(&body).unwrap();
         let endpoint = match kind {
-            ProbeKind::Chat => Endpoint::ChatCompletions,
+            ProbeKind::Chat | ProbeKind::Tools => Endpoint::ChatCompletions,
             ProbeKind::Completions => Endpoint::Completions,
         };
         analyse(tokenizer, cache, endpoint, &parsed, 1, None, &|_| true)

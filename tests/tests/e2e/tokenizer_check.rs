@@ -80,6 +80,16 @@ async fn a_pool_knows_whether_its_tokenizer_is_its_workers_and_hashes_completion
         ),
     )
     .unwrap();
+    // The workers' template with tools rendered: conversations without tools render alike.
+    let tools_template = dir.path().join("tools_template.jinja");
+    std::fs::write(
+        &tools_template,
+        format!(
+            "{{% if tools %}}Tools: {{{{ tools | tojson }}}}\n{{% endif %}}{}",
+            switchyard_kv::tokenize::SHIPPED_CHAT_TEMPLATE
+        ),
+    )
+    .unwrap();
     let shipped_json = dir.path().join("shipped.json");
     std::fs::write(
         &shipped_json,
@@ -115,8 +125,15 @@ async fn a_pool_knows_whether_its_tokenizer_is_its_workers_and_hashes_completion
     )
     .await;
 
+    let with_tools = Proxy::start(
+        &pool_yaml(&sim, &tokenizer_yaml(&tokenizer, &tools_template)),
+        &[],
+    )
+    .await;
+
     assert_eq!(agreement(&same, "chat").await, 1);
     assert_eq!(agreement(&same, "completions").await, 1);
+    assert_eq!(agreement(&same, "tools").await, 1);
     assert!(
         !same.log().contains("other token ids")
             && !same.log().contains("now get the special tokens")
@@ -129,13 +146,23 @@ async fn a_pool_knows_whether_its_tokenizer_is_its_workers_and_hashes_completion
     let warning = other
         .log()
         .lines()
-        .find(|l| l.contains("other token ids than its worker"))
+        .find(|l| l.contains("other token ids than its worker") && l.contains("prompt=\"chat\""))
         .unwrap()
         .to_owned();
-    assert!(
-        warning.contains(" WARN ") && warning.contains("prompt=\"chat\""),
-        "{warning}"
-    );
+    assert!(warning.contains(" WARN "), "{warning}");
+    // And a conversation with a tool call, which it renders differently too.
+    assert_eq!(agreement(&other, "tools").await, 0);
+    // A template that differs only where tools are: the conversation probe agrees, the one
+    // with a tool call does not.
+    assert_eq!(agreement(&with_tools, "chat").await, 1);
+    assert_eq!(agreement(&with_tools, "tools").await, 0);
+    with_tools
+        .wait_for_log("other token ids than its worker", Duration::from_secs(5))
+        .await;
+    assert!(with_tools.log().lines().any(|l| l.contains(" WARN ")
+        && l.contains("other token ids than its worker")
+        && l.contains("prompt=\"tools\"")));
+    drop(with_tools);
     // The worker's ids for a completions prompt are the pool's behind a BOS: taken.
     assert_eq!(agreement(&other, "completions").await, 1);
     assert!(
