@@ -23,6 +23,7 @@ use indexmap::IndexMap;
 use minijinja::value::{Kwargs, Rest, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Value};
 
+use crate::anthropic::AnthropicRendering;
 use crate::tokenize::{ChatMessage, TokenizeError};
 
 /// A value as a chat template sees it (parse JSON into one with `serde_json::from_str`: object
@@ -243,6 +244,11 @@ pub(crate) struct ChatTemplate {
     developer_role: bool,
     /// `bos_token`, `eos_token`, ... (`special_tokens_map`), under the request's kwargs.
     special_tokens: Vec<(String, String)>,
+    /// The template refuses a system message after the first (vLLM's Anthropic endpoint then
+    /// merges them into the leading one).
+    merge_inline_system: bool,
+    /// vLLM's reasoning effort for Anthropic requests with thinking disabled, found on first use.
+    disabled_thinking_effort: std::sync::OnceLock<&'static str>,
 }
 
 impl ChatTemplate {
@@ -269,6 +275,38 @@ impl ChatTemplate {
             parts_content: loops_over_content(source),
             developer_role: source.contains("\"developer\"") || source.contains("'developer'"),
             special_tokens,
+            merge_inline_system: requires_system_first(source),
+            disabled_thinking_effort: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// How vLLM's Anthropic endpoint treats this template (see [`AnthropicRendering`]).
+    pub(crate) fn anthropic_rendering(&self) -> AnthropicRendering {
+        AnthropicRendering {
+            merge_inline_system: self.merge_inline_system,
+            disabled_thinking_effort: self.disabled_thinking_effort(),
+        }
+    }
+
+    /// vLLM's `DisabledThinkingEffortResolver._probe`: `"none"`, unless the template refuses it
+    /// for a one-message chat, or renders it as it renders some thinking effort (then `"low"`).
+    fn disabled_thinking_effort(&self) -> &'static str {
+        self.disabled_thinking_effort.get_or_init(|| {
+            let hi = [ChatMessage::new("user", "Hi")];
+            let render = |effort: &str| {
+                let inputs = TemplateInputs::openai(|name| match name {
+                    "reasoning_effort" => Some(Value::from(effort)),
+                    _ => None,
+                });
+                self.render(&hi, &inputs).ok()
+            };
+            let Some(none) = render("none") else {
+                return "low";
+            };
+            let ignored = ["low", "medium", "high", "xhigh", "max"]
+                .iter()
+                .any(|effort| render(effort).as_ref() == Some(&none));
+            if ignored { "low" } else { "none" }
         })
     }
 
@@ -507,6 +545,51 @@ fn tag_final_text(content: &mut Value, tag: &str) -> bool {
     true
 }
 
+/// vLLM's `_detect_merge_inline_system`: whether rendering system, user, system, user fails in
+/// a plain sandboxed environment (`trim_blocks`, `lstrip_blocks`, loop controls; no
+/// `raise_exception`, so a template that calls it fails too).
+fn requires_system_first(source: &str) -> bool {
+    if source.is_empty() {
+        return true;
+    }
+    let mut env = Environment::new();
+    let Ok(syntax) = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+    else {
+        return true;
+    };
+    env.set_syntax(syntax);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    if env
+        .add_template_owned(TEMPLATE_NAME, without_generation_tags(source))
+        .is_err()
+    {
+        return true;
+    }
+    let message = |role: &str| {
+        let mut m: IndexMap<Value, Value> = IndexMap::new();
+        m.insert(Value::from("role"), Value::from(role));
+        m.insert(Value::from("content"), Value::from("t"));
+        Value::from_object(m)
+    };
+    let mut context: IndexMap<Value, Value> = IndexMap::new();
+    context.insert(
+        Value::from("messages"),
+        Value::from(vec![
+            message("system"),
+            message("user"),
+            message("system"),
+            message("user"),
+        ]),
+    );
+    context.insert(Value::from("add_generation_prompt"), Value::from(false));
+    env.get_template(TEMPLATE_NAME)
+        .and_then(|template| template.render(Value::from_object(context)))
+        .is_err()
+}
+
 /// The template with transformers' `{% generation %}` ... `{% endgeneration %}` (its assistant
 /// mask marker, which renders its body) as an always-true `if`, whitespace control kept.
 fn without_generation_tags(source: &str) -> String {
@@ -723,7 +806,7 @@ struct JsonOptions {
 
 /// Python's `json.dumps` of one value.
 #[cfg(test)]
-fn python_json_string(value: &Value) -> Result<String, Error> {
+pub(crate) fn python_json_string(value: &Value) -> Result<String, Error> {
     let options = JsonOptions {
         ensure_ascii: false,
         indent: None,

@@ -6,6 +6,7 @@
 //! - [`hash`]: chained hashes of full token blocks, the keys of the prefix index.
 //! - [`index`]: the prefix index itself: which worker holds which prefix.
 
+pub mod anthropic;
 pub mod chat_template;
 pub mod events;
 pub mod hash;

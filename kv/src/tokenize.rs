@@ -226,17 +226,14 @@ pub fn openai_chat(request: &minijinja::Value) -> (Vec<ChatMessage>, TemplateInp
     )
 }
 
-/// Messages of an Anthropic Messages request (`system` first, then `messages`).
-pub fn anthropic_messages(request: &Value) -> Vec<ChatMessage> {
-    let mut out = Vec::new();
-    if let Some(system) = request.get("system") {
-        let system = ChatMessage::from_content("system", MessageContent::of_json(system));
-        if !system.content.is_empty() {
-            out.push(ChatMessage::new("system", &system.content));
-        }
-    }
-    out.extend(openai_messages(request));
-    out
+/// An Anthropic Messages request as vLLM's `/v1/messages` hands it to the chat template: turned
+/// into a chat completion ([`crate::anthropic::anthropic_as_openai`]), then as
+/// [`openai_chat`]. `request` is the body parsed keeping the order of object keys.
+pub fn anthropic_chat(
+    request: &minijinja::Value,
+    rendering: crate::anthropic::AnthropicRendering,
+) -> (Vec<ChatMessage>, TemplateInputs) {
+    openai_chat(&crate::anthropic::anthropic_as_openai(request, rendering))
 }
 
 /// Messages of an OpenAI Responses request, as vLLM renders them for its chat template
@@ -1069,6 +1066,12 @@ impl PromptTokenizer {
         PromptTokenizer::with_config(&json, &template, config.as_ref())
     }
 
+    /// How vLLM's Anthropic endpoint treats the chat template: whether inline system messages
+    /// are merged, the effort for disabled thinking (see [`crate::anthropic`]).
+    pub fn anthropic_rendering(&self) -> crate::anthropic::AnthropicRendering {
+        self.template.anthropic_rendering()
+    }
+
     /// vLLM's content format for the chat template (`"openai"`: it loops over a message's
     /// content, which it is given as parts; `"string"`).
     pub fn content_format(&self) -> &'static str {
@@ -1660,9 +1663,10 @@ mod tests {
 
     #[test]
     fn anthropic_system_comes_first() {
-        let messages = anthropic_messages(
-            &json!({"system": [{"type": "text", "text": "S"}], "messages": [{"role": "user", "content": "U"}]}),
-        );
+        let request = json!({"system": [{"type": "text", "text": "S"}], "messages": [{"role": "user", "content": "U"}]});
+        let ordered = <minijinja::Value as serde::Deserialize>::deserialize(&request).unwrap();
+        let tokenizer = PromptTokenizer::shipped().unwrap();
+        let (messages, _) = anthropic_chat(&ordered, tokenizer.anthropic_rendering());
         assert_eq!(
             messages,
             vec![

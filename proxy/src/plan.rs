@@ -15,7 +15,7 @@ use bytes::Bytes;
 use switchyard_policy::{
     ClassSet, Classifier, Context, NoTarget, Outcome as PolicyOutcome, PoolState, RequestFacts,
 };
-use switchyard_snapshot::snapshot::{Backend, ResponsesApi, Tenant};
+use switchyard_snapshot::snapshot::{AnthropicMessages, Backend, ResponsesApi, Tenant};
 use switchyard_snapshot::{ModelTarget, PoolId};
 
 use crate::api::{ApiError, Endpoint, ErrorKind, client_text};
@@ -430,6 +430,18 @@ pub fn analyse_prompt(
     cache_salt: Option<&str>,
 ) -> Option<Arc<PromptInfo>> {
     let tokenizer = pool.tokenizer.as_ref()?;
+    // A pool that is sent Anthropic requests translated renders the chat the gateway sends.
+    let translated;
+    let translated_body;
+    let (endpoint, body) = if endpoint == Endpoint::Messages
+        && pool.config.anthropic_messages == AnthropicMessages::Translate
+    {
+        translated = crate::translate_request::messages_to_chat(body, "").ok()?;
+        translated_body = wire::parse(&translated).ok()?;
+        (Endpoint::ChatCompletions, &translated_body)
+    } else {
+        (endpoint, body)
+    };
     let kv = &pool.kv;
     let block_size = kv.index.block_size();
     let held = |hashes: &[switchyard_kv::hash::SequenceHash]| kv.holds_all(hashes, tokenizer);

@@ -10,9 +10,9 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use sha2::{Digest, Sha256};
-use switchyard_kv::chat_template::TemplateInputs;
+use switchyard_kv::chat_template::{TemplateInputs, TemplateValue};
 use switchyard_kv::hash::{SequenceHash, sequence_hashes_keyed};
-use switchyard_kv::tokenize::{PromptTokenizer, SpecialTokens};
+use switchyard_kv::tokenize::{ChatMessage, PromptTokenizer, SpecialTokens, anthropic_chat};
 use switchyard_snapshot::snapshot::Tenant;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -261,15 +261,9 @@ fn prompt_of(
     endpoint: Endpoint,
     request: &RequestBody<'_>,
 ) -> Result<Prompt, String> {
-    let render = |with_system: bool| {
-        // vLLM's Anthropic endpoint passes no template inputs of its own here.
-        let inputs = if with_system {
-            TemplateInputs::default()
-        } else {
-            request.template_inputs()
-        };
+    let render = |messages: &[ChatMessage], inputs: &TemplateInputs| {
         tokenizer
-            .render_chat_with(&request.chat_messages(with_system), &inputs)
+            .render_chat_with(messages, inputs)
             .map_err(|e| e.to_string())
     };
     // vLLM adds the tokenizer's special tokens (a BOS) to a completions prompt unless told not
@@ -279,8 +273,14 @@ fn prompt_of(
         special: request.adds_special_tokens(by_default),
     };
     Ok(match endpoint {
-        Endpoint::ChatCompletions => text(render(false)?, false),
-        Endpoint::Messages => text(render(true)?, false),
+        Endpoint::ChatCompletions => text(
+            render(&request.chat_messages(), &request.template_inputs())?,
+            false,
+        ),
+        Endpoint::Messages => {
+            let (messages, inputs) = anthropic_chat_of(tokenizer, request.raw)?;
+            text(render(&messages, &inputs)?, false)
+        }
         Endpoint::Responses => text(
             tokenizer
                 .render_chat(&request.responses_messages())
@@ -304,6 +304,16 @@ fn prompt_of(
         // Only the generating endpoints have a prompt the workers prefill.
         _ => return Err("no prompt".into()),
     })
+}
+
+/// An Anthropic Messages body as vLLM's `/v1/messages` hands it to the chat template (converted
+/// to a chat completion first: see [`switchyard_kv::anthropic`]).
+pub fn anthropic_chat_of(
+    tokenizer: &PromptTokenizer,
+    body: &[u8],
+) -> Result<(Vec<ChatMessage>, TemplateInputs), String> {
+    let ordered: TemplateValue = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    Ok(anthropic_chat(&ordered, tokenizer.anthropic_rendering()))
 }
 
 fn truncate(text: &str, max_chars: usize) -> &str {
@@ -749,7 +759,7 @@ mod tests {
             serde_json::json!({"model": "m", "messages": [{"role": "user", "content": long}]})
                 .to_string();
         let parsed = crate::wire::parse(body.as_bytes()).unwrap();
-        let rendered = tokenizer.render_chat(&parsed.chat_messages(false)).unwrap();
+        let rendered = tokenizer.render_chat(&parsed.chat_messages()).unwrap();
         // Tokenized whole by another tokenizer: this one has seen none of the text.
         let reference = PromptTokenizer::shipped().unwrap();
         let tokens = reference.encode(&rendered).unwrap();
@@ -829,7 +839,7 @@ mod tests {
                 serde_json::json!({"model": "m", "messages": [{"role": "user", "content": content}]})
                     .to_string();
             let parsed = crate::wire::parse(body.as_bytes()).unwrap();
-            let rendered = tokenizer.render_chat(&parsed.chat_messages(false)).unwrap();
+            let rendered = tokenizer.render_chat(&parsed.chat_messages()).unwrap();
             let exact = reference.encode(&rendered).unwrap().len();
             let info = analyse_chat(&tokenizer, cache, &parsed, 16, &nobody);
             let error = info.tokens.abs_diff(exact) as f64 / exact as f64;
@@ -1101,7 +1111,7 @@ mod tests {
         let reference = PromptTokenizer::shipped().unwrap();
         let whole_of = |body: &str| {
             let parsed = crate::wire::parse(body.as_bytes()).unwrap();
-            let rendered = reference.render_chat(&parsed.chat_messages(false)).unwrap();
+            let rendered = reference.render_chat(&parsed.chat_messages()).unwrap();
             reference.encode(&rendered).unwrap()
         };
         let asked = std::cell::Cell::new(0);

@@ -3,8 +3,8 @@
 //! with that pool's tokenizer, as the workers will see it.
 //!
 //! Models served only by external providers are not counted here (501): the gateway does not
-//! know their tokenizers. Tool definitions are not rendered (the routing render has the same
-//! limit), so a request with tools counts fewer tokens than the worker will see.
+//! know their tokenizers. The conversation is rendered as vLLM's `/v1/messages` renders it
+//! (tools, tool blocks and thinking included: see `switchyard_kv::anthropic`).
 
 use std::sync::Arc;
 
@@ -96,8 +96,10 @@ fn count_blocking(
             ),
         )
     })?;
+    let (messages, inputs) = crate::prompt::anthropic_chat_of(&tokenizer, body)
+        .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?;
     let rendered = tokenizer
-        .render_chat(&request.chat_messages(true))
+        .render_chat_with(&messages, &inputs)
         .map_err(|e| {
             ApiError::invalid(
                 "messages",

@@ -124,6 +124,10 @@ pub struct RequestBody<'a> {
     /// `instructions` are then a conversation, not texts to embed).
     #[serde(skip)]
     pub is_responses: bool,
+    /// The body this was read from ([`parse`] sets it): an Anthropic request is rendered from
+    /// it whole, as vLLM converts it.
+    #[serde(skip)]
+    pub raw: &'a [u8],
     /// Responses API: the output format (`text.format`: text, json_object, json_schema).
     #[serde(borrow, default)]
     pub text: Option<&'a RawValue>,
@@ -341,8 +345,8 @@ pub fn parse(body: &[u8]) -> Result<RequestBody<'_>, ApiError> {
         ));
     }
     let mut deserializer = serde_json::Deserializer::from_slice(body);
-    let request: RequestBody<'_> =
-        serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+    let mut request: RequestBody<'_> = serde_path_to_error::deserialize(&mut deserializer)
+        .map_err(|e| {
             let path = e.path().to_string();
             let inner = e.into_inner();
             if inner.is_syntax() || inner.is_eof() {
@@ -360,6 +364,7 @@ pub fn parse(body: &[u8]) -> Result<RequestBody<'_>, ApiError> {
     deserializer
         .end()
         .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?;
+    request.raw = body;
     Ok(request)
 }
 
@@ -531,19 +536,12 @@ impl<'a> RequestBody<'a> {
         })
     }
 
-    /// The conversation as the chat template takes it: `system` first (Anthropic's, when
-    /// `with_system`), then every message with its text (parts joined by newlines, as vLLM does
+    /// An OpenAI conversation as the chat template takes it: every message with its text (parts joined by newlines, as vLLM does
     /// for string templates; other parts as compact JSON so they still count as prompt content),
     /// its text parts, and the fields vLLM passes on (an assistant's tool calls and reasoning, a
     /// tool answer's call id, a name).
-    pub fn chat_messages(&self, with_system: bool) -> Vec<ChatMessage> {
+    pub fn chat_messages(&self) -> Vec<ChatMessage> {
         let mut out = Vec::new();
-        if let Some(system) = self.system.as_ref().filter(|_| with_system) {
-            let system = ChatMessage::from_content("system", system.message_content());
-            if !system.content.is_empty() {
-                out.push(ChatMessage::new("system", &system.content));
-            }
-        }
         for message in self.messages.iter().flatten() {
             let chat = ChatMessage::from_content(
                 &message.role,

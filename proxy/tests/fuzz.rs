@@ -192,7 +192,8 @@ proptest! {
         }
         // The typed model takes any body without panicking, and every reader of it too.
         if let Ok(typed) = switchyard_proxy::wire::parse(&body) {
-            let _ = typed.chat_messages(true);
+            let _ = typed.chat_messages();
+            let _ = typed.template_inputs();
             let _ = typed.prompt_input();
             let mut texts = 0usize;
             switchyard_policy::classify::PromptText::for_each_text(&typed, &mut |_| texts += 1);

@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use switchyard_kv::tokenize::{PromptTokenizer, anthropic_messages, openai_chat};
+use switchyard_kv::tokenize::{PromptTokenizer, anthropic_chat, openai_chat};
 use tokio::sync::mpsc;
 
 use super::audio;
@@ -219,11 +219,18 @@ fn prepare(worker: &Worker, api: Api, body: &[u8]) -> Result<Prepared, Failure> 
         Api::Chat => chat_prompt(worker, &request, body)
             .ok_or_else(|| bad_request("messages must be a non-empty list"))?,
         Api::Messages => {
-            let messages = anthropic_messages(&request);
+            // As vLLM's /v1/messages: converted to a chat completion, then rendered.
+            let ordered: switchyard_kv::chat_template::TemplateValue =
+                serde_json::from_slice(body).unwrap_or_default();
+            let (messages, inputs) =
+                anthropic_chat(&ordered, worker.tokenizer.anthropic_rendering());
             if messages.is_empty() {
                 return Err(bad_request("messages must be a non-empty list"));
             }
-            worker.tokenizer.encode_chat(&messages)
+            worker
+                .tokenizer
+                .render_chat_with(&messages, &inputs)
+                .and_then(|text| worker.tokenizer.encode(&text))
         }
         Api::Completions => match request.get("prompt") {
             Some(Value::String(text)) => encode_prompt(worker, &request, text, true),

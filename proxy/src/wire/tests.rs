@@ -36,21 +36,23 @@ fn reads_openai_anthropic_and_completion_text_like_the_policy_crate() {
     assert_eq!(turns, 2);
 }
 
+/// The typed request (the gateway's path) gives the chat template what kv's `openai_chat`
+/// (the simulator's, from the body as a value) gives it.
 #[test]
 fn the_chat_template_gets_the_same_messages_as_from_a_value() {
-    let body = r#"{"model":"m","system":"Be brief.","messages":[{"role":"user","content":[{"type":"text","text":"line\none"},{"type":"image_url","image_url":{"url":"data:x"}}]},{"role":"assistant","content":null}]}"#;
-    let value: Value = serde_json::from_str(body).unwrap();
-    let expected = switchyard_kv::tokenize::anthropic_messages(&value);
-    let ours = parse(body.as_bytes()).unwrap().chat_messages(true);
-    assert_eq!(
-        ours.iter()
-            .map(|m| (&m.role, &m.content))
-            .collect::<Vec<_>>(),
-        expected
-            .iter()
-            .map(|m| (&m.role, &m.content))
-            .collect::<Vec<_>>()
-    );
+    let body = r#"{"model":"m","messages":[
+        {"role":"system","content":[{"type":"text","text":"x-anthropic-billing-header: cch=1\nBe brief."}]},
+        {"role":"user","content":[{"type":"text","text":"line\none"},"bare",{"type":"image_url","image_url":{"url":"data:x"}}],"name":"ann"},
+        {"role":"assistant","content":[{"type":"refusal","refusal":"no"}],"reasoning_content":"r",
+         "tool_calls":[{"type":"function","function":{"arguments":"{\"b\":1,\"a\":2}","name":"f"},"id":"c","index":0}]},
+        {"role":"tool","tool_call_id":"c","content":"done"},
+        {"role":"assistant","content":null}]}"#;
+    let value: switchyard_kv::chat_template::TemplateValue = serde_json::from_str(body).unwrap();
+    let (expected, _) = switchyard_kv::tokenize::openai_chat(&value);
+    let ours = parse(body.as_bytes()).unwrap().chat_messages();
+    assert_eq!(ours, expected);
+    assert_eq!(ours[0].content, "Be brief.");
+    assert_eq!(ours[2].reasoning.as_deref(), Some("r"));
 }
 
 #[test]
