@@ -38,8 +38,9 @@ pub fn anthropic_as_openai(request: &Value, rendering: AnthropicRendering) -> Va
     // The system prompt: a string as it is, text blocks but Claude Code's billing line.
     let mut system: Vec<String> = Vec::new();
     match attr(request, "system") {
+        // An empty string is no system prompt (vLLM's `if anthropic_request.system`).
         Some(text) if text.kind() == ValueKind::String => {
-            system.push(text.as_str().unwrap_or_default().to_owned());
+            system.extend(text.as_str().filter(|t| !t.is_empty()).map(str::to_owned));
         }
         Some(blocks) => system.extend(system_block_texts(&blocks)),
         None => {}
@@ -196,7 +197,7 @@ pub fn anthropic_as_openai(request: &Value, rendering: AnthropicRendering) -> Va
                         map([
                             ("name", field("name")),
                             ("description", field("description")),
-                            ("parameters", field("input_schema")),
+                            ("parameters", object_schema(field("input_schema"))),
                             ("strict", field("strict")),
                             ("defer_loading", field("defer_loading")),
                         ]),
@@ -207,6 +208,21 @@ pub fn anthropic_as_openai(request: &Value, rendering: AnthropicRendering) -> Va
         request_out.insert(Value::from("tools"), Value::from(tools));
     }
     Value::from_object(request_out)
+}
+
+/// A tool's `input_schema` as vLLM's `AnthropicTool` validates it: `"type": "object"` added
+/// (last) when it has no type.
+fn object_schema(schema: Value) -> Value {
+    if schema.kind() != ValueKind::Map || schema.get_attr("type").is_ok_and(|t| !t.is_undefined()) {
+        return schema;
+    }
+    let mut out: IndexMap<Value, Value> = IndexMap::new();
+    for key in schema.try_iter().into_iter().flatten() {
+        let value = schema.get_item(&key).unwrap_or_default();
+        out.insert(key, value);
+    }
+    out.insert(Value::from("type"), Value::from("object"));
+    Value::from_object(out)
 }
 
 fn given(value: &Value) -> bool {
@@ -258,7 +274,7 @@ fn system_block_texts(blocks: &Value) -> Vec<String> {
 fn system_text(message: &Value) -> Option<String> {
     let content = message.get_attr("content").ok()?;
     if let Some(text) = content.as_str() {
-        return (!text.starts_with(BILLING_HEADER)).then(|| text.to_owned());
+        return (!text.is_empty() && !text.starts_with(BILLING_HEADER)).then(|| text.to_owned());
     }
     let texts = system_block_texts(&content);
     (!texts.is_empty()).then(|| texts.concat())
@@ -371,7 +387,7 @@ mod tests {
     /// its result, tools, thinking disabled.
     const REQUEST: &str = r#"{"model": "m", "max_tokens": 100, "thinking": {"type": "disabled"},
         "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2; cch=9"}, {"type": "text", "text": "You are Claude Code."}],
-        "tools": [{"name": "Bash", "description": "Run a command", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}],
+        "tools": [{"name": "Bash", "description": "Run a command", "input_schema": {"properties": {"command": {"type": "string"}}}}],
         "messages": [
           {"role": "user", "content": "List the files."},
           {"role": "assistant", "content": [{"type": "thinking", "thinking": "Use ls.", "signature": "s"}, {"type": "text", "text": "Listing."},
@@ -408,7 +424,7 @@ mod tests {
         assert_eq!(
             inputs.tools.as_ref().and_then(json).as_deref(),
             Some(
-                r#"[{"type": "function", "function": {"name": "Bash", "description": "Run a command", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]"#
+                r#"[{"type": "function", "function": {"name": "Bash", "description": "Run a command", "parameters": {"properties": {"command": {"type": "string"}}, "type": "object"}}}]"#
             )
         );
         let kwargs: Vec<String> = inputs
@@ -432,15 +448,30 @@ mod tests {
             shipped.anthropic_rendering().disabled_thinking_effort,
             "low"
         );
+        // A template that turns thinking off for "none" gets "none".
+        let switch = "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking is false %}<nothink>{% endif %}";
+        let thinking = PromptTokenizer::new(crate::tokenize::SHIPPED_TOKENIZER_JSON, switch)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            thinking.anthropic_rendering().disabled_thinking_effort,
+            "none"
+        );
 
         let request = parse(
-            r#"{"system": "Base.", "messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "Reminder."}, {"role": "user", "content": "b"}]}"#,
+            r#"{"system": "Base.", "messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "Reminder."}, {"role": "system", "content": ""}, {"role": "user", "content": "b"}]}"#,
         );
         let (merged, _) = anthropic_chat(&request, tokenizer.anthropic_rendering());
         assert_eq!(merged[0], ChatMessage::new("system", "Base.Reminder."));
         assert_eq!(merged.len(), 3);
         let (kept, _) = anthropic_chat(&request, shipped.anthropic_rendering());
         assert_eq!(kept[2], ChatMessage::new("system", "Reminder."));
+        assert_eq!(kept.len(), 4);
+        // An empty system prompt is none.
+        let (none, _) = anthropic_chat(
+            &parse(r#"{"system": "", "messages": [{"role": "user", "content": "a"}]}"#),
+            shipped.anthropic_rendering(),
+        );
+        assert_eq!(none, [ChatMessage::new("user", "a")]);
         assert_eq!(
             tokenizer
                 .render_chat_with(&merged, &crate::chat_template::TemplateInputs::default())

@@ -436,7 +436,11 @@ pub fn analyse_prompt(
     let (endpoint, body) = if endpoint == Endpoint::Messages
         && pool.config.anthropic_messages == AnthropicMessages::Translate
     {
-        translated = crate::translate_request::messages_to_chat(body, "").ok()?;
+        translated = crate::translate_request::messages_to_chat(body, "")
+            .inspect_err(|error| {
+                tracing::debug!(error = %error.shown_message(), "prompt not tokenized for routing: not translated");
+            })
+            .ok()?;
         translated_body = wire::parse(&translated).ok()?;
         (Endpoint::ChatCompletions, &translated_body)
     } else {

@@ -50,18 +50,18 @@ const PROBE_CHAT: [(&str, &str); 3] = [
         "And of Japan? Also give its population in 2020 (roughly), e.g. \"14 million\".",
     ),
 ];
-/// The tools probe: a conversation with a tool, a call of it and its answer (the JSON text is
-/// what both sides read: keys in the order written).
+/// The tools probe: a conversation with a tool, a call of it and its answer, sent as written
+/// (both sides read its keys in this order; the call's and the tool's are not sorted).
 const PROBE_TOOLS: &str = r#"{"messages": [
   {"role": "user", "content": "What is the weather in Paris today?"},
-  {"role": "assistant", "content": null, "tool_calls": [{"id": "call_probe", "type": "function",
-    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+  {"role": "assistant", "content": null, "tool_calls": [{"type": "function", "id": "call_probe",
+    "function": {"name": "get_weather", "arguments": "{\"unit\": \"celsius\", \"city\": \"Paris\"}"}}]},
   {"role": "tool", "tool_call_id": "call_probe", "content": "Sunny, 21 degrees."},
   {"role": "user", "content": "And tomorrow?"}],
  "tools": [{"type": "function", "function": {"name": "get_weather",
    "description": "The weather in a city on a given day.",
-   "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}}],
+   "parameters": {"type": "object", "properties": {"unit": {"type": "string",
+     "enum": ["celsius", "fahrenheit"]}, "city": {"type": "string"}}, "required": ["city"]}}}],
  "add_generation_prompt": true}"#;
 /// The completions probe.
 const PROBE_PROMPT: &str =
@@ -230,24 +230,23 @@ fn judge(
     }
 }
 
-/// The `/tokenize` request for a probe, as vLLM takes it.
-fn probe_body(kind: ProbeKind, model: &str) -> Value {
+/// The `/tokenize` request for a probe, as vLLM takes it: the JSON text sent (the tools probe's
+/// keys in the order written, which `tojson` prints).
+fn probe_body(kind: ProbeKind, model: &str) -> String {
     match kind {
         ProbeKind::Chat => {
             let messages: Vec<Value> = PROBE_CHAT
                 .iter()
                 .map(|(role, content)| json!({"role": role, "content": content}))
                 .collect();
-            json!({"model": model, "messages": messages, "add_generation_prompt": true})
+            json!({"model": model, "messages": messages, "add_generation_prompt": true}).to_string()
         }
-        ProbeKind::Completions => json!({"model": model, "prompt": PROBE_PROMPT}),
-        ProbeKind::Tools => {
-            let mut body: Value = serde_json::from_str(PROBE_TOOLS).unwrap_or_default();
-            if let Some(fields) = body.as_object_mut() {
-                fields.insert("model".into(), json!(model));
-            }
-            body
-        }
+        ProbeKind::Completions => json!({"model": model, "prompt": PROBE_PROMPT}).to_string(),
+        ProbeKind::Tools => format!(
+            "{{\"model\": {}, {}",
+            Value::from(model),
+            PROBE_TOOLS.trim_start().trim_start_matches('{')
+        ),
     }
 }
 
@@ -269,16 +268,20 @@ fn probe_ids(
         ProbeKind::Completions => Ok(special.wrap(tokenizer.encode(PROBE_PROMPT)?)),
         ProbeKind::Tools => {
             // As the worker gets it: the body is sent as serde_json writes it.
-            let sent = probe_body(kind, "").to_string();
-            let ordered: TemplateValue = serde_json::from_str(&sent).unwrap_or_default();
+            let ordered: TemplateValue =
+                serde_json::from_str(&probe_body(kind, "")).unwrap_or_default();
             let (messages, inputs) = openai_chat(&ordered);
             tokenizer.encode(&tokenizer.render_chat_with(&messages, &inputs)?)
         }
     }
 }
 
-async fn ask(client: &reqwest::Client, url: &str, body: &Value) -> Reply {
-    let Ok(response) = client.post(url).json(body).send().await else {
+async fn ask(client: &reqwest::Client, url: &str, body: &str) -> Reply {
+    let request = client
+        .post(url)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(body.to_owned());
+    let Ok(response) = request.send().await else {
         return Reply::Failed;
     };
     match classify(response.status().as_u16()) {
@@ -331,7 +334,7 @@ mod tests {
         cache: &PromptCache,
         kind: ProbeKind,
     ) -> Vec<switchyard_kv::hash::SequenceHash> {
-        let body = serde_json::to_vec(&probe_body(kind, "m")).unwrap();
+        let body = probe_body(kind, "m").into_bytes();
         let parsed = crate::wire::parse(&body).unwrap();
         let endpoint = match kind {
             ProbeKind::Chat | ProbeKind::Tools => Endpoint::ChatCompletions,

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use pingora_error::Result;
 use pingora_proxy::Session;
 use serde_json::json;
-use switchyard_snapshot::snapshot::Backend;
+use switchyard_snapshot::snapshot::{AnthropicMessages, Backend};
 
 use crate::admit;
 use crate::api::{ApiError, ErrorKind, client_text};
@@ -85,7 +85,7 @@ fn count_blocking(
     let allowed = tenant
         .and_then(|name| table.snapshot.tenants.get(name))
         .is_none_or(|tenant| tenant.allows_model(&model));
-    let spec = tokenizer_of(table, &model, allowed)?;
+    let (spec, translated) = tokenizer_of(table, &model, allowed)?;
     let tokenizer = store.kv().tokenizer(&spec).map_err(|e| {
         ApiError::new(
             ErrorKind::Internal,
@@ -96,8 +96,15 @@ fn count_blocking(
             ),
         )
     })?;
-    let (messages, inputs) = crate::prompt::anthropic_chat_of(&tokenizer, body)
-        .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?;
+    // What the pool's workers render: vLLM's own conversion, or the gateway's translation.
+    let (messages, inputs) = if translated {
+        let chat = crate::translate_request::messages_to_chat(&request, &model)?;
+        let chat = wire::parse(&chat)?;
+        (chat.chat_messages(), chat.template_inputs())
+    } else {
+        crate::prompt::anthropic_chat_of(&tokenizer, body)
+            .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?
+    };
     let rendered = tokenizer
         .render_chat_with(&messages, &inputs)
         .map_err(|e| {
@@ -112,12 +119,13 @@ fn count_blocking(
         .map_err(|e| ApiError::new(ErrorKind::Internal, "tokenizer_failed", e.to_string()))
 }
 
-/// The tokenizer of the first pool among `model`'s targets.
+/// The tokenizer of the first pool among `model`'s targets, and whether that pool is sent
+/// Anthropic requests translated to chat completions.
 fn tokenizer_of(
     table: &Arc<RoutingTable>,
     model: &str,
     allowed: bool,
-) -> std::result::Result<Option<switchyard_snapshot::snapshot::Tokenizer>, ApiError> {
+) -> std::result::Result<(Option<switchyard_snapshot::snapshot::Tokenizer>, bool), ApiError> {
     let not_found = || ApiError::model_not_found(model);
     let entry = table
         .model(model)
@@ -127,7 +135,12 @@ fn tokenizer_of(
         .targets
         .iter()
         .find_map(|target| match &target.backend {
-            Backend::Pool(id) => table.pool(id).map(|pool| pool.config.tokenizer.clone()),
+            Backend::Pool(id) => table.pool(id).map(|pool| {
+                (
+                    pool.config.tokenizer.clone(),
+                    pool.config.anthropic_messages == AnthropicMessages::Translate,
+                )
+            }),
             Backend::Provider(_) => None,
         })
         .ok_or_else(|| {
