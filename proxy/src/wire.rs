@@ -536,10 +536,10 @@ impl<'a> RequestBody<'a> {
         })
     }
 
-    /// An OpenAI conversation as the chat template takes it: every message with its text (parts joined by newlines, as vLLM does
-    /// for string templates; other parts as compact JSON so they still count as prompt content),
-    /// its text parts, and the fields vLLM passes on (an assistant's tool calls and reasoning, a
-    /// tool answer's call id, a name).
+    /// An OpenAI conversation as the chat template takes it: every message with its text
+    /// (parts joined by newlines, as vLLM does for string templates; other parts as compact
+    /// JSON so they still count as prompt content), its text parts, and the fields vLLM passes
+    /// on (an assistant's tool calls and reasoning, a tool answer's call id, a name).
     pub fn chat_messages(&self) -> Vec<ChatMessage> {
         let mut out = Vec::new();
         for message in self.messages.iter().flatten() {
