@@ -233,7 +233,7 @@ impl Drop for ActiveRequest {
 #[async_trait]
 impl Policy for Dynamo {
     async fn choose(&self, request: &Request) -> Result<Choice, ChooseError> {
-        let prompt = super::prompt_blocks(&self.tokenizer, &request.json, self.block_size).await?;
+        let prompt = super::prompt_blocks(&self.tokenizer, request, self.block_size).await?;
         let workers = self.fleet.workers();
         let overlap = self.fleet.overlap(&prompt.hashes);
         let slot = |worker: usize| u16::try_from(worker).map(WorkerId).ok();

@@ -129,7 +129,7 @@ pub struct Llmd {
 #[async_trait]
 impl Policy for Llmd {
     async fn choose(&self, request: &Request) -> Result<Choice, ChooseError> {
-        let prompt = super::prompt_blocks(&self.tokenizer, &request.json, self.block_size).await?;
+        let prompt = super::prompt_blocks(&self.tokenizer, request, self.block_size).await?;
         let workers = self.fleet.workers();
         let overlap = self.fleet.overlap(&prompt.hashes);
         let candidates: Vec<Candidate> = (0..workers)

@@ -23,7 +23,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde_json::Value;
 use switchyard_kv::hash::{SequenceHash, sequence_hashes_keyed};
-use switchyard_kv::tokenize::{PromptTokenizer, openai_messages};
+use switchyard_kv::tokenize::{PromptTokenizer, openai_chat};
 use tokio::task::JoinHandle;
 
 pub use fleet::WorkerAddress;
@@ -49,20 +49,30 @@ pub struct PromptBlocks {
     pub hashes: Vec<SequenceHash>,
 }
 
-/// Tokenize a chat request as the workers do and hash its full blocks as the index keys them
-/// (on the blocking pool: a long prompt takes a while).
+/// Tokenize a chat request as the workers do (its messages and template inputs through the chat
+/// template: tools, tool calls, `chat_template_kwargs`, as the gateway and vLLM render them)
+/// and hash its full blocks as the index keys them (on the blocking pool: a long prompt takes
+/// a while).
 pub async fn prompt_blocks(
     tokenizer: &Arc<PromptTokenizer>,
-    request: &Arc<Value>,
+    request: &proxy::Request,
     block_size: usize,
 ) -> Result<PromptBlocks, ChooseError> {
-    let (tokenizer, request) = (tokenizer.clone(), request.clone());
+    let (tokenizer, body, json) = (
+        tokenizer.clone(),
+        request.body.clone(),
+        request.json.clone(),
+    );
     tokio::task::spawn_blocking(move || {
-        let messages = openai_messages(&request);
+        // The body as sent: its object keys in order, which templates print.
+        let ordered: switchyard_kv::chat_template::TemplateValue =
+            serde_json::from_slice(&body).map_err(|e| ChooseError::Tokenize(e.to_string()))?;
+        let (messages, inputs) = openai_chat(&ordered);
         let tokens = tokenizer
-            .encode_chat(&messages)
+            .render_chat_with(&messages, &inputs)
+            .and_then(|text| tokenizer.encode(&text))
             .map_err(|e| ChooseError::Tokenize(e.to_string()))?;
-        let cache_salt = request
+        let cache_salt = json
             .get("cache_salt")
             .and_then(Value::as_str)
             .filter(|salt| !salt.is_empty());
@@ -155,11 +165,17 @@ mod tests {
     #[tokio::test]
     async fn prompt_blocks_match_what_the_index_builds_from_events() {
         let tokenizer = Arc::new(PromptTokenizer::shipped().unwrap());
-        let request = Arc::new(serde_json::json!({"model": "m", "messages": [
+        let json = serde_json::json!({"model": "m", "messages": [
             {"role": "system", "content": "Answer in French. ".repeat(80)},
-            {"role": "user", "content": "Bonjour"}]}));
+            {"role": "user", "content": "Bonjour"}]});
+        let request = proxy::Request {
+            body: json.to_string().into(),
+            json: Arc::new(json),
+        };
         let prompt = prompt_blocks(&tokenizer, &request, 16).await.unwrap();
-        let tokens = tokenizer.encode_chat(&openai_messages(&request)).unwrap();
+        let tokens = tokenizer
+            .encode_chat(&switchyard_kv::tokenize::openai_messages(&request.json))
+            .unwrap();
         assert_eq!(prompt.tokens, tokens.len());
         assert_eq!(prompt.hashes.len(), tokens.len() / 16);
 
