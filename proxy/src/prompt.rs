@@ -10,7 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use sha2::{Digest, Sha256};
-use switchyard_kv::chat_template::{TemplateInputs, TemplateValue};
+use switchyard_kv::chat_template::TemplateInputs;
 use switchyard_kv::hash::{SequenceHash, sequence_hashes_keyed};
 use switchyard_kv::tokenize::{ChatMessage, PromptTokenizer, SpecialTokens, anthropic_chat};
 use switchyard_snapshot::snapshot::Tenant;
@@ -278,7 +278,7 @@ fn prompt_of(
             false,
         ),
         Endpoint::Messages => {
-            let (messages, inputs) = anthropic_chat_of(tokenizer, request.raw)?;
+            let (messages, inputs) = anthropic_chat_of(tokenizer, request)?;
             text(render(&messages, &inputs)?, false)
         }
         Endpoint::Responses => text(
@@ -310,10 +310,10 @@ fn prompt_of(
 /// to a chat completion first: see [`switchyard_kv::anthropic`]).
 pub fn anthropic_chat_of(
     tokenizer: &PromptTokenizer,
-    body: &[u8],
+    request: &RequestBody<'_>,
 ) -> Result<(Vec<ChatMessage>, TemplateInputs), String> {
-    let ordered: TemplateValue = serde_json::from_slice(body).map_err(|e| e.to_string())?;
-    Ok(anthropic_chat(&ordered, tokenizer.anthropic_rendering()))
+    let ordered = request.ordered().ok_or("the body is not JSON")?;
+    Ok(anthropic_chat(ordered, tokenizer.anthropic_rendering()))
 }
 
 fn truncate(text: &str, max_chars: usize) -> &str {
@@ -660,6 +660,49 @@ mod tests {
                 sequence_hashes_keyed(&other_tokens, 4, &[], None)
             );
         }
+    }
+
+    /// An Anthropic request with tool use is hashed as vLLM's `/v1/messages` renders it: the
+    /// simulator's render of the same body, with the tool call and its result in it.
+    #[test]
+    fn anthropic_requests_hash_as_vllm_converts_them() {
+        let template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\
+            {% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}\
+            {{ m.tool_call_id or '' }}{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}<assistant>";
+        let tokenizer =
+            PromptTokenizer::new(switchyard_kv::tokenize::SHIPPED_TOKENIZER_JSON, template)
+                .unwrap();
+        let body = r#"{"model":"m","max_tokens":10,
+            "system":[{"type":"text","text":"x-anthropic-billing-header: cch=7"},{"type":"text","text":"Be brief."}],
+            "tools":[{"name":"ls","input_schema":{"type":"object"}}],
+            "messages":[{"role":"user","content":"List."},
+              {"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"ls","input":{"path":"."}}]},
+              {"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"a.txt"}]}]}"#;
+        let ordered: switchyard_kv::chat_template::TemplateValue =
+            serde_json::from_str(body).unwrap();
+        let (messages, inputs) =
+            switchyard_kv::tokenize::anthropic_chat(&ordered, tokenizer.anthropic_rendering());
+        let text = tokenizer.render_chat_with(&messages, &inputs).unwrap();
+        assert!(
+            text.starts_with(
+                "<system>Be brief.<user>List.<assistant>[ls {\"path\": \".\"}]<tool>a.txtt1"
+            ),
+            "{text}"
+        );
+        let tokens = tokenizer.encode(&text).unwrap();
+        let parsed = crate::wire::parse(body.as_bytes()).unwrap();
+        let cache = PromptCache::default();
+        let info = analyse(
+            &tokenizer,
+            &cache,
+            Endpoint::Messages,
+            &parsed,
+            4,
+            None,
+            &|_| true,
+        )
+        .unwrap();
+        assert_eq!(info.hashes, sequence_hashes_keyed(&tokens, 4, &[], None));
     }
 
     #[test]

@@ -102,7 +102,7 @@ fn count_blocking(
         let chat = wire::parse(&chat)?;
         (chat.chat_messages(), chat.template_inputs())
     } else {
-        crate::prompt::anthropic_chat_of(&tokenizer, body)
+        crate::prompt::anthropic_chat_of(&tokenizer, &request)
             .map_err(|e| ApiError::invalid("body", format!("malformed JSON: {e}")))?
     };
     let rendered = tokenizer

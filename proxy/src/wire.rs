@@ -128,6 +128,9 @@ pub struct RequestBody<'a> {
     /// it whole, as vLLM converts it.
     #[serde(skip)]
     pub raw: &'a [u8],
+    /// `raw` parsed keeping the order of object keys, once (see [`RequestBody::ordered`]).
+    #[serde(skip)]
+    ordered: std::sync::OnceLock<Option<TemplateValue>>,
     /// Responses API: the output format (`text.format`: text, json_object, json_schema).
     #[serde(borrow, default)]
     pub text: Option<&'a RawValue>,
@@ -561,6 +564,15 @@ impl<'a> RequestBody<'a> {
             out.push(chat.with_openai_fields(|name| raw(name).and_then(template_value)));
         }
         out
+    }
+
+    /// The whole body as a chat template value (object keys in the order sent), parsed on
+    /// first use and kept: an Anthropic request is converted from it for every pool that
+    /// tokenizes it.
+    pub fn ordered(&self) -> Option<&TemplateValue> {
+        self.ordered
+            .get_or_init(|| serde_json::from_slice(self.raw).ok())
+            .as_ref()
     }
 
     /// What vLLM gives a chat template besides the messages: the request's tools,
