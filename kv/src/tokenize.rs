@@ -97,9 +97,8 @@ impl ChatMessage {
 
     /// The fields vLLM passes on from an OpenAI chat message besides its role and content
     /// (`parse_chat_message_content`): an assistant's `tool_calls` and `reasoning` (or
-    /// `reasoning_content`), a tool
-    /// answer's `tool_call_id`, a string `name`. `field(name)` gives one of the message's
-    /// fields, parsed keeping the order of object keys.
+    /// `reasoning_content`), a tool answer's `tool_call_id`, a string `name`. `field(name)`
+    /// gives one of the message's fields, parsed keeping the order of object keys.
     pub fn with_openai_fields(mut self, field: impl Fn(&str) -> Option<minijinja::Value>) -> Self {
         let present = |name: &str| field(name).filter(|v| !v.is_none() && !v.is_undefined());
         if self.role == "assistant" {
