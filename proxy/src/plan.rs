@@ -430,21 +430,30 @@ pub fn analyse_prompt(
     cache_salt: Option<&str>,
 ) -> Option<Arc<PromptInfo>> {
     let tokenizer = pool.tokenizer.as_ref()?;
-    // A pool that is sent Anthropic requests translated renders the chat the gateway sends.
+    // A pool that is sent Anthropic or Responses requests translated renders the chat the
+    // gateway sends it.
+    let translation = match endpoint {
+        Endpoint::Messages if pool.config.anthropic_messages == AnthropicMessages::Translate => {
+            Some(crate::translate_request::messages_to_chat(body, ""))
+        }
+        Endpoint::Responses if pool.config.responses_api == ResponsesApi::Translate => {
+            Some(crate::translate_responses::responses_to_chat(body, ""))
+        }
+        _ => None,
+    };
     let translated;
     let translated_body;
-    let (endpoint, body) = if endpoint == Endpoint::Messages
-        && pool.config.anthropic_messages == AnthropicMessages::Translate
-    {
-        translated = crate::translate_request::messages_to_chat(body, "")
-            .inspect_err(|error| {
-                tracing::debug!(error = %error.shown_message(), "prompt not tokenized for routing: not translated");
-            })
-            .ok()?;
-        translated_body = wire::parse(&translated).ok()?;
-        (Endpoint::ChatCompletions, &translated_body)
-    } else {
-        (endpoint, body)
+    let (endpoint, body) = match translation {
+        Some(chat) => {
+            translated = chat
+                .inspect_err(|error| {
+                    tracing::debug!(error = %error.shown_message(), "prompt not tokenized for routing: not translated");
+                })
+                .ok()?;
+            translated_body = wire::parse(&translated).ok()?;
+            (Endpoint::ChatCompletions, &translated_body)
+        }
+        None => (endpoint, body),
     };
     let kv = &pool.kv;
     let block_size = kv.index.block_size();

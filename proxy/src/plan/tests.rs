@@ -22,7 +22,7 @@ spec: {model: Qwen/Qwen3-27B, endpoints: ["127.0.0.1:8001", "127.0.0.1:8002"], l
 apiVersion: switchyard.dev/v1alpha1
 kind: InferencePool
 metadata: {name: small}
-spec: {model: Qwen/Qwen3-4B, endpoints: ["127.0.0.1:8011"], anthropicMessages: translate}
+spec: {model: Qwen/Qwen3-4B, endpoints: ["127.0.0.1:8011"], anthropicMessages: translate, responsesApi: translate}
 ---
 apiVersion: switchyard.dev/v1alpha1
 kind: InferencePool
@@ -266,6 +266,41 @@ fn messages_to_a_translating_pool_become_chat_completions() {
     let body = body_of(&plan.target);
     assert_eq!(body["model"], "Qwen/Qwen3-4B");
     assert_eq!(body["messages"][0]["role"], "system");
+}
+
+/// A pool sent Anthropic (or Responses) requests translated is routed by the chat it is sent,
+/// not by vLLM's own conversion: Claude Code's billing line, which vLLM's `/v1/messages` drops,
+/// stays in the gateway's translation.
+#[test]
+fn a_translating_pool_is_routed_by_the_chat_it_is_sent() {
+    let table = table();
+    let pool = table.pool(&PoolId::new("default", "small")).unwrap();
+    let anthropic = client(
+        Endpoint::Messages,
+        r#"{"model":"assistant-small","max_tokens":64,"system":[{"type":"text","text":"x-anthropic-billing-header: cch=3\nBe brief."}],"messages":[{"role":"user","content":"Name three rivers of Europe and where each one meets the sea."}]}"#,
+    );
+    let body = crate::wire::parse(&anthropic.body).unwrap();
+    let routed = analyse_prompt(pool, Endpoint::Messages, &body, None).unwrap();
+    let chat = crate::translate_request::messages_to_chat(&body, "").unwrap();
+    let chat = crate::wire::parse(&chat).unwrap();
+    let sent = analyse_prompt(pool, Endpoint::ChatCompletions, &chat, None).unwrap();
+    assert_eq!(routed.hashes, sent.hashes);
+    let tokenizer = pool.tokenizer.as_ref().unwrap();
+    let (messages, inputs) = crate::prompt::anthropic_chat_of(tokenizer, &body).unwrap();
+    let native = tokenizer.render_chat_with(&messages, &inputs).unwrap();
+    assert_ne!(routed.tokens, tokenizer.encode(&native).unwrap().len());
+
+    let responses = client(
+        Endpoint::Responses,
+        r#"{"model":"assistant-small","instructions":"Be brief.","input":[{"role":"user","content":"Name three rivers of Europe and where each one meets the sea."}]}"#,
+    );
+    let mut body = crate::wire::parse(&responses.body).unwrap();
+    body.is_responses = true;
+    let routed = analyse_prompt(pool, Endpoint::Responses, &body, None).unwrap();
+    let chat = crate::translate_responses::responses_to_chat(&body, "").unwrap();
+    let chat = crate::wire::parse(&chat).unwrap();
+    let sent = analyse_prompt(pool, Endpoint::ChatCompletions, &chat, None).unwrap();
+    assert_eq!(routed.hashes, sent.hashes);
 }
 
 #[test]
