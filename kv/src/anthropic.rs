@@ -9,6 +9,8 @@ use indexmap::IndexMap;
 use minijinja::Value;
 use minijinja::value::ValueKind;
 
+use crate::chat_template::given;
+
 /// The first line of a system text Claude Code adds, which changes with every request.
 const BILLING_HEADER: &str = "x-anthropic-billing-header";
 
@@ -223,10 +225,6 @@ fn object_schema(schema: Value) -> Value {
     }
     out.insert(Value::from("type"), Value::from("object"));
     Value::from_object(out)
-}
-
-fn given(value: &Value) -> bool {
-    !value.is_none() && !value.is_undefined()
 }
 
 fn map<const N: usize>(entries: [(&str, Value); N]) -> Value {

@@ -68,7 +68,6 @@ impl TemplateInputs {
     /// request's. The gateway does not know a
     /// worker's `--default-chat-template-kwargs`.
     pub fn openai(field: impl Fn(&str) -> Option<Value>) -> TemplateInputs {
-        let given = |value: &Value| !value.is_none() && !value.is_undefined();
         let flag = |name: &str, default: bool| {
             field(name)
                 .filter(|value| value.kind() == ValueKind::Bool)
@@ -143,9 +142,9 @@ pub fn openai_tools(tools: &Value) -> Value {
                 let attr = |value: &Value, name: &str| {
                     value.get_attr(name).ok().filter(|v| !v.is_undefined())
                 };
-                let given = |value: &Value, name: &str| attr(value, name).filter(|v| !v.is_none());
+                let set = |value: &Value, name: &str| attr(value, name).filter(given);
                 let function = attr(&tool, "function").unwrap_or_default();
-                let defer = given(&tool, "defer_loading");
+                let defer = set(&tool, "defer_loading");
                 let mut dumped_function: IndexMap<Value, Value> = IndexMap::new();
                 for name in ["name", "description", "parameters"] {
                     dumped_function.insert(
@@ -153,10 +152,10 @@ pub fn openai_tools(tools: &Value) -> Value {
                         attr(&function, name).unwrap_or(Value::from(())),
                     );
                 }
-                if let Some(strict) = given(&function, "strict") {
+                if let Some(strict) = set(&function, "strict") {
                     dumped_function.insert(Value::from("strict"), strict);
                 }
-                if let Some(defer) = given(&function, "defer_loading").or_else(|| defer.clone()) {
+                if let Some(defer) = set(&function, "defer_loading").or_else(|| defer.clone()) {
                     dumped_function.insert(Value::from("defer_loading"), defer);
                 }
                 let mut dumped: IndexMap<Value, Value> = IndexMap::new();
@@ -256,15 +255,7 @@ impl ChatTemplate {
         source: &str,
         special_tokens: Vec<(String, String)>,
     ) -> Result<ChatTemplate, TokenizeError> {
-        let mut env = Environment::new();
-        env.set_syntax(
-            minijinja::syntax::SyntaxConfig::builder()
-                .trim_blocks(true)
-                .lstrip_blocks(true)
-                .build()
-                .map_err(TokenizeError::Template)?,
-        );
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        let mut env = sandbox()?;
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
@@ -437,6 +428,11 @@ impl ChatTemplate {
     }
 }
 
+/// Whether a field was given a value (not absent, not null).
+pub(crate) fn given(value: &Value) -> bool {
+    !value.is_none() && !value.is_undefined()
+}
+
 fn text_part(text: &str) -> Value {
     let mut part: IndexMap<Value, Value> = IndexMap::new();
     part.insert(Value::from("type"), Value::from("text"));
@@ -545,6 +541,22 @@ fn tag_final_text(content: &mut Value, tag: &str) -> bool {
     true
 }
 
+/// Jinja2's sandbox as transformers and vLLM's probes configure it: `trim_blocks`,
+/// `lstrip_blocks`, Python's string and dict methods (the rest of transformers' globals are
+/// [`ChatTemplate::new`]'s).
+fn sandbox() -> Result<Environment<'static>, TokenizeError> {
+    let mut env = Environment::new();
+    env.set_syntax(
+        minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(TokenizeError::Template)?,
+    );
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    Ok(env)
+}
+
 /// vLLM's `_detect_merge_inline_system`: whether rendering system, user, system, user fails in
 /// a plain sandboxed environment (`trim_blocks`, `lstrip_blocks`, loop controls; no
 /// `raise_exception`, so a template that calls it fails too).
@@ -552,16 +564,9 @@ fn requires_system_first(source: &str) -> bool {
     if source.is_empty() {
         return true;
     }
-    let mut env = Environment::new();
-    let Ok(syntax) = minijinja::syntax::SyntaxConfig::builder()
-        .trim_blocks(true)
-        .lstrip_blocks(true)
-        .build()
-    else {
+    let Ok(mut env) = sandbox() else {
         return true;
     };
-    env.set_syntax(syntax);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     // As written: vLLM's probe environment knows no `{% generation %}` tag either.
     if env
         .add_template_owned(TEMPLATE_NAME, source.to_owned())

@@ -100,7 +100,7 @@ impl ChatMessage {
     /// `reasoning_content`), a tool answer's `tool_call_id`, a string `name`. `field(name)`
     /// gives one of the message's fields, parsed keeping the order of object keys.
     pub fn with_openai_fields(mut self, field: impl Fn(&str) -> Option<minijinja::Value>) -> Self {
-        let present = |name: &str| field(name).filter(|v| !v.is_none() && !v.is_undefined());
+        let present = |name: &str| field(name).filter(crate::chat_template::given);
         if self.role == "assistant" {
             self.tool_calls = present("tool_calls")
                 .as_ref()

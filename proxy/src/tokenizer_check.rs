@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use switchyard_kv::chat_template::TemplateValue;
-use switchyard_kv::tokenize::{ChatMessage, PromptTokenizer, SpecialTokens, openai_chat};
+use switchyard_kv::tokenize::{PromptTokenizer, SpecialTokens, openai_chat};
 use switchyard_snapshot::PoolId;
 
 use crate::config::ConfigStore;
@@ -258,16 +258,9 @@ fn probe_ids(
     kind: ProbeKind,
 ) -> Result<Vec<u32>, switchyard_kv::tokenize::TokenizeError> {
     match kind {
-        ProbeKind::Chat => {
-            let messages: Vec<ChatMessage> = PROBE_CHAT
-                .iter()
-                .map(|(role, content)| ChatMessage::new(role, content))
-                .collect();
-            tokenizer.encode_chat(&messages)
-        }
         ProbeKind::Completions => Ok(special.wrap(tokenizer.encode(PROBE_PROMPT)?)),
-        ProbeKind::Tools => {
-            // As the worker gets it: the body is sent as serde_json writes it.
+        ProbeKind::Chat | ProbeKind::Tools => {
+            // From the body the worker is sent, read as the worker reads it.
             let ordered: TemplateValue =
                 serde_json::from_str(&probe_body(kind, "")).unwrap_or_default();
             let (messages, inputs) = openai_chat(&ordered);
