@@ -66,36 +66,29 @@ async fn matched_blocks(proxy: &Proxy, body: &Value) -> u64 {
 #[tokio::test]
 async fn a_pool_knows_whether_its_tokenizer_is_its_workers_and_hashes_completions_with_their_bos() {
     let dir = tempfile::tempdir().unwrap();
-    let tokenizer = dir.path().join("tokenizer.json");
-    std::fs::write(&tokenizer, tokenizer_with_bos()).unwrap();
-    let template = dir.path().join("chat_template.jinja");
-    std::fs::write(&template, switchyard_kv::tokenize::SHIPPED_CHAT_TEMPLATE).unwrap();
+    let file = |name: &str, contents: &[u8]| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, contents).unwrap();
+        path
+    };
+    let shipped_template = switchyard_kv::tokenize::SHIPPED_CHAT_TEMPLATE;
+    let tokenizer = file("tokenizer.json", &tokenizer_with_bos());
+    let template = file("chat_template.jinja", shipped_template.as_bytes());
     // Another model's template: every conversation opens with a line the workers' does not.
-    let other_template = dir.path().join("other_template.jinja");
-    std::fs::write(
-        &other_template,
-        format!(
-            "Policy v2\n{}",
-            switchyard_kv::tokenize::SHIPPED_CHAT_TEMPLATE
-        ),
-    )
-    .unwrap();
+    let other_template = file(
+        "other_template.jinja",
+        format!("Policy v2\n{shipped_template}").as_bytes(),
+    );
     // The workers' template with tools rendered: conversations without tools render alike.
-    let tools_template = dir.path().join("tools_template.jinja");
-    std::fs::write(
-        &tools_template,
-        format!(
-            "{{% if tools %}}Tools: {{{{ tools | tojson }}}}\n{{% endif %}}{}",
-            switchyard_kv::tokenize::SHIPPED_CHAT_TEMPLATE
-        ),
-    )
-    .unwrap();
-    let shipped_json = dir.path().join("shipped.json");
-    std::fs::write(
-        &shipped_json,
+    let tools_template = file(
+        "tools_template.jinja",
+        format!("{{% if tools %}}Tools: {{{{ tools | tojson }}}}\n{{% endif %}}{shipped_template}")
+            .as_bytes(),
+    );
+    let shipped_json = file(
+        "shipped.json",
         switchyard_kv::tokenize::SHIPPED_TOKENIZER_JSON,
-    )
-    .unwrap();
+    );
     let sim = Sim::start(&[
         "--workers",
         "2",
