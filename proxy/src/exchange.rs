@@ -450,7 +450,13 @@ impl Exchange {
             Some(after) => Prefill::unseen(pending, after),
             None => Prefill::Seen(pending),
         });
-        attempt.kv = score.map(|score| KvReservation::start(&worker, score.kv_blocks_needed));
+        // The decision scored the prompt's hashes: the worker holds them from now on.
+        let hashes = prompt.as_ref().map_or(&[][..], |p| p.hashes.as_slice());
+        attempt.kv = attempt
+            .decision
+            .as_ref()
+            .filter(|_| score.is_some())
+            .map(|d| KvReservation::start(&worker, hashes, d.unhashed_kv_blocks));
         attempt.prediction = match (prompt, pool.slots.get(index)) {
             (Some(prompt), Some(slot)) => {
                 let unfinished = prompt

@@ -23,11 +23,16 @@
 //!   from observed first tokens, relative to the pool's median worker ([`crate::calibration`]):
 //!   a worker slower than the rest is predicted slower; an error all workers share cancels out.
 //!
-//! A worker whose KV cache cannot hold the request now (its uncached prompt and the output it
-//! may generate, in blocks, against the worker's free blocks: its size from
-//! `vllm:cache_config_info`, others' use from `kv_cache_usage_perc` at the last scrape, this
-//! proxy's reservations live) would leave it waiting, or preempt a running request to make room:
-//! it is chosen only when no healthy worker has room.
+//! A worker whose KV cache cannot hold the request now would leave it waiting, or preempt a
+//! running request to make room: it is chosen only when no healthy worker has room. The request
+//! needs every block of its prompt that no request running there holds, and the output it may
+//! generate: a block the worker caches but nobody runs is a free block to vLLM (evicted on
+//! demand), taken out of the free ones by the request that hits it, so a conversation's own
+//! history, cached and idle between its turns, makes no room; a system prompt its other
+//! conversations are running there does. This proxy knows what its own requests hold
+//! ([`crate::worker::WorkerState::held_prefix_blocks`]); others' are not known and count as
+//! needed. The free blocks: the worker's size from `vllm:cache_config_info`, less others' use
+//! from `kv_cache_usage_perc` at the last scrape and this proxy's reservations live.
 //!
 //! Staying on the cached worker is therefore only worth it until its own backlog outweighs the
 //! prefill another worker would redo: cache affinity alone would hot-spot one worker. But while
@@ -77,8 +82,9 @@ pub struct WorkerScore {
     /// The number of this proxy's latest request to the worker (smaller: longer ago; 0: never).
     pub last_sent: u64,
     pub healthy: bool,
-    /// KV blocks the request needs there (uncached prompt and output), and the worker's free
-    /// blocks (`None`: it does not report its cache size).
+    /// KV blocks the request needs from the worker's free ones (prompt blocks no request of this
+    /// proxy's there holds, and output), and the worker's free blocks (`None`: it does not
+    /// report its cache size).
     pub kv_blocks_needed: u64,
     pub kv_blocks_free: Option<u64>,
     /// The formula's prediction (pool coefficients), before the worker's learned speed.
@@ -112,6 +118,8 @@ pub struct Decision {
     pub chosen: usize,
     pub outcome: Outcome,
     pub prompt_tokens: usize,
+    /// KV blocks of the request that no block hash names ([`unhashed_kv_blocks`]).
+    pub unhashed_kv_blocks: u64,
     pub scores: Vec<WorkerScore>,
 }
 
@@ -186,7 +194,16 @@ pub fn decide_for_prompt(
         let held = prompt.hashes.get(..deepest).unwrap_or_default();
         pool.kv.popularity.shares(held, &mut shares);
     }
-    decide(pool, tokens, output_tokens, &overlap, &shares, exclude)
+    let hashes = prompt.map_or(&[][..], |prompt| prompt.hashes.as_slice());
+    decide(
+        pool,
+        tokens,
+        hashes,
+        output_tokens,
+        &overlap,
+        &shares,
+        exclude,
+    )
 }
 
 /// The pool's TTFT model: learned from its answers (`scoring.learnCoefficients`, the default),
@@ -274,12 +291,28 @@ fn copy_credit_s(score: &WorkerScore, prefill_cost: f64) -> f64 {
 /// an overflow of the ledger's reservations.
 const MAX_OUTPUT_TOKENS: usize = 1 << 24;
 
-/// Score every eligible worker (not in `exclude`, address resolved) and choose one. `shares`:
-/// the share of the pool's recent work that came with each of the prompt's leading prefixes
-/// ([`crate::popularity`]), as deep as any worker holds it.
+/// KV blocks a request holds that no block hash names, wherever it runs: its prompt past the
+/// `hashed` full blocks (the last partial block; a prompt tokenized only in part), and the
+/// output it may generate.
+pub fn unhashed_kv_blocks(
+    prompt_tokens: usize,
+    hashed: usize,
+    output_tokens: usize,
+    block_size: usize,
+) -> u64 {
+    let rest = prompt_tokens.saturating_sub(hashed.saturating_mul(block_size));
+    rest.saturating_add(output_tokens.min(MAX_OUTPUT_TOKENS))
+        .div_ceil(block_size.max(1)) as u64
+}
+
+/// Score every eligible worker (not in `exclude`, address resolved) and choose one for a prompt
+/// of `prompt_tokens` whose full blocks hash to `hashes`. `shares`: the share of the pool's
+/// recent work that came with each of the prompt's leading prefixes ([`crate::popularity`]),
+/// as deep as any worker holds it.
 pub fn decide(
     pool: &PoolRuntime,
     prompt_tokens: usize,
+    hashes: &[switchyard_kv::hash::SequenceHash],
     output_tokens: usize,
     overlap: &Overlap,
     shares: &[f64],
@@ -303,6 +336,8 @@ pub fn decide(
         None
     };
     let unstored_blocks = pool.kv.unstored_prefill_blocks();
+    let unhashed_blocks =
+        unhashed_kv_blocks(prompt_tokens, hashes.len(), output_tokens, block_size);
     let mut scores = Vec::with_capacity(pool.workers.len());
     for (position, worker) in pool.workers.iter().enumerate() {
         if exclude.contains(&position) || worker.socket.is_none() {
@@ -364,8 +399,12 @@ pub fn decide(
             running as f64,
         );
         let predicted_ttft_s = relative_speed * formula_ttft_s;
-        let kv_blocks_needed = (uncached_tokens + output_tokens.min(MAX_OUTPUT_TOKENS))
-            .div_ceil(block_size.max(1)) as u64;
+        // The worker takes from its free blocks every block of the request that no running
+        // request holds, cached or not: a cached block nobody runs is free (evicted on demand),
+        // and a conversation's own history is cached and free between its turns. The blocks
+        // this proxy's requests there hold are known; others' are not, and count as needed.
+        let held = worker.held_prefix_blocks(hashes);
+        let kv_blocks_needed = ((hashes.len() - held) as u64).saturating_add(unhashed_blocks);
         scores.push(WorkerScore {
             position,
             matched_blocks,
@@ -500,6 +539,7 @@ pub fn decide(
         chosen: chosen.0,
         outcome,
         prompt_tokens,
+        unhashed_kv_blocks: unhashed_blocks,
         scores,
     })
 }
@@ -567,7 +607,7 @@ mod tests {
         let lookup = overlap(pool, &prompt);
         assert_eq!(lookup.depth(WorkerId(pool.slots[1].0)), 99);
 
-        let first = decide(pool, 400, 0, &lookup, &[], &[]).unwrap();
+        let first = decide(pool, 400, &[], 0, &lookup, &[], &[]).unwrap();
         assert_eq!(first.chosen, 1);
         assert_eq!(first.outcome, Outcome::CacheHit);
         assert_eq!(first.scores[1].uncached_tokens, 4);
@@ -575,10 +615,13 @@ mod tests {
         // Pile prefill work onto the cached worker: it stays best while its backlog is smaller
         // than the 396 tokens the others would have to prefill...
         let _some = PendingPrefill::start(&pool.workers[1], 300);
-        assert_eq!(decide(pool, 400, 0, &lookup, &[], &[]).unwrap().chosen, 1);
+        assert_eq!(
+            decide(pool, 400, &[], 0, &lookup, &[], &[]).unwrap().chosen,
+            1
+        );
         // ...and loses once the backlog is larger (no hot spot).
         let _more = PendingPrefill::start(&pool.workers[1], 200);
-        let spread = decide(pool, 400, 0, &lookup, &[], &[]).unwrap();
+        let spread = decide(pool, 400, &[], 0, &lookup, &[], &[]).unwrap();
         assert_ne!(spread.chosen, 1);
         assert_eq!(spread.outcome, Outcome::Spread);
         assert!(spread.explain(pool).contains("matched_blocks=99"));
@@ -594,7 +637,7 @@ mod tests {
         let lookup = overlap(pool, &[1, 2, 3, 4]);
         let chosen: Vec<usize> = (0..12)
             .map(|_| {
-                let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
+                let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
                 assert_eq!(decision.outcome, Outcome::NoCache);
                 // Sent and answered at once: the workers stay idle, only the turn moves on.
                 drop(InFlight::start(&pool.workers[decision.chosen]));
@@ -610,7 +653,10 @@ mod tests {
         // A worker with a request in flight is passed over whatever its turn.
         let next = chosen[0];
         let _busy = InFlight::start(&pool.workers[next]);
-        assert_ne!(decide(pool, 4, 0, &lookup, &[], &[]).unwrap().chosen, next);
+        assert_ne!(
+            decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().chosen,
+            next
+        );
     }
 
     #[test]
@@ -624,7 +670,7 @@ mod tests {
         let _b = InFlight::start(&pool.workers[0]);
         let _c = InFlight::start(&pool.workers[1]);
         let _c_prefill = PendingPrefill::start(&pool.workers[1], 500);
-        let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
+        let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
         assert_eq!(
             (decision.scores[0].running, decision.scores[0].queued_tokens),
             (2, 0)
@@ -639,7 +685,7 @@ mod tests {
             "vllm:num_requests_waiting 4\nvllm:num_requests_running 6\n",
             10,
         );
-        let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
+        let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
         assert_eq!(decision.scores[2].running, 6);
         assert!(decision.scores[2].queued_tokens > 0);
         // Another replica's one request, prefilling `tokens` for `elapsed_us` when read.
@@ -657,20 +703,20 @@ mod tests {
             in_flight: 1,
             ..Default::default()
         });
-        let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
+        let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
         // (Less what the worker did since the ledger was read: a token per 300 µs.)
         let queued = decision.scores[1].queued_tokens;
         assert!((3400..=3500).contains(&queued), "{queued}");
         // The replica had been on it for 0.3 s when it was read: 1,000 tokens are done.
         pool.workers[1].load.set_peers(prefilling(3000, 300_000));
-        let queued = decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
+        let queued = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
         assert!((2400..=2500).contains(&queued), "{queued}");
         // A peer's long wait (10 s: 33,000 tokens' time) counts only against its own 1,000:
         // a prompt this proxy has just sent there stays queued.
         pool.workers[1].load.set_peers(prefilling(1000, 10_000_000));
-        let before = decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
+        let before = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
         let _ours = PendingPrefill::start(&pool.workers[1], 3000);
-        let queued = decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
+        let queued = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
         assert!(queued >= before + 2900, "{before} then {queued}");
         assert_eq!(decision.scores[0].running, 3);
         pool.workers[0].load.set_peers(Default::default());
@@ -679,7 +725,7 @@ mod tests {
             .load
             .update_from_metrics("vllm:num_requests_running 2\n", 10);
         assert_eq!(
-            decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[0].running,
+            decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[0].running,
             2
         );
     }
@@ -716,7 +762,7 @@ mod tests {
         let _short_prediction = pool.kv.predictions.add(pool.slots[0], prompt(&short), 0);
         std::thread::sleep(std::time::Duration::from_millis(20));
         let queued = |pool: &PoolRuntime, position: usize| {
-            decide(pool, 4, 0, &lookup, &[], &[]).unwrap().scores[position].queued_tokens
+            decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[position].queued_tokens
         };
         assert_eq!((queued(pool, 0), queued(pool, 1)), (0, 0));
         // Its KV events have stored the first 100 blocks of the long one (vLLM stores a block
@@ -782,7 +828,7 @@ mod tests {
         let _a = PendingPrefill::start(&pool.workers[0], 1_200);
         let _b = PendingPrefill::start(&pool.workers[1], 1_500);
         let _c = PendingPrefill::start(&pool.workers[2], 1_500);
-        let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
+        let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
         assert_ne!(decision.chosen, 0, "{:?}", decision.scores);
         let slow = &decision.scores[0];
         assert!((slow.relative_speed - 1.5).abs() < 0.05, "{slow:?}");
@@ -796,7 +842,7 @@ mod tests {
             pool.workers[0].ttft.observe(answer(i, 1.5), &model);
             pool.workers[1].ttft.observe(answer(i, 1.0), &model);
         }
-        let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
+        let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
         assert_eq!(decision.scores[0].relative_speed, 1.0);
         assert!(decision.scores[0].speed.known());
     }
@@ -827,7 +873,7 @@ mod tests {
             let table = table_with(extra);
             let pool = table.pools().next().unwrap();
             teach(pool);
-            let decision = decide(pool, 2000, 0, &overlap(pool, &prompt), &[], &[]).unwrap();
+            let decision = decide(pool, 2000, &[], 0, &overlap(pool, &prompt), &[], &[]).unwrap();
             let per_token = decision.scores[0].formula_ttft_s / 2000.0 * 1e6;
             assert!(
                 (per_token / expected_us - 1.0).abs() < 0.1,
@@ -899,7 +945,9 @@ mod tests {
         let chosen = |pool: &PoolRuntime| {
             let mut counts = [0usize; 3];
             for _ in 0..50 {
-                counts[decide(pool, 1000, 0, &lookup, &[], &[]).unwrap().chosen] += 1;
+                counts[decide(pool, 1000, &[], 0, &lookup, &[], &[])
+                    .unwrap()
+                    .chosen] += 1;
             }
             counts
         };
@@ -923,7 +971,7 @@ mod tests {
         }
         let error = pool.kv.calibration.fit(configured).error.unwrap();
         assert!((0.1..0.25).contains(&error), "{error}");
-        let decision = decide(pool, 1000, 0, &lookup, &[], &[]).unwrap();
+        let decision = decide(pool, 1000, &[], 0, &lookup, &[], &[]).unwrap();
         let behind = |position: usize| {
             decision.scores[position].predicted_ttft_s - decision.scores[0].predicted_ttft_s
         };
@@ -984,7 +1032,7 @@ mod tests {
         let _shorter = PendingPrefill::start(&pool.workers[0], 1500);
         let longer = PendingPrefill::start(&pool.workers[2], 2500);
         // Nothing has arrived yet: no charge, the request's own TTFT decides.
-        let alone = decide(pool, 1000, 0, &lookup, &[], &[]).unwrap();
+        let alone = decide(pool, 1000, &[], 0, &lookup, &[], &[]).unwrap();
         assert_eq!(alone.chosen, 0, "{:?}", alone.scores);
         assert!(alone.scores.iter().all(|s| s.cost_s == s.predicted_ttft_s));
         // Requests arriving fast: copying 1,000 tokens delays every one of them that comes
@@ -993,13 +1041,13 @@ mod tests {
             pool.kv.record_arrival();
         }
         assert!(pool.kv.arrival_rate() > 100.0);
-        let behind = decide(pool, 1000, 0, &lookup, &[], &[]).unwrap();
+        let behind = decide(pool, 1000, &[], 0, &lookup, &[], &[]).unwrap();
         assert_eq!(behind.chosen, 1, "{:?}", behind.scores);
         assert_eq!(behind.outcome, Outcome::CacheHit);
         assert!(behind.scores[0].cost_s > behind.scores[0].predicted_ttft_s);
         // With one worker idle the fleet is not behind: copying to it costs nobody a wait.
         drop(longer);
-        let idle = decide(pool, 1000, 0, &lookup, &[], &[]).unwrap();
+        let idle = decide(pool, 1000, &[], 0, &lookup, &[], &[]).unwrap();
         assert_eq!(idle.chosen, 2, "{:?}", idle.scores);
         assert!(idle.scores.iter().all(|s| s.cost_s == s.predicted_ttft_s));
     }
@@ -1010,37 +1058,65 @@ mod tests {
         let table = table();
         let pool = table.pools().next().unwrap();
         let prompt: Vec<u32> = (0..400).collect();
+        let hashes = sequence_hashes(&prompt, 4);
         store(pool, 1, &prompt);
         let lookup = overlap(pool, &prompt);
-        // Each worker has 1,000 usable blocks of 4 tokens (1,001 with vLLM's null block),
-        // worker 1 95% used by others; the request needs its output there, 200 tokens = 50
-        // blocks, and 150 blocks elsewhere.
-        for (position, usage) in [(0, "0.1"), (1, "0.95"), (2, "0.1")] {
+        // Each worker has 1,000 usable blocks of 4 tokens (1,001 with vLLM's null block).
+        let scrape = |position: usize, usage: &str| {
             pool.workers[position].load.update_from_metrics(
                 &format!("vllm:kv_cache_usage_perc {usage}\nvllm:cache_config_info{{num_gpu_blocks=\"1001\"}} 1\n"),
                 10,
             );
+        };
+        // Worker 1 is 85% used by others and holds the whole prompt in its cache, but no
+        // request runs it: those cached blocks are free blocks to vLLM, which the request takes
+        // out of the free ones by hitting them. It needs its 100 prompt blocks and its output,
+        // 200 tokens = 50 blocks, there as anywhere, and there are 150.
+        for (position, usage) in [(0, "0.1"), (1, "0.85"), (2, "0.1")] {
+            scrape(position, usage);
         }
-        let fits = decide(pool, 400, 200, &lookup, &[], &[]).unwrap();
+        let fits = decide(pool, 400, &hashes, 200, &lookup, &[], &[]).unwrap();
         assert_eq!(fits.chosen, 1, "{:?}", fits.scores);
-        assert_eq!(fits.scores[1].kv_blocks_needed, 50);
-        assert_eq!(fits.scores[1].kv_blocks_free, Some(50));
-        // This proxy's own request there takes the room: the cached worker no longer fits.
-        let _held = KvReservation::start(&pool.workers[1], 10);
-        let passed = decide(pool, 400, 200, &lookup, &[], &[]).unwrap();
+        assert!(fits.scores.iter().all(|s| s.kv_blocks_needed == 150));
+        assert_eq!(fits.scores[1].kv_blocks_free, Some(150));
+        assert_eq!(fits.unhashed_kv_blocks, 50);
+        // 90% used: the cached worker has too little room for it, and is passed over although
+        // only 50 blocks of the request are new there (a conversation's history, cached but
+        // idle between its turns, does not make room).
+        scrape(1, "0.9");
+        let passed = decide(pool, 400, &hashes, 200, &lookup, &[], &[]).unwrap();
         assert_ne!(passed.chosen, 1, "{:?}", passed.scores);
-        assert!(passed.explain(pool).contains("kv_blocks_free=40"));
+        assert!(
+            passed
+                .explain(pool)
+                .contains("kv_blocks_needed=150 kv_blocks_free=100")
+        );
+        // This proxy's own request there runs the first 80 blocks of the prompt: the worker
+        // holds them once for both, and the request needs 20 more and its output.
+        let running = KvReservation::start(&pool.workers[1], &hashes[..80], 5);
+        scrape(1, "0.9");
+        assert_eq!(pool.workers[1].load.free_kv_blocks(), Some(100));
+        let shares = decide(pool, 400, &hashes, 200, &lookup, &[], &[]).unwrap();
+        assert_eq!(shares.chosen, 1, "{:?}", shares.scores);
+        assert_eq!(shares.scores[1].kv_blocks_needed, 70);
+        assert_eq!(shares.scores[0].kv_blocks_needed, 150);
+        drop(running);
         // When no worker has room, the scorer still chooses (the best by time).
         let _others = [
-            KvReservation::start(&pool.workers[0], 800),
-            KvReservation::start(&pool.workers[2], 800),
+            KvReservation::start(&pool.workers[0], &[], 800),
+            KvReservation::start(&pool.workers[2], &[], 800),
         ];
-        assert_eq!(decide(pool, 400, 200, &lookup, &[], &[]).unwrap().chosen, 1);
+        assert_eq!(
+            decide(pool, 400, &hashes, 200, &lookup, &[], &[])
+                .unwrap()
+                .chosen,
+            1
+        );
         // A `max_tokens` no model has room for counts as the bound, not as an overflow.
-        let huge = decide(pool, 400, usize::MAX, &lookup, &[], &[]).unwrap();
+        let huge = decide(pool, 400, &hashes, usize::MAX, &lookup, &[], &[]).unwrap();
         assert_eq!(
             huge.scores[1].kv_blocks_needed,
-            MAX_OUTPUT_TOKENS.div_ceil(4) as u64
+            100 + MAX_OUTPUT_TOKENS.div_ceil(4) as u64
         );
     }
 
@@ -1051,15 +1127,20 @@ mod tests {
         let lookup = overlap(pool, &[1, 2, 3, 4]);
         let mut seen = [0; 3];
         for _ in 0..300 {
-            let decision = decide(pool, 4, 0, &lookup, &[], &[]).unwrap();
+            let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
             assert_eq!(decision.outcome, Outcome::NoCache);
             seen[decision.chosen] += 1;
         }
         assert!(seen.iter().all(|n| *n > 30), "{seen:?}");
         for _ in 0..20 {
-            assert_eq!(decide(pool, 4, 0, &lookup, &[], &[0, 2]).unwrap().chosen, 1);
+            assert_eq!(
+                decide(pool, 4, &[], 0, &lookup, &[], &[0, 2])
+                    .unwrap()
+                    .chosen,
+                1
+            );
         }
-        assert!(decide(pool, 4, 0, &lookup, &[], &[0, 1, 2]).is_none());
+        assert!(decide(pool, 4, &[], 0, &lookup, &[], &[0, 1, 2]).is_none());
     }
 
     #[test]
@@ -1120,17 +1201,17 @@ mod tests {
 
         // Half the work needs 1.5 workers: one holder of three is too few, two are enough.
         let lookup = overlap(pool, &conversation(99));
-        let one = decide(pool, 400, 0, &lookup, &[0.5; 95], &[]).unwrap();
+        let one = decide(pool, 400, &[], 0, &lookup, &[0.5; 95], &[]).unwrap();
         assert_eq!(one.scores[0].replicated_tokens, 380);
         store(pool, 2, &system);
         let lookup = overlap(pool, &conversation(99));
-        let two = decide(pool, 400, 0, &lookup, &[0.5; 95], &[]).unwrap();
+        let two = decide(pool, 400, &[], 0, &lookup, &[0.5; 95], &[]).unwrap();
         assert!(
             two.scores.iter().all(|s| s.replicated_tokens == 0),
             "{two:?}"
         );
         // All of it on two holders of three: the third is scored as holding it.
-        let all = decide(pool, 400, 0, &lookup, &[1.0; 95], &[]).unwrap();
+        let all = decide(pool, 400, &[], 0, &lookup, &[1.0; 95], &[]).unwrap();
         assert_eq!(all.scores[0].replicated_tokens, 380);
     }
 
@@ -1149,7 +1230,7 @@ mod tests {
         shares.extend([1.0 / 32.0; 60]);
         let lookup = overlap(pool, &history);
         let _queued = PendingPrefill::start(&pool.workers[1], 60);
-        let decision = decide(pool, 400, 0, &lookup, &shares, &[]).unwrap();
+        let decision = decide(pool, 400, &[], 0, &lookup, &shares, &[]).unwrap();
         assert_eq!((decision.chosen, decision.outcome), (1, Outcome::CacheHit));
         assert!(decision.scores.iter().all(|s| s.replicated_tokens == 0));
     }

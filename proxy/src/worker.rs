@@ -8,6 +8,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use switchyard_kv::hash::SequenceHash;
 use tokio::sync::Notify;
 
 use crate::calibration::TtftCalibration;
@@ -48,6 +49,25 @@ pub struct WorkerState {
     /// The number of this proxy's latest request to the worker, in the order of all its
     /// requests to any worker ([`SENT`]; 0: never).
     last_sent: AtomicU64,
+    /// The KV blocks this proxy's requests at the worker hold (or will, once scheduled).
+    held: Mutex<HeldBlocks>,
+}
+
+/// The KV blocks a worker holds for this proxy's requests there, counted as the worker counts
+/// them: a full prompt block by its hash, so that requests sharing a prefix hold its blocks
+/// once; the rest (a prompt's last partial block, the output a request may generate) per
+/// request. Every request holds a chain of hashes from its first block, so the hashes held
+/// are closed under prefixes: a prompt's held blocks are a prefix of it.
+#[derive(Debug, Default)]
+struct HeldBlocks {
+    by_hash: HashMap<SequenceHash, u32>,
+    unhashed: u64,
+}
+
+impl HeldBlocks {
+    fn blocks(&self) -> u64 {
+        (self.by_hash.len() as u64).saturating_add(self.unhashed)
+    }
 }
 
 impl WorkerState {
@@ -72,6 +92,18 @@ impl WorkerState {
             kv_blocks: self.load.own_kv_blocks(),
             prefill_elapsed_us: self.prefill_elapsed().as_micros() as u64,
         }
+    }
+
+    /// How many leading blocks of a prompt (its chained block hashes) this proxy's requests at
+    /// the worker hold now: blocks the worker need not take from its free ones to run it. (A
+    /// cached block nobody runs is free to vLLM, evicted on demand: a request that hits it
+    /// takes it out of the free blocks as surely as a new one.)
+    pub fn held_prefix_blocks(&self, hashes: &[SequenceHash]) -> usize {
+        let held = crate::lock(&self.held);
+        if held.by_hash.is_empty() {
+            return 0;
+        }
+        hashes.partition_point(|hash| held.by_hash.contains_key(hash))
     }
 
     pub fn pending_prefill_tokens(&self) -> usize {
@@ -181,33 +213,58 @@ impl Prefill {
     }
 }
 
-/// Counts the KV blocks a request will hold at a worker (its uncached prompt and the output it
-/// may generate) until the request ends.
+/// Counts the KV blocks a request will hold at a worker (its prompt's full blocks by hash,
+/// and `unhashed` more: the prompt past them and the output it may generate) until the
+/// request ends.
 #[derive(Debug)]
 pub struct KvReservation {
     worker: Arc<WorkerState>,
-    blocks: u64,
+    hashes: Vec<SequenceHash>,
+    unhashed: u64,
 }
 
 impl KvReservation {
-    pub fn start(worker: &Arc<WorkerState>, blocks: u64) -> KvReservation {
+    pub fn start(
+        worker: &Arc<WorkerState>,
+        hashes: &[SequenceHash],
+        unhashed: u64,
+    ) -> KvReservation {
+        let mut held = crate::lock(&worker.held);
+        for hash in hashes {
+            *held.by_hash.entry(*hash).or_default() += 1;
+        }
+        held.unhashed = held.unhashed.saturating_add(unhashed);
         worker
             .load
             .own_kv_blocks
-            .fetch_add(blocks, Ordering::Relaxed);
+            .store(held.blocks(), Ordering::Relaxed);
         KvReservation {
             worker: worker.clone(),
-            blocks,
+            hashes: hashes.to_vec(),
+            unhashed,
         }
     }
 }
 
 impl Drop for KvReservation {
     fn drop(&mut self) {
+        let mut held = crate::lock(&self.worker.held);
+        for hash in &self.hashes {
+            if let std::collections::hash_map::Entry::Occupied(mut entry) =
+                held.by_hash.entry(*hash)
+            {
+                *entry.get_mut() -= 1;
+                if *entry.get() == 0 {
+                    entry.remove();
+                }
+            }
+        }
+        held.unhashed = held.unhashed.saturating_sub(self.unhashed);
         self.worker
             .load
             .own_kv_blocks
-            .fetch_sub(self.blocks, Ordering::Relaxed);
+            .store(held.blocks(), Ordering::Relaxed);
+        drop(held);
         ledger_changed();
     }
 }
@@ -267,6 +324,7 @@ impl EndpointRegistry {
             load: Arc::default(),
             ttft: TtftCalibration::default(),
             last_sent: AtomicU64::new(0),
+            held: Mutex::default(),
         });
         workers.insert(address.to_owned(), state.clone());
         state
@@ -282,6 +340,33 @@ impl EndpointRegistry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn requests_sharing_a_prefix_hold_its_blocks_once_until_the_last_ends() {
+        let registry = EndpointRegistry::default();
+        let worker = registry.worker("127.0.0.1:1");
+        let hashes: Vec<SequenceHash> = (1..=10).map(SequenceHash).collect();
+        assert_eq!(worker.held_prefix_blocks(&hashes), 0);
+        // A system prompt's 6 blocks, and a conversation that adds 4 to them; each with an
+        // unhashed tail (partial block, output).
+        let system = KvReservation::start(&worker, &hashes[..6], 2);
+        let conversation = KvReservation::start(&worker, &hashes, 3);
+        assert_eq!(worker.load.own_kv_blocks(), 10 + 5);
+        assert_eq!(worker.held_prefix_blocks(&hashes), 10);
+        // Another prompt that parts from them after 3 blocks.
+        let other: Vec<SequenceHash> = hashes[..3]
+            .iter()
+            .copied()
+            .chain([SequenceHash(99)])
+            .collect();
+        assert_eq!(worker.held_prefix_blocks(&other), 3);
+        drop(conversation);
+        assert_eq!(worker.load.own_kv_blocks(), 6 + 2);
+        assert_eq!(worker.held_prefix_blocks(&hashes), 6);
+        drop(system);
+        assert_eq!(worker.load.own_kv_blocks(), 0);
+        assert_eq!(worker.held_prefix_blocks(&hashes), 0);
+    }
 
     #[test]
     fn the_prefill_clock_restarts_only_when_the_oldest_prefill_is_through() {
