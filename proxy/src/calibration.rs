@@ -1,14 +1,15 @@
 //! The TTFT model, learned online: the pool's coefficients and each worker's speed.
 //!
 //! **The pool's coefficients** ([`PoolCalibration`]). The scorer predicts a worker's time to
-//! first token as `fixed + prefill × tokens + running × requests` ([`Coefficients`]); the
-//! configured values (`scoring.prefillMicrosPerToken`, `runningRequestMicros`) are where the
-//! model starts, not what it keeps. Every streamed answer is one observation: the tokens the
-//! request waited for (the prefill queued ahead of it at the decision, plus its own uncached
-//! prompt as the worker reported it, `prompt_tokens` less `prompt_tokens_details.cached_tokens`,
-//! or as the prefix index predicted it when the worker does not report details), the requests
-//! running there, and the time the first token took. A Kalman filter over the three
-//! coefficients (a Bayesian linear regression whose prior is the configuration, with a little
+//! first token as `fixed + prefill × tokens + attention × pairs + running × requests`
+//! ([`Coefficients`]; `pairs`: what the prefilled tokens attend to, [`PrefillWork`]); the
+//! configured values (`scoring.prefillMicrosPerToken`, `attentionContextTokens`,
+//! `runningRequestMicros`) are where the model starts, not what it keeps. Every streamed answer
+//! is one observation: the tokens the request waited for (the prefill queued ahead of it at the
+//! decision, plus its own uncached prompt as the worker reported it, `prompt_tokens` less
+//! `prompt_tokens_details.cached_tokens`, or as the prefix index predicted it when the worker
+//! does not report details) and their pairs, the requests running there, and the time the
+//! first token took. A Kalman filter over the four coefficients (a Bayesian linear regression whose prior is the configuration, with a little
 //! process noise so it follows a fleet that changes) learns them: with coefficients 2x off, a
 //! few dozen answers are enough. Each observation's error is relative (a 50 ms miss matters
 //! on a 100 ms prediction, not on a 5 s one), outliers (a preemption, a stalled connection)
@@ -186,9 +187,9 @@ pub struct TtftCalibration {
 /// The answers a worker's speed is learned from.
 #[derive(Debug, Default)]
 struct Answers {
-    /// The latest [`RECENT_RATIOS`] that qualified: (uncached prompt tokens, running requests,
-    /// seconds to the first token).
-    recent: VecDeque<(f64, f64, f64)>,
+    /// The latest [`RECENT_RATIOS`] that qualified: (the request's own prefill, running
+    /// requests, seconds to the first token).
+    recent: VecDeque<(PrefillWork, f64, f64)>,
     /// How many qualified, ever.
     observations: u64,
     /// The last streamed request's predicted and observed seconds, qualified or not.
@@ -218,8 +219,8 @@ impl TtftCalibration {
         let mut ratios: Vec<f64> = answers
             .recent
             .iter()
-            .filter_map(|&(tokens, running, observed_s)| {
-                let predicted = model.predict(tokens, running);
+            .filter_map(|&(prefill, running, observed_s)| {
+                let predicted = model.predict(prefill, running);
                 (predicted > 0.0).then(|| (observed_s / predicted).clamp(0.05, 20.0))
             })
             .collect();
@@ -242,7 +243,7 @@ impl TtftCalibration {
         let SpeedAnswer {
             predicted_s,
             queued_tokens,
-            uncached_tokens,
+            own_prefill,
             running,
             observed_s,
         } = answer;
@@ -251,17 +252,17 @@ impl TtftCalibration {
         }
         let mut answers = crate::lock(&self.own);
         answers.last = Some((predicted_s, observed_s));
-        let (tokens, running) = (uncached_tokens as f64, running as f64);
-        let own_prefill_s = model.prefill_s_per_token * tokens;
+        let running = running as f64;
+        let own_prefill_s = model.prefill_s(own_prefill);
         let mostly_own_prefill = own_prefill_s > 0.0
-            && own_prefill_s >= MIN_PREFILL_SHARE * model.predict(tokens, running);
+            && own_prefill_s >= MIN_PREFILL_SHARE * model.predict(own_prefill, running);
         if queued_tokens > 0 || observed_s < MIN_OBSERVED_S || !mostly_own_prefill {
             return;
         }
         if answers.recent.len() == RECENT_RATIOS {
             answers.recent.pop_front();
         }
-        answers.recent.push_back((tokens, running, observed_s));
+        answers.recent.push_back((own_prefill, running, observed_s));
         answers.observations += 1;
     }
 }
@@ -273,67 +274,143 @@ pub struct SpeedAnswer {
     pub predicted_s: f64,
     /// Prefill tokens predicted to be queued ahead of the request.
     pub queued_tokens: usize,
-    /// The request's own prompt tokens the worker prefilled: its own count when it reports
-    /// cached tokens, else the prefix index's prediction.
-    pub uncached_tokens: usize,
+    /// The request's own prefill: its uncached prompt tokens after its cached ones, as the
+    /// worker counted them when it reports cached tokens, else as the prefix index predicted.
+    pub own_prefill: PrefillWork,
     /// Requests running on the worker at the decision.
     pub running: u64,
     /// Seconds from sending the request to its first token.
     pub observed_s: f64,
 }
 
-/// The pool's TTFT model, in seconds: `fixed + prefill × tokens + running × requests`.
+/// Prefill work: the prompt tokens a worker computes, and the (query, key) pairs of their
+/// attention. A chunk of `n` tokens after `c` tokens of context attends to `n × c + n(n+1)/2`
+/// pairs: a token's weights cost the same wherever it sits, its attention grows with the
+/// context before it (a cold 25k-token prompt spends about as long in attention as in its
+/// weights on a ~27B model, a 1k-token one a few percent).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PrefillWork {
+    pub tokens: f64,
+    pub pairs: f64,
+}
+
+impl PrefillWork {
+    /// `tokens` prefilled after `context` tokens already computed (cached).
+    pub fn after(context: usize, tokens: usize) -> PrefillWork {
+        let (context, tokens) = (context as f64, tokens as f64);
+        PrefillWork {
+            tokens,
+            pairs: tokens * context + tokens * (tokens + 1.0) / 2.0,
+        }
+    }
+
+    /// `tokens` whose attention is `pairs_per_token` pairs each, on average.
+    pub fn at(tokens: usize, pairs_per_token: f64) -> PrefillWork {
+        let tokens = tokens as f64;
+        PrefillWork {
+            tokens,
+            pairs: tokens * pairs_per_token.max(0.0),
+        }
+    }
+
+    pub fn plus(self, other: PrefillWork) -> PrefillWork {
+        PrefillWork {
+            tokens: self.tokens + other.tokens,
+            pairs: self.pairs + other.pairs,
+        }
+    }
+
+    /// This work less `other` (a part of it), never below nothing.
+    pub fn less(self, other: PrefillWork) -> PrefillWork {
+        PrefillWork {
+            tokens: (self.tokens - other.tokens).max(0.0),
+            pairs: (self.pairs - other.pairs).max(0.0),
+        }
+    }
+
+    /// Pairs per token (0 for no tokens).
+    pub fn pairs_per_token(&self) -> f64 {
+        if self.tokens > 0.0 {
+            self.pairs / self.tokens
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The pool's TTFT model, in seconds: `fixed + prefill × tokens + attention × pairs + running ×
+/// requests`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Coefficients {
     /// Time every first token takes (a scheduler step, sampling, the network).
     pub fixed_s: f64,
-    /// Per prompt token prefilled ahead of and for the request.
+    /// Per prompt token prefilled ahead of and for the request (its weights' GEMMs).
     pub prefill_s_per_token: f64,
+    /// Per (query, key) pair of that prefill's attention ([`PrefillWork`]).
+    pub attention_s_per_pair: f64,
     /// Per request already running on the worker (decode steps share the batch).
     pub running_s_per_request: f64,
 }
 
 impl Coefficients {
-    /// The pool's configured coefficients (no fixed part).
+    /// The pool's configured coefficients (no fixed part). Attention is configured as the
+    /// context at which a token's attention takes as long as its weights
+    /// (`scoring.attentionContextTokens`; 0: not modelled).
     pub fn configured(scoring: &Scoring) -> Coefficients {
+        let prefill_s_per_token = f64::from(scoring.prefill_micros_per_token) / 1e6;
+        let attention_s_per_pair = match scoring.attention_context_tokens {
+            0 => 0.0,
+            context => prefill_s_per_token / f64::from(context),
+        };
         Coefficients {
             fixed_s: 0.0,
-            prefill_s_per_token: f64::from(scoring.prefill_micros_per_token) / 1e6,
+            prefill_s_per_token,
+            attention_s_per_pair,
             running_s_per_request: f64::from(scoring.running_request_micros) / 1e6,
         }
     }
 
-    /// The predicted time to first token behind `tokens` of prefill with `running` requests
-    /// running.
-    pub fn predict(&self, tokens: f64, running: f64) -> f64 {
-        self.fixed_s + self.prefill_s_per_token * tokens + self.running_s_per_request * running
+    /// The predicted time to first token behind `prefill` (queued and the request's own) with
+    /// `running` requests running.
+    pub fn predict(&self, prefill: PrefillWork, running: f64) -> f64 {
+        self.fixed_s + self.prefill_s(prefill) + self.running_s_per_request * running
     }
 
-    /// As the filter's state: features are scaled (thousands of tokens, tens of requests) so
-    /// the three coefficients are of similar size.
-    fn to_state(self) -> [f64; 3] {
+    /// The time `work` takes to prefill.
+    pub fn prefill_s(&self, work: PrefillWork) -> f64 {
+        self.prefill_s_per_token * work.tokens + self.attention_s_per_pair * work.pairs
+    }
+
+    /// As the filter's state: features are scaled (thousands of tokens, ten millions of pairs,
+    /// tens of requests) so the coefficients are of similar size.
+    fn to_state(self) -> [f64; FEATURES] {
         [
             self.fixed_s,
             self.prefill_s_per_token * TOKEN_UNIT,
+            self.attention_s_per_pair * PAIR_UNIT,
             self.running_s_per_request * RUNNING_UNIT,
         ]
     }
 
-    fn from_state(state: [f64; 3]) -> Coefficients {
-        let [fixed, prefill, running] = state;
+    fn from_state(state: [f64; FEATURES]) -> Coefficients {
+        let [fixed, prefill, attention, running] = state;
         Coefficients {
             fixed_s: fixed,
             prefill_s_per_token: prefill / TOKEN_UNIT,
+            attention_s_per_pair: attention / PAIR_UNIT,
             running_s_per_request: running / RUNNING_UNIT,
         }
     }
 }
 
+/// The model's features: fixed, prefill tokens, attention pairs, running requests.
+const FEATURES: usize = 4;
 /// Units of the filter's features.
 const TOKEN_UNIT: f64 = 1000.0;
+const PAIR_UNIT: f64 = 1e7;
 const RUNNING_UNIT: f64 = 10.0;
-/// Prior standard deviation of the fixed part (seconds); the two others' is their configured
-/// value (a 2x error is one standard deviation away).
+/// Prior standard deviation of the fixed part (seconds); the others' is their configured value
+/// (a 2x error is one standard deviation away).
 const FIXED_PRIOR_S: f64 = 0.02;
 /// Learned coefficients stay within this factor of the configured ones.
 pub const COEFFICIENT_RANGE: f64 = 8.0;
@@ -375,9 +452,9 @@ pub struct Fit {
 /// One streamed answer, as the pool's model sees it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Observation {
-    /// Prompt tokens the worker prefilled before this request's first token: the queue ahead
-    /// of it and its own uncached prompt.
-    pub tokens: f64,
+    /// What the worker prefilled before this request's first token: the queue ahead of it and
+    /// its own uncached prompt.
+    pub prefill: PrefillWork,
     /// Requests running on the worker when it was chosen.
     pub running: f64,
     /// Seconds to the first token, divided by the worker's relative speed (the pool's model
@@ -388,9 +465,9 @@ pub struct Observation {
 #[derive(Debug, Clone)]
 struct FilterState {
     configured: Coefficients,
-    mean: [f64; 3],
-    covariance: [[f64; 3]; 3],
-    prior_sd: [f64; 3],
+    mean: [f64; FEATURES],
+    covariance: [[f64; FEATURES]; FEATURES],
+    prior_sd: [f64; FEATURES],
     observations: u64,
     error: Option<f64>,
     bias: Option<f64>,
@@ -400,8 +477,14 @@ struct FilterState {
 impl FilterState {
     fn new(configured: Coefficients) -> FilterState {
         let mean = configured.to_state();
-        let prior_sd = [FIXED_PRIOR_S, mean[1].max(1e-3), mean[2].max(1e-3)];
-        let mut covariance = [[0.0; 3]; 3];
+        let [_, prefill, attention, running] = mean;
+        let prior_sd = [
+            FIXED_PRIOR_S,
+            prefill.max(1e-3),
+            attention.max(1e-3),
+            running.max(1e-3),
+        ];
+        let mut covariance = [[0.0; FEATURES]; FEATURES];
         add_to_diagonal(&mut covariance, prior_sd.map(|sd| sd * sd));
         FilterState {
             configured,
@@ -429,11 +512,14 @@ impl FilterState {
     fn update(&mut self, observation: &Observation) {
         let x = [
             1.0,
-            observation.tokens / TOKEN_UNIT,
+            observation.prefill.tokens / TOKEN_UNIT,
+            observation.prefill.pairs / PAIR_UNIT,
             observation.running / RUNNING_UNIT,
         ];
         let y = observation.ttft_s;
-        let dot = |a: &[f64; 3], b: &[f64; 3]| a.iter().zip(b).map(|(a, b)| a * b).sum::<f64>();
+        let dot = |a: &[f64; FEATURES], b: &[f64; FEATURES]| {
+            a.iter().zip(b).map(|(a, b)| a * b).sum::<f64>()
+        };
         add_to_diagonal(
             &mut self.covariance,
             self.prior_sd.map(|sd| (DRIFT * sd).powi(2)),
@@ -454,13 +540,23 @@ impl FilterState {
                 *cell -= k * p;
             }
         }
-        // Within the plausible range of the configuration.
-        let [_, configured_prefill, configured_running] = self.configured.to_state();
-        let [fixed, prefill, running] = &mut self.mean;
+        // Within the plausible range of the configuration (attention configured as none stays
+        // none).
+        let [
+            _,
+            configured_prefill,
+            configured_attention,
+            configured_running,
+        ] = self.configured.to_state();
+        let [fixed, prefill, attention, running] = &mut self.mean;
         *fixed = fixed.clamp(0.0, 1.0);
         *prefill = prefill.clamp(
             configured_prefill / COEFFICIENT_RANGE,
             (configured_prefill * COEFFICIENT_RANGE).max(1e-3),
+        );
+        *attention = attention.clamp(
+            configured_attention / COEFFICIENT_RANGE,
+            configured_attention * COEFFICIENT_RANGE,
         );
         *running = running.clamp(0.0, (configured_running * COEFFICIENT_RANGE).max(1e-2));
         self.observations += 1;
@@ -498,7 +594,7 @@ impl FilterState {
 }
 
 /// Add `values` to the diagonal of `matrix`.
-fn add_to_diagonal(matrix: &mut [[f64; 3]; 3], values: [f64; 3]) {
+fn add_to_diagonal(matrix: &mut [[f64; FEATURES]; FEATURES], values: [f64; FEATURES]) {
     for (i, (row, value)) in matrix.iter_mut().zip(values).enumerate() {
         if let Some(cell) = row.get_mut(i) {
             *cell += value;
@@ -555,9 +651,14 @@ impl PoolCalibration {
 
     /// Update the model with `observation`; false when it says nothing (not finite, no time).
     fn learn(&self, configured: Coefficients, observation: &Observation) -> bool {
-        let usable = [observation.tokens, observation.running, observation.ttft_s]
-            .iter()
-            .all(|v| v.is_finite() && *v >= 0.0)
+        let usable = [
+            observation.prefill.tokens,
+            observation.prefill.pairs,
+            observation.running,
+            observation.ttft_s,
+        ]
+        .iter()
+        .all(|v| v.is_finite() && *v >= 0.0)
             && observation.ttft_s > 0.0;
         if !usable {
             return false;
@@ -577,19 +678,20 @@ mod tests {
     use super::*;
 
     /// The model the workers' tests are measured against: 1 ms a prompt token, 10 ms a running
-    /// request.
+    /// request (no attention: a speed is a ratio, whatever the model's terms).
     const MODEL: Coefficients = Coefficients {
         fixed_s: 0.0,
         prefill_s_per_token: 1e-3,
+        attention_s_per_pair: 0.0,
         running_s_per_request: 1e-2,
     };
 
     /// A cold prompt of `tokens`, nothing queued ahead or running, answered in `observed_s`.
     fn answer(tokens: usize, observed_s: f64) -> SpeedAnswer {
         SpeedAnswer {
-            predicted_s: MODEL.predict(tokens as f64, 0.0),
+            predicted_s: MODEL.predict(PrefillWork::after(0, tokens), 0.0),
             queued_tokens: 0,
-            uncached_tokens: tokens,
+            own_prefill: PrefillWork::after(0, tokens),
             running: 0,
             observed_s,
         }
@@ -674,10 +776,11 @@ mod tests {
         let configured = Coefficients {
             fixed_s: 0.0,
             prefill_s_per_token: 1e-4,
+            attention_s_per_pair: 1e-8,
             running_s_per_request: 1e-3,
         };
         let answer = |ttft_s| Observation {
-            tokens: 1_000.0,
+            prefill: PrefillWork::after(0, 1_000),
             running: 2.0,
             ttft_s,
         };
@@ -766,7 +869,7 @@ mod tests {
                 let tokens = 100 + (seed >> 54) as usize;
                 let noise = 0.9 + 0.2 * ((seed >> 20) & 0xff) as f64 / 255.0;
                 let slow = if i == 2 { 1.5 } else { 1.0 };
-                let truth = 2.0 * slow * MODEL.predict(tokens as f64, 0.0) * noise;
+                let truth = 2.0 * slow * MODEL.predict(PrefillWork::after(0, tokens), 0.0) * noise;
                 worker.observe(answer(tokens, truth), &MODEL);
             }
         }
@@ -806,9 +909,14 @@ mod tests {
         assert_eq!(median_ratio(&[speed(2.0, 4), Speed::default()]), None);
     }
 
-    /// Answers of a worker whose true model is `truth`, in a mix of queues, prompts and
-    /// running batches, with ±10% noise.
-    fn answers(truth: Coefficients, count: usize, seed: &mut u64) -> Vec<Observation> {
+    /// Answers of a worker whose true model is `truth`, in a mix of queues, prompts (up to 4,000
+    /// new tokens after up to `context` cached ones) and running batches, with ±10% noise.
+    fn answers(
+        truth: Coefficients,
+        count: usize,
+        context: f64,
+        seed: &mut u64,
+    ) -> Vec<Observation> {
         let mut next = || {
             *seed = seed
                 .wrapping_mul(6364136223846793005)
@@ -817,13 +925,19 @@ mod tests {
         };
         (0..count)
             .map(|_| {
-                let tokens = 4000.0 * next() * next();
+                let tokens = (4000.0 * next() * next()) as usize;
+                let context = if context > 0.0 {
+                    (context * next()) as usize
+                } else {
+                    0
+                };
+                let prefill = PrefillWork::after(context, tokens);
                 let running = (20.0 * next()).floor();
                 let noise = 0.9 + 0.2 * next();
                 Observation {
-                    tokens,
+                    prefill,
                     running,
-                    ttft_s: truth.predict(tokens, running) * noise,
+                    ttft_s: truth.predict(prefill, running) * noise,
                 }
             })
             .collect()
@@ -834,12 +948,14 @@ mod tests {
         let scoring = Scoring {
             prefill_micros_per_token: 600,
             running_request_micros: 1000,
+            attention_context_tokens: 20_000,
             ..Scoring::default()
         };
         let configured = Coefficients::configured(&scoring);
         let truth = Coefficients {
             fixed_s: 0.02,
             prefill_s_per_token: 300e-6,
+            attention_s_per_pair: 300e-6 / 20_000.0,
             running_s_per_request: 500e-6,
         };
         let pool = PoolCalibration::default();
@@ -847,16 +963,16 @@ mod tests {
         assert_eq!(pool.fit(configured).error, None);
         // A minute at two answers a second.
         let mut seed = 7;
-        let before: f64 = answers(truth, 20, &mut seed)
+        let before: f64 = answers(truth, 20, 24_000.0, &mut seed)
             .iter()
             .map(|o| {
-                (configured.predict(o.tokens, o.running) / o.ttft_s)
+                (configured.predict(o.prefill, o.running) / o.ttft_s)
                     .ln()
                     .abs()
             })
             .sum::<f64>()
             / 20.0;
-        for observation in answers(truth, 120, &mut seed) {
+        for observation in answers(truth, 120, 24_000.0, &mut seed) {
             pool.observe(configured, &observation);
         }
         let fit = pool.fit(configured);
@@ -865,6 +981,14 @@ mod tests {
         let close = |a: f64, b: f64, within: f64| (a / b - 1.0).abs() < within;
         assert!(
             close(learned.prefill_s_per_token, truth.prefill_s_per_token, 0.1),
+            "{learned:?}"
+        );
+        assert!(
+            close(
+                learned.attention_s_per_pair,
+                truth.attention_s_per_pair,
+                0.2
+            ),
             "{learned:?}"
         );
         assert!(
@@ -894,8 +1018,8 @@ mod tests {
         // factor, which says how long a token takes, not which worker is best.
         let scaled = PoolCalibration::default();
         let mut seed = 5;
-        for mut observation in answers(configured, 10, &mut seed) {
-            observation.ttft_s = configured.predict(observation.tokens, observation.running) / 5.0;
+        for mut observation in answers(configured, 10, 0.0, &mut seed) {
+            observation.ttft_s = configured.predict(observation.prefill, observation.running) / 5.0;
             scaled.observe(configured, &observation);
         }
         let fit = scaled.fit(configured);
@@ -904,18 +1028,22 @@ mod tests {
         assert!(spread < error / 2.0, "{fit:?}");
         // The filter has learned most of the scale; the bias is what its predictions still
         // miss, not the first answers' miss counted again.
-        for tokens in [500.0, 2000.0, 8000.0] {
-            let truth = configured.predict(tokens, 2.0) / 5.0;
-            let scaled_prediction = fit.learned.predict(tokens, 2.0) * bias.exp();
+        for tokens in [500, 2000, 8000] {
+            let prefill = PrefillWork::after(0, tokens);
+            let truth = configured.predict(prefill, 2.0) / 5.0;
+            let scaled_prediction = fit.learned.predict(prefill, 2.0) * bias.exp();
             let off = scaled_prediction / truth;
             assert!(off > 0.8 && off < 1.25, "{tokens}: {off} {fit:?}");
         }
         // Right on average but ±30% from one answer to the next: no bias, all spread.
         let noisy = PoolCalibration::default();
-        for (i, mut observation) in answers(configured, 40, &mut seed).into_iter().enumerate() {
+        for (i, mut observation) in answers(configured, 40, 0.0, &mut seed)
+            .into_iter()
+            .enumerate()
+        {
             let noise = if i % 2 == 0 { 1.3 } else { 1.0 / 1.3 };
             observation.ttft_s =
-                configured.predict(observation.tokens, observation.running) * noise;
+                configured.predict(observation.prefill, observation.running) * noise;
             noisy.observe(configured, &observation);
         }
         let fit = noisy.fit(configured);
@@ -928,7 +1056,10 @@ mod tests {
         let configured = Coefficients::configured(&Scoring::default());
         let pool = PoolCalibration::default();
         let mut seed = 3;
-        for (i, mut observation) in answers(configured, 200, &mut seed).into_iter().enumerate() {
+        for (i, mut observation) in answers(configured, 200, 0.0, &mut seed)
+            .into_iter()
+            .enumerate()
+        {
             // Every tenth answer stalled for 30 s (a preemption, a slow client connection).
             if i % 10 == 0 {
                 observation.ttft_s += 30.0;
@@ -938,7 +1069,10 @@ mod tests {
         pool.observe(
             configured,
             &Observation {
-                tokens: f64::NAN,
+                prefill: PrefillWork {
+                    tokens: f64::NAN,
+                    pairs: 0.0,
+                },
                 running: 1.0,
                 ttft_s: 1.0,
             },
@@ -946,7 +1080,7 @@ mod tests {
         pool.observe(
             configured,
             &Observation {
-                tokens: 10.0,
+                prefill: PrefillWork::after(0, 10),
                 running: 1.0,
                 ttft_s: -1.0,
             },

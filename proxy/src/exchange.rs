@@ -19,7 +19,7 @@ use crate::accounting::{Usage, UsageTap};
 use crate::answer::{self, Answer, Delivery};
 use crate::api::{ApiError, ClientFormat, Endpoint, ErrorKind};
 use crate::background;
-use crate::calibration::{Coefficients, Observation, SpeedAnswer};
+use crate::calibration::{Coefficients, Observation, PrefillWork, SpeedAnswer};
 use crate::headers;
 use crate::kv::Prediction;
 use crate::limits::Admission;
@@ -96,14 +96,18 @@ impl TtftProbe {
         let Some(observed) = self.observed_s else {
             return;
         };
-        let uncached = if usage.reported && usage.cached_reported && usage.prompt_tokens > 0 {
-            usage.prompt_tokens.saturating_sub(usage.cached_tokens) as f64
-        } else {
-            self.score.uncached_tokens as f64
-        };
+        let (cached, uncached) =
+            if usage.reported && usage.cached_reported && usage.prompt_tokens > 0 {
+                let prompt = usize::try_from(usage.prompt_tokens).unwrap_or(usize::MAX);
+                let cached = usize::try_from(usage.cached_tokens).unwrap_or(usize::MAX);
+                (cached.min(prompt), prompt - cached.min(prompt))
+            } else {
+                (self.score.cached_tokens, self.score.uncached_tokens)
+            };
+        let own_prefill = PrefillWork::after(cached, uncached);
         let configured = Coefficients::configured(&self.pool.config.scoring);
         let observation = Observation {
-            tokens: self.score.queued_tokens as f64 + uncached,
+            prefill: self.score.queued().plus(own_prefill),
             running: self.score.running as f64,
             ttft_s: observed / self.score.relative_speed.max(f64::EPSILON),
         };
@@ -123,7 +127,7 @@ impl TtftProbe {
             SpeedAnswer {
                 predicted_s: self.score.formula_ttft_s,
                 queued_tokens: self.score.queued_tokens,
-                uncached_tokens: uncached as usize,
+                own_prefill,
                 running: self.score.running,
                 observed_s: observed,
             },
@@ -339,16 +343,20 @@ impl Exchange {
             let kv = &pool.kv;
             let prefill = decision
                 .chosen_score()
-                .map_or(decision.prompt_tokens, |s| s.uncached_tokens);
+                .map_or(PrefillWork::after(0, decision.prompt_tokens), |s| {
+                    PrefillWork::after(s.cached_tokens, s.uncached_tokens)
+                });
             // A prompt not tokenized has no known size: it says nothing of the average.
             if let Some(prompt) = prompt {
-                kv.record_prefill_tokens(prefill);
+                kv.record_prefill(prefill);
                 // A copy's prefill is not demand for the prefix: counting it would make each
                 // copy invite the next.
                 let copied = decision.chosen_score().map_or(0, |s| s.replicated_tokens);
                 if pool.config.scoring.replicate_shared_prefixes {
-                    kv.popularity
-                        .record(&prompt.hashes, prefill.saturating_sub(copied));
+                    kv.popularity.record(
+                        &prompt.hashes,
+                        (prefill.tokens as usize).saturating_sub(copied),
+                    );
                 }
             }
             kv.record_arrival();
@@ -425,10 +433,12 @@ impl Exchange {
         }
         attempt.current = Some(InFlight::start(&worker));
         let score = attempt.decision.as_ref().and_then(|d| d.score(index));
-        let uncached = match (score, &prompt) {
-            (Some(score), _) => score.uncached_tokens,
-            (None, Some(prompt)) if attempt.decision.is_none() => prompt.tokens,
-            _ => 0,
+        let prefill = match (score, &prompt) {
+            (Some(score), _) => PrefillWork::after(score.cached_tokens, score.uncached_tokens),
+            (None, Some(prompt)) if attempt.decision.is_none() => {
+                PrefillWork::after(0, prompt.tokens)
+            }
+            _ => PrefillWork::default(),
         };
         attempt.ttft = score.filter(|_| stream).map(|score| TtftProbe {
             worker: worker.clone(),
@@ -437,7 +447,7 @@ impl Exchange {
             sent: Instant::now(),
             observed_s: None,
         });
-        let pending = PendingPrefill::start(&worker, uncached);
+        let pending = PendingPrefill::start(&worker, prefill);
         // A whole answer shows no first token (its head comes with its last): its prefill
         // counts until the one predicted.
         // (At most the read timeout: the head comes by then or the attempt ends, and the timer

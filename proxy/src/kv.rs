@@ -622,9 +622,11 @@ pub struct PoolKv {
     pub predictions: Arc<Predictions>,
     /// Prompts the other replicas are having prefilled ([`crate::peers`]).
     peer_prefixes: Mutex<Arc<PeerPrefixes>>,
-    /// Running average of the prefill work (uncached prompt tokens) of routed requests:
-    /// estimates the work behind each request a worker reports as waiting.
+    /// Running averages of the prefill work of routed requests (their uncached prompt tokens,
+    /// and those tokens' attention pairs): estimate the work behind each request a worker
+    /// reports as waiting.
     prefill_tokens_average: RunningAverage,
+    prefill_pairs_average: RunningAverage,
     /// When the last routed request arrived (`clock_micros`), and the running average of the
     /// time between arrivals (seconds): the pool's arrival rate.
     last_arrival_us: AtomicU64,
@@ -657,6 +659,7 @@ impl PoolKv {
             predictions: Arc::default(),
             peer_prefixes: Mutex::default(),
             prefill_tokens_average: RunningAverage::default(),
+            prefill_pairs_average: RunningAverage::default(),
             last_arrival_us: AtomicU64::new(0),
             arrival_interval_s: RunningAverage::default(),
             peer_arrival_rate: AtomicU64::new(0),
@@ -856,8 +859,19 @@ impl PoolKv {
         self.arrival_interval_s.add(gap_s);
     }
 
-    pub fn record_prefill_tokens(&self, tokens: usize) {
-        self.prefill_tokens_average.add(tokens as f64);
+    /// Attention pairs per prefilled token of routed requests, on average (0 before the first).
+    pub fn prefill_pairs_per_token(&self) -> f64 {
+        let tokens = self.prefill_tokens_average.get();
+        if tokens > 0.0 {
+            self.prefill_pairs_average.get() / tokens
+        } else {
+            0.0
+        }
+    }
+
+    pub fn record_prefill(&self, work: crate::calibration::PrefillWork) {
+        self.prefill_tokens_average.add(work.tokens);
+        self.prefill_pairs_average.add(work.pairs);
     }
 }
 
@@ -951,14 +965,18 @@ impl KvRegistry {
     }
 }
 
-/// Microseconds since the first call: a cheap monotonic clock shared by all workers.
+/// Microseconds since the first call, plus [`CLOCK_ORIGIN_US`]: a cheap monotonic clock shared
+/// by all workers.
 pub(crate) fn clock_micros() -> u64 {
     static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    EPOCH
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_micros() as u64
+    let elapsed = EPOCH.get_or_init(std::time::Instant::now).elapsed();
+    CLOCK_ORIGIN_US.saturating_add(elapsed.as_micros() as u64)
 }
+
+/// Where [`clock_micros`] starts (about 13 days): a moment dated back from it (another
+/// replica's prefill, on for longer than this process has run) stays that far back instead of
+/// stopping at the process's start.
+const CLOCK_ORIGIN_US: u64 = 1 << 40;
 
 /// Time since `started` on [`clock_micros`].
 pub(crate) fn elapsed_since(started: u64) -> std::time::Duration {

@@ -62,7 +62,7 @@ use switchyard_kv::hash::SequenceHash;
 use switchyard_kv::index::WorkerId;
 use switchyard_snapshot::snapshot::PoolId;
 
-use crate::calibration::{Coefficients, Observation, Speed};
+use crate::calibration::{Coefficients, Observation, PrefillWork, Speed};
 use crate::config::ConfigStore;
 pub use crate::kv::PeerLedger;
 use crate::kv::PeerPrefixes;
@@ -398,6 +398,11 @@ struct Datagram {
     /// sender's latest answers.
     #[serde(default)]
     observations: Vec<(String, u64, f64, f64, f64)>,
+    /// `[pool, number, attention pairs of the prefill tokens]` of the same answers, in the same
+    /// order (absent from replicas that predate it: their answers are not learned from, the
+    /// model's attention term would take them for answers without any).
+    #[serde(default)]
+    observation_pairs: Vec<(String, u64, f64)>,
     /// `[pool, number, address, [[blocks up to, hash], ...]]` of the sender's latest requests
     /// that ended at a worker without KV events.
     #[serde(default)]
@@ -446,11 +451,27 @@ impl Datagram {
             .flat_map(|(pool, recent)| {
                 recent
                     .iter()
-                    .map(|(n, o)| (pool.clone(), *n, o.tokens, o.running, o.ttft_s))
+                    .map(|(n, o)| (pool.clone(), *n, o.prefill.tokens, o.running, o.ttft_s))
             })
             .collect();
         // The latest first: those are what a cut keeps.
         observations.sort_by(|a, b| (b.1, &a.0).cmp(&(a.1, &b.0)));
+        let pairs: HashMap<(&str, u64), f64> = ledger
+            .observations
+            .iter()
+            .flat_map(|(pool, recent)| {
+                recent
+                    .iter()
+                    .map(|(n, o)| ((pool.as_str(), *n), o.prefill.pairs))
+            })
+            .collect();
+        let observation_pairs = observations
+            .iter()
+            .map(|(pool, n, ..)| {
+                let pairs = pairs.get(&(pool.as_str(), *n)).copied().unwrap_or(0.0);
+                (pool.clone(), *n, pairs)
+            })
+            .collect();
         // Each pool's latest first, pool by pool (numbers of different pools say nothing of
         // which is later): a cut keeps the latest of every pool.
         let mut ranked: Vec<(usize, PoolFreed)> = ledger
@@ -481,6 +502,7 @@ impl Datagram {
             prefixes,
             speeds,
             observations,
+            observation_pairs,
             freed,
         };
         loop {
@@ -506,9 +528,9 @@ impl Datagram {
                 continue;
             }
             if !datagram.observations.is_empty() {
-                datagram
-                    .observations
-                    .truncate(datagram.observations.len() / 2);
+                let keep = datagram.observations.len() / 2;
+                datagram.observations.truncate(keep);
+                datagram.observation_pairs.truncate(keep);
                 continue;
             }
             if datagram.workers.is_empty() {
@@ -604,9 +626,20 @@ impl Datagram {
             }
         }
         let mut observations: HashMap<String, Vec<(u64, Observation)>> = HashMap::new();
+        let pairs: HashMap<(&str, u64), f64> = self
+            .observation_pairs
+            .iter()
+            .map(|(pool, n, pairs)| ((pool.as_str(), *n), *pairs))
+            .collect();
         for (pool, n, tokens, running, ttft_s) in &self.observations {
+            let Some(pairs) = pairs.get(&(pool.as_str(), *n)) else {
+                continue;
+            };
             let observation = Observation {
-                tokens: *tokens,
+                prefill: PrefillWork {
+                    tokens: *tokens,
+                    pairs: *pairs,
+                },
                 running: *running,
                 ttft_s: *ttft_s,
             };
@@ -1064,7 +1097,7 @@ mod tests {
 
     fn answer(ttft_s: f64) -> Observation {
         Observation {
-            tokens: 2_000.0,
+            prefill: PrefillWork::after(500, 2_000),
             running: 3.0,
             ttft_s,
         }
@@ -1083,8 +1116,10 @@ mod tests {
         let now = Instant::now();
         let mut replicas = Replicas::default();
         assert!(replicas.hear(from("r1", 1, &latest(1..=3)), one, now));
-        let taught: Vec<f64> = replicas.untaught().iter().map(|(_, o)| o.ttft_s).collect();
-        assert_eq!(taught, [1.0, 2.0, 3.0]);
+        let taught = replicas.untaught();
+        let times: Vec<f64> = taught.iter().map(|(_, o)| o.ttft_s).collect();
+        assert_eq!(times, [1.0, 2.0, 3.0]);
+        assert!(taught.iter().all(|(_, o)| *o == answer(o.ttft_s)));
         assert!(replicas.untaught().is_empty());
         // The next datagram repeats what the last carried (one may be lost): only the new count.
         assert!(replicas.hear(from("r1", 2, &latest(2..=5)), one, now));
@@ -1095,6 +1130,11 @@ mod tests {
         assert!(replicas.untaught().is_empty());
         assert!(replicas.hear(from("r2", 1, &latest(1..=1)), one, now));
         assert_eq!(replicas.untaught().len(), 1);
+        // A replica that predates the attention pairs sends answers the model cannot place.
+        let mut older = from("r3", 1, &latest(1..=2));
+        older.observation_pairs.clear();
+        assert!(replicas.hear(older, one, now));
+        assert!(replicas.untaught().is_empty());
         // Observations are taught, not summed into the ledger.
         assert!(replicas.total(now).observations.is_empty());
     }

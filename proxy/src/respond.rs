@@ -356,6 +356,9 @@ fn ttft_model(pool: &Arc<PoolRuntime>) -> serde_json::Value {
         json!({
             "fixed_ms": c.fixed_s * 1000.0,
             "prefill_us_per_token": c.prefill_s_per_token * 1e6,
+            // The context at which a token's attention takes as long as its weights.
+            "attention_context_tokens": (c.attention_s_per_pair > 0.0)
+                .then(|| (c.prefill_s_per_token / c.attention_s_per_pair).round()),
             "running_us_per_request": c.running_s_per_request * 1e6,
         })
     };

@@ -1,6 +1,7 @@
 //! Choosing a worker by predicted time to first token.
 //!
 //! formula(worker)        = fixed + prefill_cost × (queued_prefill_tokens + uncached_prompt_tokens)
+//!                          + attention_cost × (their attention pairs)
 //!                          + running_cost × running_requests
 //! predicted_ttft(worker) = relative_speed(worker) × formula(worker)
 //!
@@ -8,7 +9,11 @@
 //!   learned online from its streamed answers, starting from the configured `scoring` (which
 //!   has no fixed part), unless the pool sets `scoring.learnCoefficients: false`.
 //! - Uncached tokens come from the prefix index: what the worker's KV cache already holds of
-//!   this prompt.
+//!   this prompt. Each attends to the tokens before it, cached or not: `uncached × cached +
+//!   uncached × (uncached + 1) / 2` pairs ([`PrefillWork`]), so a long prompt's cold prefill
+//!   costs more per token than a short one's, and a held history saves more than its length.
+//!   The queue's pairs per token are those of this proxy's pending prefills at the worker (the
+//!   pool's average routed prefill's for others' requests, or when none is pending).
 //! - Queued prefill is what this proxy has sent that has not produced a first token yet, less
 //!   what the worker has done of it since it started on the oldest (prefill is first come, first
 //!   served), plus the waiting requests of others (the worker's reported queue less this proxy's
@@ -60,7 +65,7 @@ use std::fmt::Write;
 use rand::Rng;
 use switchyard_kv::index::Overlap;
 
-use crate::calibration::{Coefficients, Speed, median_ratio};
+use crate::calibration::{Coefficients, PrefillWork, Speed, median_ratio};
 use crate::prompt::PromptInfo;
 use crate::routing::PoolRuntime;
 
@@ -77,6 +82,8 @@ pub struct WorkerScore {
     /// ([`decide`]).
     pub replicated_tokens: usize,
     pub queued_tokens: usize,
+    /// The attention pairs of those queued tokens ([`PrefillWork`]).
+    pub queued_pairs: f64,
     pub running: u64,
     pub in_flight: usize,
     /// The number of this proxy's latest request to the worker (smaller: longer ago; 0: never).
@@ -97,6 +104,26 @@ pub struct WorkerScore {
     /// What the choice costs: the predicted TTFT plus, while every worker has a backlog, the
     /// delay its own prefill adds for the requests that will arrive behind it ([`decide`]).
     pub cost_s: f64,
+}
+
+impl WorkerScore {
+    /// The prefill predicted to be queued ahead of the request.
+    pub fn queued(&self) -> PrefillWork {
+        PrefillWork {
+            tokens: self.queued_tokens as f64,
+            pairs: self.queued_pairs,
+        }
+    }
+
+    /// The request's own prefill: its uncached tokens after its cached ones.
+    pub fn own_prefill(&self) -> PrefillWork {
+        PrefillWork::after(self.cached_tokens, self.uncached_tokens)
+    }
+
+    /// The part of that prefill that copies a shared prefix (the first uncached tokens).
+    fn copy_prefill(&self) -> PrefillWork {
+        PrefillWork::after(self.cached_tokens, self.replicated_tokens)
+    }
 }
 
 /// What decided a routing choice (for metrics).
@@ -225,10 +252,13 @@ pub fn model(pool: &PoolRuntime) -> (Coefficients, f64, Option<f64>) {
 /// prefix) and running requests, each scaled by the worker's relative speed.
 fn terms(score: &WorkerScore, model: &Coefficients) -> [f64; 3] {
     let speed = score.relative_speed;
-    let prefill = score.queued_tokens + score.uncached_tokens - score.replicated_tokens;
+    let prefill = score
+        .queued()
+        .plus(score.own_prefill())
+        .less(score.copy_prefill());
     [
         speed * model.fixed_s,
-        speed * model.prefill_s_per_token * prefill as f64,
+        speed * model.prefill_s(prefill),
         speed * model.running_s_per_request * score.running as f64,
     ]
 }
@@ -282,8 +312,8 @@ fn replicable_blocks(
 }
 
 /// The prefill of a choice's copy of a shared prefix, which its cost does not charge.
-fn copy_credit_s(score: &WorkerScore, prefill_cost: f64) -> f64 {
-    score.relative_speed * prefill_cost * score.replicated_tokens as f64
+fn copy_credit_s(score: &WorkerScore, model: &Coefficients) -> f64 {
+    score.relative_speed * model.prefill_s(score.copy_prefill())
 }
 
 /// Output tokens a request counts for in the KV cache at most (2^24: past every model's
@@ -320,13 +350,18 @@ pub fn decide(
 ) -> Option<Decision> {
     let scoring = pool.config.scoring;
     let (model, scale, error) = model(pool);
-    let prefill_cost = model.prefill_s_per_token;
     let tolerance = f64::from(scoring.tie_tolerance_micros) / 1e6;
     let block_size = pool.kv.index.block_size();
     // Others' queued requests are as long as the pool's average prompt (this one's before any).
     let average_prefill = match pool.kv.prefill_tokens_average() {
         average if average > 0.0 => average,
         _ => prompt_tokens as f64,
+    };
+    // ... and as long in attention per token as the pool's average prefill (this one's,
+    // cold, before any).
+    let average_pairs_per_token = match pool.kv.prefill_pairs_per_token() {
+        pairs if pairs > 0.0 => pairs,
+        _ => PrefillWork::after(0, prompt_tokens).pairs_per_token(),
     };
 
     let speeds: Vec<Speed> = pool.workers.iter().map(|w| w.ttft.speed(&model)).collect();
@@ -362,18 +397,25 @@ pub fn decide(
         // A prefill token takes the model's time times the scale all its predictions share
         // (while the model learns, it may be several times off in seconds and still order the
         // workers right).
+        // The worker's queue is as long in attention per token as this proxy's prefills
+        // there, or without any, the pool's.
+        let own_pending = worker.pending_prefill();
+        let pairs_per_token = if own_pending.tokens > 0.0 {
+            own_pending.pairs_per_token()
+        } else {
+            average_pairs_per_token
+        };
+        let token_cost = model.prefill_s(PrefillWork::at(1, pairs_per_token));
         let done_in = |elapsed: std::time::Duration, tokens: usize| {
-            if prefill_cost > 0.0 {
-                let done = elapsed.as_secs_f64() / (prefill_cost * scale * relative_speed);
+            if token_cost > 0.0 {
+                let done = elapsed.as_secs_f64() / (token_cost * scale * relative_speed);
                 (done as usize).min(tokens)
             } else {
                 0
             }
         };
-        let (own_tokens, peer_tokens) = (
-            worker.pending_prefill_tokens(),
-            peers.prefill_tokens as usize,
-        );
+        let (own_tokens, peer_tokens) =
+            (own_pending.tokens as usize, peers.prefill_tokens as usize);
         let peers_elapsed = std::time::Duration::from_micros(peers.prefill_elapsed_us);
         let done =
             done_in(worker.prefill_elapsed(), own_tokens).max(done_in(peers_elapsed, peer_tokens));
@@ -388,16 +430,16 @@ pub fn decide(
             .saturating_sub(done)
             .max(unstored)
             .saturating_add(others_queue);
+        let queued = PrefillWork::at(queued_tokens.saturating_sub(others_queue), pairs_per_token)
+            .plus(PrefillWork::at(others_queue, average_pairs_per_token));
+        let own_prefill = PrefillWork::after(cached_tokens, uncached_tokens);
         let in_flight = worker.in_flight();
         let own_decoding = (in_flight as u64).saturating_sub(load.own_pending());
         let peers_decoding = peers.in_flight.saturating_sub(peers.prefills);
         let running = own_decoding
             .saturating_add(peers_decoding)
             .saturating_add(load.others_running());
-        let formula_ttft_s = model.predict(
-            queued_tokens.saturating_add(uncached_tokens) as f64,
-            running as f64,
-        );
+        let formula_ttft_s = model.predict(queued.plus(own_prefill), running as f64);
         let predicted_ttft_s = relative_speed * formula_ttft_s;
         // The worker takes from its free blocks every block of the request that no running
         // request holds, cached or not: a cached block nobody runs is free (evicted on demand),
@@ -412,6 +454,7 @@ pub fn decide(
             uncached_tokens,
             replicated_tokens: 0,
             queued_tokens,
+            queued_pairs: queued.pairs,
             running,
             in_flight,
             last_sent: worker.last_sent(),
@@ -447,7 +490,7 @@ pub fn decide(
     let backlog_s = scores
         .iter()
         .filter(eligible)
-        .map(|s| s.relative_speed * prefill_cost * s.queued_tokens as f64)
+        .map(|s| s.relative_speed * model.prefill_s(s.queued()))
         .fold(f64::INFINITY, f64::min);
     let eligible_count = scores.iter().filter(eligible).count().max(1);
     let behind = if backlog_s.is_finite() {
@@ -471,8 +514,8 @@ pub fn decide(
             .filter(|under| **under)
             .count();
         score.replicated_tokens = (missing * block_size).min(score.uncached_tokens);
-        score.cost_s = score.predicted_ttft_s - copy_credit_s(score, prefill_cost)
-            + behind * score.relative_speed * prefill_cost * score.uncached_tokens as f64;
+        score.cost_s = score.predicted_ttft_s - copy_credit_s(score, &model)
+            + behind * score.relative_speed * model.prefill_s(score.own_prefill());
     }
     let best = scores
         .iter()
@@ -524,7 +567,7 @@ pub fn decide(
     let copies = scores.iter().any(|s| {
         s.position == chosen.0
             && s.replicated_tokens > 0
-            && s.cost_s + copy_credit_s(s, prefill_cost) > best_holder
+            && s.cost_s + copy_credit_s(s, &model) > best_holder
     });
     let outcome = if most_matched > chosen.1 && copies {
         Outcome::Replicate
@@ -614,17 +657,55 @@ mod tests {
 
         // Pile prefill work onto the cached worker: it stays best while its backlog is smaller
         // than the 396 tokens the others would have to prefill...
-        let _some = PendingPrefill::start(&pool.workers[1], 300);
+        let _some = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 300));
         assert_eq!(
             decide(pool, 400, &[], 0, &lookup, &[], &[]).unwrap().chosen,
             1
         );
         // ...and loses once the backlog is larger (no hot spot).
-        let _more = PendingPrefill::start(&pool.workers[1], 200);
+        let _more = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 200));
         let spread = decide(pool, 400, &[], 0, &lookup, &[], &[]).unwrap();
         assert_ne!(spread.chosen, 1);
         assert_eq!(spread.outcome, Outcome::Spread);
         assert!(spread.explain(pool).contains("matched_blocks=99"));
+    }
+
+    /// A long prompt's cold prefill costs more per token than a short one's: each token attends
+    /// to all before it. A worker holding most of a 20,000-token prompt behind 18,000 tokens of
+    /// short prompts is faster than an idle cold one (7.4 s against 7.8 s at the default
+    /// attention), though a model linear in tokens says otherwise (6.6 s against 6.0 s).
+    #[test]
+    fn a_long_cold_prefill_pays_for_its_attention() {
+        for (extra, holder_wins) in [
+            ("", true),
+            (", scoring: {attentionContextTokens: 0}", false),
+        ] {
+            let table = table_with(extra);
+            let pool = table.pools().next().unwrap();
+            let prompt: Vec<u32> = (0..20_000).collect();
+            store(pool, 1, &prompt[..16_000]);
+            let _queue: Vec<PendingPrefill> = (0..10)
+                .map(|_| PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 1_800)))
+                .collect();
+            let _busy = PendingPrefill::start(&pool.workers[2], PrefillWork::after(0, 30_000));
+            let decision = decide(pool, 20_000, &[], 0, &overlap(pool, &prompt), &[], &[]).unwrap();
+            let (holder, cold) = (&decision.scores[1], &decision.scores[0]);
+            assert_eq!((holder.cached_tokens, cold.cached_tokens), (16_000, 0));
+            assert_eq!(
+                decision.chosen == 1,
+                holder_wins,
+                "{extra}: {:?}",
+                decision.scores
+            );
+            let predicted = |score: &WorkerScore| score.predicted_ttft_s;
+            let expected = if holder_wins { (7.4, 7.8) } else { (6.6, 6.0) };
+            assert!(
+                (predicted(holder) - expected.0).abs() < 0.05
+                    && (predicted(cold) - expected.1).abs() < 0.05,
+                "{extra}: {:?}",
+                decision.scores
+            );
+        }
     }
 
     /// Idle workers tie on a prompt nobody holds: they take turns, each seeing every third
@@ -669,7 +750,7 @@ mod tests {
         let _a = InFlight::start(&pool.workers[0]);
         let _b = InFlight::start(&pool.workers[0]);
         let _c = InFlight::start(&pool.workers[1]);
-        let _c_prefill = PendingPrefill::start(&pool.workers[1], 500);
+        let _c_prefill = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 500));
         let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
         assert_eq!(
             (decision.scores[0].running, decision.scores[0].queued_tokens),
@@ -707,15 +788,17 @@ mod tests {
         // (Less what the worker did since the ledger was read: a token per 300 µs.)
         let queued = decision.scores[1].queued_tokens;
         assert!((3400..=3500).contains(&queued), "{queued}");
-        // The replica had been on it for 0.3 s when it was read: 1,000 tokens are done.
+        // The replica had been on it for 0.3 s when it was read: about 1,000 tokens are done
+        // (300 µs a token, and its attention: 2 µs more for the 250 tokens before it, on
+        // average, in the worker's queue of our 500).
         pool.workers[1].load.set_peers(prefilling(3000, 300_000));
         let queued = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
-        assert!((2400..=2500).contains(&queued), "{queued}");
+        assert!((2400..=2520).contains(&queued), "{queued}");
         // A peer's long wait (10 s: 33,000 tokens' time) counts only against its own 1,000:
         // a prompt this proxy has just sent there stays queued.
         pool.workers[1].load.set_peers(prefilling(1000, 10_000_000));
         let before = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
-        let _ours = PendingPrefill::start(&pool.workers[1], 3000);
+        let _ours = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 3000));
         let queued = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
         assert!(queued >= before + 2900, "{before} then {queued}");
         assert_eq!(decision.scores[0].running, 3);
@@ -749,8 +832,9 @@ mod tests {
         // and has been on them for 20 ms: by the model's cost the time says both are done.
         let long: Vec<u32> = (10_000..14_000).collect();
         let unmatched: Vec<u32> = (20_000..22_000).collect();
-        let _pending = PendingPrefill::start(&pool.workers[1], long.len());
-        let _other = PendingPrefill::start(&pool.workers[1], unmatched.len());
+        let _pending = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, long.len()));
+        let _other =
+            PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, unmatched.len()));
         let prediction = pool.kv.predictions.add(pool.slots[1], prompt(&long), 0);
         let _never = pool
             .kv
@@ -758,7 +842,7 @@ mod tests {
             .add(pool.slots[1], prompt(&unmatched), 0);
         // Worker 0, a prompt of 200 tokens, of which 100 are pending there.
         let short: Vec<u32> = (30_000..30_200).collect();
-        let _short = PendingPrefill::start(&pool.workers[0], 100);
+        let _short = PendingPrefill::start(&pool.workers[0], PrefillWork::after(0, 100));
         let _short_prediction = pool.kv.predictions.add(pool.slots[0], prompt(&short), 0);
         std::thread::sleep(std::time::Duration::from_millis(20));
         let queued = |pool: &PoolRuntime, position: usize| {
@@ -808,11 +892,12 @@ mod tests {
         let (model, _, _) = model(pool);
         let answer = |i: u32, slower: f64| {
             let tokens = 1_000 + 20 * i as usize;
-            let predicted_s = model.predict(tokens as f64, 0.0);
+            let own_prefill = PrefillWork::after(0, tokens);
+            let predicted_s = model.predict(own_prefill, 0.0);
             crate::calibration::SpeedAnswer {
                 predicted_s,
                 queued_tokens: 0,
-                uncached_tokens: tokens,
+                own_prefill,
                 running: 0,
                 observed_s: slower * predicted_s,
             }
@@ -825,9 +910,9 @@ mod tests {
         }
         // Both other workers have one prompt of ours queued; worker 0 a shorter one, which is
         // still slower there.
-        let _a = PendingPrefill::start(&pool.workers[0], 1_200);
-        let _b = PendingPrefill::start(&pool.workers[1], 1_500);
-        let _c = PendingPrefill::start(&pool.workers[2], 1_500);
+        let _a = PendingPrefill::start(&pool.workers[0], PrefillWork::after(0, 1_200));
+        let _b = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 1_500));
+        let _c = PendingPrefill::start(&pool.workers[2], PrefillWork::after(0, 1_500));
         let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
         assert_ne!(decision.chosen, 0, "{:?}", decision.scores);
         let slow = &decision.scores[0];
@@ -854,30 +939,29 @@ mod tests {
             let configured = Coefficients::configured(&pool.config.scoring);
             // The workers prefill twice as fast as configured (150 µs a token, not 300).
             for i in 0..200 {
-                let tokens = f64::from(i % 40) * 100.0;
+                let prefill = PrefillWork::after(0, (i % 40) * 100);
                 pool.kv.calibration.observe(
                     configured,
                     &Observation {
-                        tokens,
+                        prefill,
                         running: 0.0,
-                        ttft_s: 150e-6 * tokens,
+                        ttft_s: configured.predict(prefill, 0.0) / 2.0,
                     },
                 );
             }
         };
         let prompt: Vec<u32> = (0..2000).collect();
-        for (extra, expected_us) in [
-            ("", 150.0),
-            (", scoring: {learnCoefficients: false}", 300.0),
-        ] {
+        for (extra, expected) in [("", 0.5), (", scoring: {learnCoefficients: false}", 1.0)] {
             let table = table_with(extra);
             let pool = table.pools().next().unwrap();
             teach(pool);
+            let configured = Coefficients::configured(&pool.config.scoring);
             let decision = decide(pool, 2000, &[], 0, &overlap(pool, &prompt), &[], &[]).unwrap();
-            let per_token = decision.scores[0].formula_ttft_s / 2000.0 * 1e6;
+            let ratio = decision.scores[0].formula_ttft_s
+                / configured.predict(PrefillWork::after(0, 2000), 0.0);
             assert!(
-                (per_token / expected_us - 1.0).abs() < 0.1,
-                "{extra}: {per_token} µs per token"
+                (ratio / expected - 1.0).abs() < 0.1,
+                "{extra}: {ratio} of the configured model"
             );
         }
     }
@@ -887,10 +971,11 @@ mod tests {
         let model = Coefficients {
             fixed_s: 0.0,
             prefill_s_per_token: 300e-6,
+            attention_s_per_pair: 0.0,
             running_s_per_request: 500e-6,
         };
         let score = |queued_tokens: usize, running: u64| {
-            let formula = model.predict(queued_tokens as f64, running as f64);
+            let formula = model.predict(PrefillWork::at(queued_tokens, 0.0), running as f64);
             WorkerScore {
                 position: 0,
                 matched_blocks: 0,
@@ -898,6 +983,7 @@ mod tests {
                 uncached_tokens: 0,
                 replicated_tokens: 0,
                 queued_tokens,
+                queued_pairs: 0.0,
                 running,
                 in_flight: 0,
                 last_sent: 0,
@@ -957,15 +1043,15 @@ mod tests {
         // worker 1's 20 ms are within what the model can tell, and its cache keeps the prompt.
         let configured = Coefficients::configured(&pool.config.scoring);
         for i in 0..400 {
-            let tokens = f64::from(i % 40) * 100.0;
-            let running = f64::from(i % 7) * 100.0;
+            let prefill = PrefillWork::after(0, (i % 40) * 100);
+            let running = (i % 7) as f64 * 100.0;
             let noise = if i % 2 == 0 { 1.15 } else { 0.85 };
             pool.kv.calibration.observe(
                 configured,
                 &Observation {
-                    tokens,
+                    prefill,
                     running,
-                    ttft_s: configured.predict(tokens, running) * noise,
+                    ttft_s: configured.predict(prefill, running) * noise,
                 },
             );
         }
@@ -992,13 +1078,13 @@ mod tests {
         // The workers answer four times faster than configured, every time.
         let configured = Coefficients::configured(&pool.config.scoring);
         for i in 0..5 {
-            let tokens = 1000.0 + f64::from(i) * 500.0;
+            let prefill = PrefillWork::after(0, 1000 + i * 500);
             pool.kv.calibration.observe(
                 configured,
                 &Observation {
-                    tokens,
+                    prefill,
                     running: 0.0,
-                    ttft_s: configured.predict(tokens, 0.0) / 4.0,
+                    ttft_s: configured.predict(prefill, 0.0) / 4.0,
                 },
             );
         }
@@ -1006,9 +1092,10 @@ mod tests {
         // is not corrected a second time by the scale.
         let (learned, scale, spread) = model(pool);
         assert!(learned.prefill_s_per_token < 0.6 * configured.prefill_s_per_token);
-        for tokens in [1000.0, 4000.0] {
+        for tokens in [1000, 4000] {
+            let prefill = PrefillWork::after(0, tokens);
             let off =
-                learned.predict(tokens, 0.0) * scale / (configured.predict(tokens, 0.0) / 4.0);
+                learned.predict(prefill, 0.0) * scale / (configured.predict(prefill, 0.0) / 4.0);
             assert!(off > 0.8 && off < 1.25, "{tokens}: {off}, scale {scale}");
         }
         assert!(spread.is_some());
@@ -1028,9 +1115,9 @@ mod tests {
         let prompt: Vec<u32> = (0..1000).collect();
         store(pool, 1, &prompt[..996]);
         let lookup = overlap(pool, &prompt);
-        let _holder = PendingPrefill::start(&pool.workers[1], 3000);
-        let _shorter = PendingPrefill::start(&pool.workers[0], 1500);
-        let longer = PendingPrefill::start(&pool.workers[2], 2500);
+        let _holder = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 3000));
+        let _shorter = PendingPrefill::start(&pool.workers[0], PrefillWork::after(0, 1500));
+        let longer = PendingPrefill::start(&pool.workers[2], PrefillWork::after(0, 2500));
         // Nothing has arrived yet: no charge, the request's own TTFT decides.
         let alone = decide(pool, 1000, &[], 0, &lookup, &[], &[]).unwrap();
         assert_eq!(alone.chosen, 0, "{:?}", alone.scores);
@@ -1166,7 +1253,7 @@ mod tests {
         let route = || decide_for_prompt(pool, Some(&prompt), 0, &[]).unwrap();
         // Before any traffic nothing is shared, and a queue shorter than the system prompt's
         // prefill keeps the request on its holder.
-        let queued = PendingPrefill::start(&pool.workers[1], 250);
+        let queued = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 250));
         let alone = route();
         assert!(alone.scores.iter().all(|s| s.replicated_tokens == 0));
         assert_eq!((alone.chosen, alone.outcome), (1, Outcome::CacheHit));
@@ -1188,7 +1275,7 @@ mod tests {
         assert!(chosen.predicted_ttft_s > chosen.cost_s, "{chosen:?}");
         // Behind a queue longer than the whole prefill the holder would lose anyway: a spread,
         // not a copy the credit made.
-        let longer = PendingPrefill::start(&pool.workers[1], 1_000);
+        let longer = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 1_000));
         let spread = route();
         assert_ne!(spread.chosen, 1);
         assert_eq!(spread.outcome, Outcome::Spread);
@@ -1229,7 +1316,7 @@ mod tests {
         let mut shares = vec![1.0; 40];
         shares.extend([1.0 / 32.0; 60]);
         let lookup = overlap(pool, &history);
-        let _queued = PendingPrefill::start(&pool.workers[1], 60);
+        let _queued = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 60));
         let decision = decide(pool, 400, &[], 0, &lookup, &shares, &[]).unwrap();
         assert_eq!((decision.chosen, decision.outcome), (1, Outcome::CacheHit));
         assert!(decision.scores.iter().all(|s| s.replicated_tokens == 0));
@@ -1247,7 +1334,7 @@ mod tests {
         for _ in 0..64 {
             pool.kv.popularity.record(&sequence_hashes(&tokens, 4), 20);
         }
-        let _queued = PendingPrefill::start(&pool.workers[1], 250);
+        let _queued = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 250));
         let prompt = PromptInfo {
             tokens: 400,
             hashes: sequence_hashes(&tokens, 4),

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use switchyard_kv::hash::SequenceHash;
 use tokio::sync::Notify;
 
-use crate::calibration::TtftCalibration;
+use crate::calibration::{PrefillWork, TtftCalibration};
 use crate::kv::WorkerLoad;
 
 /// Wakes the sender of this replica's ledger to the other replicas ([`crate::peers`]): a guard
@@ -34,8 +34,10 @@ pub struct WorkerState {
     pub address: String,
     /// Resolved when the table was built; `None` when the name did not resolve.
     pub socket: Option<SocketAddr>,
-    /// Uncached prompt tokens this proxy sent that have not produced a first token yet.
+    /// Uncached prompt tokens this proxy sent that have not produced a first token yet, and
+    /// their attention pairs ([`PrefillWork`]).
     pending_prefill_tokens: AtomicUsize,
+    pending_prefill_pairs: AtomicU64,
     /// When the worker started on the oldest of those (microseconds on [`crate::kv::clock_micros`]): the
     /// queue is worked off first come, first served, so part of it is done already.
     prefill_started_us: AtomicU64,
@@ -110,6 +112,14 @@ impl WorkerState {
         self.pending_prefill_tokens.load(Ordering::Relaxed)
     }
 
+    /// The prefill work this proxy sent that has not produced a first token yet.
+    pub fn pending_prefill(&self) -> PrefillWork {
+        PrefillWork {
+            tokens: self.pending_prefill_tokens() as f64,
+            pairs: self.pending_prefill_pairs.load(Ordering::Relaxed) as f64,
+        }
+    }
+
     /// How long the worker has been on the oldest of this proxy's pending prefills (zero when
     /// none is pending).
     pub fn prefill_elapsed(&self) -> std::time::Duration {
@@ -125,12 +135,14 @@ impl WorkerState {
 pub struct PendingPrefill {
     worker: Arc<WorkerState>,
     tokens: usize,
+    pairs: u64,
     /// Its place in the worker's order of pending prefills.
     number: u64,
 }
 
 impl PendingPrefill {
-    pub fn start(worker: &Arc<WorkerState>, tokens: usize) -> PendingPrefill {
+    pub fn start(worker: &Arc<WorkerState>, work: PrefillWork) -> PendingPrefill {
+        let (tokens, pairs) = (work.tokens as usize, work.pairs as u64);
         let mut order = crate::lock(&worker.prefill_order);
         let number = order.last().map_or(0, |last| last + 1);
         if order.is_empty() {
@@ -142,10 +154,14 @@ impl PendingPrefill {
         worker
             .pending_prefill_tokens
             .fetch_add(tokens, Ordering::Relaxed);
+        worker
+            .pending_prefill_pairs
+            .fetch_add(pairs, Ordering::Relaxed);
         worker.load.own_pending.fetch_add(1, Ordering::Relaxed);
         PendingPrefill {
             worker: worker.clone(),
             tokens,
+            pairs,
             number,
         }
     }
@@ -159,6 +175,9 @@ impl Drop for PendingPrefill {
         self.worker
             .pending_prefill_tokens
             .fetch_sub(self.tokens, Ordering::Relaxed);
+        self.worker
+            .pending_prefill_pairs
+            .fetch_sub(self.pairs, Ordering::Relaxed);
         self.worker.load.own_pending.fetch_sub(1, Ordering::Relaxed);
         // When the oldest is through, the worker starts on the next one now. A later one
         // released first (a short cached prompt overtaking a long one, a cancel, a retry) leaves
@@ -319,6 +338,7 @@ impl EndpointRegistry {
             address: address.to_owned(),
             socket,
             pending_prefill_tokens: AtomicUsize::new(0),
+            pending_prefill_pairs: AtomicU64::new(0),
             prefill_started_us: AtomicU64::new(0),
             prefill_order: Mutex::default(),
             load: Arc::default(),
@@ -373,8 +393,8 @@ mod tests {
         let registry = EndpointRegistry::default();
         let worker = registry.worker("127.0.0.1:1");
         assert_eq!(worker.prefill_elapsed(), std::time::Duration::ZERO);
-        let long = PendingPrefill::start(&worker, 2_000);
-        let short = PendingPrefill::start(&worker, 30);
+        let long = PendingPrefill::start(&worker, PrefillWork::after(0, 2_000));
+        let short = PendingPrefill::start(&worker, PrefillWork::after(0, 30));
         // When the worker started on the long prompt (a mark no clock reading is).
         let mark = u64::MAX / 2;
         worker.prefill_started_us.store(mark, Ordering::Relaxed);
@@ -382,15 +402,16 @@ mod tests {
         drop(short);
         assert_eq!(worker.prefill_started_us.load(Ordering::Relaxed), mark);
         assert_eq!(worker.pending_prefill_tokens(), 2_000);
-        let next = PendingPrefill::start(&worker, 500);
+        let next = PendingPrefill::start(&worker, PrefillWork::after(0, 500));
         assert_eq!(worker.prefill_started_us.load(Ordering::Relaxed), mark);
         // The long one is through: the worker starts on the next now.
         drop(long);
         assert!(worker.prefill_started_us.load(Ordering::Relaxed) < mark);
         assert_eq!(worker.pending_prefill_tokens(), 500);
+        assert_eq!(worker.pending_prefill(), PrefillWork::after(0, 500));
         assert_eq!(worker.load.own_pending(), 1);
         drop(next);
-        assert_eq!(worker.pending_prefill_tokens(), 0);
+        assert_eq!(worker.pending_prefill(), PrefillWork::default());
         assert_eq!(worker.prefill_elapsed(), std::time::Duration::ZERO);
     }
 }

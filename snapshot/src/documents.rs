@@ -127,6 +127,14 @@ pub struct ScoringSpec {
     /// Added time per request already running on the worker (decode steps slow prefill).
     #[serde(default = "default_running_micros")]
     pub running_request_micros: u32,
+    /// The context length at which a prompt token's attention takes as long as the rest of its
+    /// prefill (its weights' GEMMs): each prefilled token after `c` tokens of context costs
+    /// `prefillMicrosPerToken × (1 + c / attentionContextTokens)`, so a long cold prompt costs
+    /// more than its length says. Default 32768 (about 20,000 for a ~27B model with FP8 weights,
+    /// 30,000 to 50,000 for Llama-3 8B and 70B in BF16); learned online like the rest. 0 leaves
+    /// attention out of the model.
+    #[serde(default = "default_attention_context_tokens")]
+    pub attention_context_tokens: u32,
     /// Workers predicted within this much of the best are treated as tied and load is spread
     /// (at least: a worker is also tied where the learned model's typical error covers the
     /// terms in which its prediction differs from the best's).
@@ -160,6 +168,9 @@ fn default_prefill_micros() -> u32 {
 fn default_running_micros() -> u32 {
     500
 }
+fn default_attention_context_tokens() -> u32 {
+    32_768
+}
 fn default_tie_micros() -> u32 {
     5_000
 }
@@ -169,6 +180,7 @@ impl Default for ScoringSpec {
         ScoringSpec {
             prefill_micros_per_token: default_prefill_micros(),
             running_request_micros: default_running_micros(),
+            attention_context_tokens: default_attention_context_tokens(),
             tie_tolerance_micros: default_tie_micros(),
             learn_worker_speed: false,
             learn_coefficients: true,

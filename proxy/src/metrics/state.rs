@@ -265,12 +265,13 @@ impl Collector for StateCollector {
         family(
             encoder,
             "switchyard_pool_ttft_model_seconds",
-            "The pool's TTFT model as learned from its answers: fixed seconds, seconds per prefill token, seconds per running request.",
+            "The pool's TTFT model as learned from its answers: fixed seconds, seconds per prefill token, seconds per (query, key) pair of the prefill's attention, seconds per running request.",
             fits.iter().flat_map(|(pool, fit)| {
                 let learned = fit.learned;
                 [
                     ("fixed", learned.fixed_s),
                     ("per_prefill_token", learned.prefill_s_per_token),
+                    ("per_attention_pair", learned.attention_s_per_pair),
                     ("per_running_request", learned.running_s_per_request),
                 ]
                 .map(|(term, value)| {

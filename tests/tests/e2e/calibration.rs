@@ -142,6 +142,12 @@ async fn a_pool_configured_2x_off_learns_its_workers_ttft_from_answers() {
         Some(configured_us),
         "{model}"
     );
+    // Attention is configured as the context at which it matches the weights (the default).
+    assert_eq!(
+        model["configured"]["attention_context_tokens"].as_f64(),
+        Some(32768.0),
+        "{model}"
+    );
     let learned_us = model["learned"]["prefill_us_per_token"].as_f64().unwrap();
     assert!(
         (learned_us / measured_us - 1.0).abs() < 0.25,
