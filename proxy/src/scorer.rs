@@ -394,9 +394,6 @@ pub fn decide(
         // counts, but each only against its own side's tokens (a peer's long wait says nothing
         // of prompts this proxy sent a moment ago, nor ours of theirs).
         let peers = load.peers();
-        // A prefill token takes the model's time times the scale all its predictions share
-        // (while the model learns, it may be several times off in seconds and still order the
-        // workers right).
         // The worker's queue is as long in attention per token as this proxy's prefills
         // there, or without any, the pool's.
         let own_pending = worker.pending_prefill();
@@ -406,6 +403,9 @@ pub fn decide(
             average_pairs_per_token
         };
         let token_cost = model.prefill_s(PrefillWork::at(1, pairs_per_token));
+        // A prefill token takes the model's time times the scale all its predictions share
+        // (while the model learns, it may be several times off in seconds and still order the
+        // workers right).
         let done_in = |elapsed: std::time::Duration, tokens: usize| {
             if token_cost > 0.0 {
                 let done = elapsed.as_secs_f64() / (token_cost * scale * relative_speed);
