@@ -344,7 +344,7 @@ impl Exchange {
             let prefill = decision
                 .chosen_score()
                 .map_or(PrefillWork::after(0, decision.prompt_tokens), |s| {
-                    PrefillWork::after(s.cached_tokens, s.uncached_tokens)
+                    s.own_prefill()
                 });
             // A prompt not tokenized has no known size: it says nothing of the average.
             if let Some(prompt) = prompt {
@@ -434,7 +434,7 @@ impl Exchange {
         attempt.current = Some(InFlight::start(&worker));
         let score = attempt.decision.as_ref().and_then(|d| d.score(index));
         let prefill = match (score, &prompt) {
-            (Some(score), _) => PrefillWork::after(score.cached_tokens, score.uncached_tokens),
+            (Some(score), _) => score.own_prefill(),
             (None, Some(prompt)) if attempt.decision.is_none() => {
                 PrefillWork::after(0, prompt.tokens)
             }
