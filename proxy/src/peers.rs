@@ -445,32 +445,20 @@ impl Datagram {
             })
             .collect();
         speeds.sort_by(|a, b| (b.2, &a.0).cmp(&(a.2, &b.0)));
-        let mut observations: Vec<(String, u64, f64, f64, f64)> = ledger
+        let mut answers: Vec<(&String, u64, &Observation)> = ledger
             .observations
             .iter()
-            .flat_map(|(pool, recent)| {
-                recent
-                    .iter()
-                    .map(|(n, o)| (pool.clone(), *n, o.prefill.tokens, o.running, o.ttft_s))
-            })
+            .flat_map(|(pool, recent)| recent.iter().map(move |(n, o)| (pool, *n, o)))
             .collect();
         // The latest first: those are what a cut keeps.
-        observations.sort_by(|a, b| (b.1, &a.0).cmp(&(a.1, &b.0)));
-        let pairs: HashMap<(&str, u64), f64> = ledger
-            .observations
+        answers.sort_by(|a, b| (b.1, a.0).cmp(&(a.1, b.0)));
+        let observations: Vec<(String, u64, f64, f64, f64)> = answers
             .iter()
-            .flat_map(|(pool, recent)| {
-                recent
-                    .iter()
-                    .map(|(n, o)| ((pool.as_str(), *n), o.prefill.pairs))
-            })
+            .map(|(pool, n, o)| ((*pool).clone(), *n, o.prefill.tokens, o.running, o.ttft_s))
             .collect();
-        let observation_pairs = observations
+        let observation_pairs = answers
             .iter()
-            .map(|(pool, n, ..)| {
-                let pairs = pairs.get(&(pool.as_str(), *n)).copied().unwrap_or(0.0);
-                (pool.clone(), *n, pairs)
-            })
+            .map(|(pool, n, o)| ((*pool).clone(), *n, o.prefill.pairs))
             .collect();
         // Each pool's latest first, pool by pool (numbers of different pools say nothing of
         // which is later): a cut keeps the latest of every pool.
