@@ -349,6 +349,16 @@ impl Exchange {
             // A prompt not tokenized has no known size: it says nothing of the average.
             if let Some(prompt) = prompt {
                 kv.record_prefill(prefill);
+                // How long after its history was freed the prompt came back for it (where
+                // the most of it was freed), before this request holds it again.
+                let reused = pool
+                    .workers
+                    .iter()
+                    .filter_map(|w| w.freed_prefix(&prompt.hashes))
+                    .max_by_key(|(depth, ago)| (*depth, std::cmp::Reverse(*ago)));
+                if let Some((_, ago)) = reused {
+                    kv.record_reuse(ago);
+                }
                 // A copy's prefill is not demand for the prefix: counting it would make each
                 // copy invite the next.
                 let copied = decision.chosen_score().map_or(0, |s| s.replicated_tokens);

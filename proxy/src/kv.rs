@@ -627,6 +627,10 @@ pub struct PoolKv {
     /// reports as waiting.
     prefill_tokens_average: RunningAverage,
     prefill_pairs_average: RunningAverage,
+    /// Running average of ln(seconds) between a routed prompt's history being freed at a
+    /// worker (its deepest block that this proxy's requests held there) and the prompt coming
+    /// back for it: how long freed blocks stay wanted ([`PoolKv::reuse_horizon`]).
+    reuse_gap_ln_s: RunningAverage,
     /// When the last routed request arrived (`clock_micros`), and the running average of the
     /// time between arrivals (seconds): the pool's arrival rate.
     last_arrival_us: AtomicU64,
@@ -659,6 +663,7 @@ impl PoolKv {
             predictions: Arc::default(),
             peer_prefixes: Mutex::default(),
             prefill_tokens_average: RunningAverage::default(),
+            reuse_gap_ln_s: RunningAverage::default(),
             prefill_pairs_average: RunningAverage::default(),
             last_arrival_us: AtomicU64::new(0),
             arrival_interval_s: RunningAverage::default(),
@@ -869,6 +874,21 @@ impl PoolKv {
         }
     }
 
+    /// A routed prompt came back for blocks a worker freed `ago`.
+    pub fn record_reuse(&self, ago: std::time::Duration) {
+        self.reuse_gap_ln_s.add(ago.as_secs_f64().max(1e-6).ln());
+    }
+
+    /// How long blocks a worker freed stay wanted: [`REUSE_HORIZON_FACTOR`] times the typical
+    /// time (geometric mean) before the pool's prompts came back for freed blocks; `None`
+    /// until one has.
+    pub fn reuse_horizon(&self) -> Option<std::time::Duration> {
+        let (ln_s, count) = self.reuse_gap_ln_s.read();
+        let seconds = REUSE_HORIZON_FACTOR * ln_s.exp();
+        (count > 0 && seconds.is_finite())
+            .then(|| std::time::Duration::from_secs_f64(seconds.min(600.0)))
+    }
+
     pub fn record_prefill(&self, work: crate::calibration::PrefillWork) {
         self.prefill_tokens_average.add(work.tokens);
         self.prefill_pairs_average.add(work.pairs);
@@ -879,6 +899,11 @@ impl PoolKv {
 const MIN_ARRIVAL_INTERVAL_S: f64 = 1e-4;
 /// A gap between arrivals counts for at most this many average gaps.
 const QUIET_GAPS: f64 = 10.0;
+
+/// Freed blocks count as wanted for this many times the typical time before prompts came back
+/// for them: most of those that come back do within it (times spread about their geometric
+/// mean), and blocks freed longer ago are the first a worker evicts anyway.
+pub const REUSE_HORIZON_FACTOR: f64 = 4.0;
 
 /// A running average shared between threads: the plain mean of its first
 /// [`RunningAverage::WINDOW`] values, then an exponential average with weight 1 / `WINDOW`. The

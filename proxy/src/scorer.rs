@@ -54,6 +54,14 @@
 //! is shorter, and spreads every later request. A conversation's own history has only its own
 //! traffic's share and is charged as before.
 //!
+//! A choice also costs the traffic whose cached blocks it evicts. The blocks this proxy's
+//! requests freed at a worker within the pool's reuse horizon (a conversation between its
+//! turns, a prefix the next request shares; [`crate::kv::PoolKv::reuse_horizon`], measured from
+//! how soon prompts come back for freed blocks) are free to vLLM but wanted: a request that
+//! needs more than the worker's other free blocks evicts them (vLLM evicts the least recently
+//! freed first), and whoever comes back for them prefills them again. The choice's cost adds
+//! that prefill.
+//!
 //! Workers within `tie_tolerance` of the best cost, or within the model's error spread of the
 //! terms in which their prediction differs from the best's ([`near_tie`]), are tied, and the one
 //! holding most of the prompt, then the one with fewest requests in flight, then the one this
@@ -94,6 +102,10 @@ pub struct WorkerScore {
     /// report its cache size).
     pub kv_blocks_needed: u64,
     pub kv_blocks_free: Option<u64>,
+    /// Tokens of others' cached history the request's blocks would evict here: blocks this
+    /// proxy's requests freed within the pool's reuse horizon, which the worker gives up once
+    /// its other free blocks are taken ([`crate::kv::PoolKv::reuse_horizon`]).
+    pub evicted_tokens: usize,
     /// The formula's prediction (pool coefficients), before the worker's learned speed.
     pub formula_ttft_s: f64,
     /// The worker's learned speed (observed over predicted TTFT).
@@ -179,7 +191,7 @@ impl Decision {
         for score in &self.scores {
             let _ = write!(
                 out,
-                "; {} matched_blocks={} cached_tokens={} replicated_tokens={} queued_tokens={} running={} in_flight={} healthy={} kv_blocks_needed={} kv_blocks_free={} predicted_ttft_ms={:.1} cost_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
+                "; {} matched_blocks={} cached_tokens={} replicated_tokens={} queued_tokens={} running={} in_flight={} healthy={} kv_blocks_needed={} kv_blocks_free={} evicted_tokens={} predicted_ttft_ms={:.1} cost_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
                 address(score.position),
                 score.matched_blocks,
                 score.cached_tokens,
@@ -192,6 +204,7 @@ impl Decision {
                 score
                     .kv_blocks_free
                     .map_or_else(|| "unknown".to_owned(), |free| free.to_string()),
+                score.evicted_tokens,
                 score.predicted_ttft_s * 1000.0,
                 score.cost_s * 1000.0,
                 score.formula_ttft_s * 1000.0,
@@ -371,6 +384,7 @@ pub fn decide(
         None
     };
     let unstored_blocks = pool.kv.unstored_prefill_blocks();
+    let reuse_horizon = pool.kv.reuse_horizon();
     let unhashed_blocks =
         unhashed_kv_blocks(prompt_tokens, hashes.len(), output_tokens, block_size);
     let mut scores = Vec::with_capacity(pool.workers.len());
@@ -447,6 +461,20 @@ pub fn decide(
         // this proxy's requests there hold are known; others' are not, and count as needed.
         let held = worker.held_prefix_blocks(hashes);
         let kv_blocks_needed = ((hashes.len() - held) as u64).saturating_add(unhashed_blocks);
+        let kv_blocks_free = load.free_kv_blocks();
+        // Blocks others' requests freed here a moment ago (a conversation between its turns, a
+        // prefix the next request shares) are free but wanted: the worker evicts them once
+        // the request has taken its other free blocks, and whoever comes back for them
+        // prefills them again.
+        let wanted =
+            reuse_horizon.map_or(0, |horizon| worker.recently_freed_blocks(hashes, horizon));
+        let evicted_blocks = kv_blocks_free.map_or(0, |free| {
+            kv_blocks_needed
+                .saturating_add(wanted)
+                .saturating_sub(free)
+                .min(wanted)
+        });
+        let evicted_tokens = (evicted_blocks as usize).saturating_mul(block_size);
         scores.push(WorkerScore {
             position,
             matched_blocks,
@@ -460,7 +488,8 @@ pub fn decide(
             last_sent: worker.last_sent(),
             healthy: load.healthy(),
             kv_blocks_needed,
-            kv_blocks_free: load.free_kv_blocks(),
+            kv_blocks_free,
+            evicted_tokens,
             formula_ttft_s,
             speed,
             relative_speed,
@@ -514,8 +543,10 @@ pub fn decide(
             .filter(|under| **under)
             .count();
         score.replicated_tokens = (missing * block_size).min(score.uncached_tokens);
+        let evicted = PrefillWork::at(score.evicted_tokens, average_pairs_per_token);
         score.cost_s = score.predicted_ttft_s - copy_credit_s(score, &model)
-            + behind * score.relative_speed * model.prefill_s(score.own_prefill());
+            + behind * score.relative_speed * model.prefill_s(score.own_prefill())
+            + score.relative_speed * model.prefill_s(evicted);
     }
     let best = scores
         .iter()
@@ -990,6 +1021,7 @@ mod tests {
                 healthy: true,
                 kv_blocks_needed: 0,
                 kv_blocks_free: None,
+                evicted_tokens: 0,
                 formula_ttft_s: formula,
                 speed: Speed::default(),
                 relative_speed: 1.0,
@@ -1205,6 +1237,58 @@ mod tests {
             huge.scores[1].kv_blocks_needed,
             100 + MAX_OUTPUT_TOKENS.div_ceil(4) as u64
         );
+    }
+
+    #[test]
+    fn a_request_that_would_evict_a_conversation_between_its_turns_pays_for_its_prefill() {
+        use crate::routing::KvReservation;
+        let table = table();
+        let pool = table.pools().next().unwrap();
+        // Workers of 1,000 blocks of 4 tokens, 100 of them used by others.
+        for position in 0..3 {
+            pool.workers[position].load.update_from_metrics(
+                "vllm:kv_cache_usage_perc 0.1\nvllm:cache_config_info{num_gpu_blocks=\"1001\"} 1\n",
+                10,
+            );
+        }
+        // A conversation of 3,200 tokens (800 blocks) just finished its turn on worker 0: its
+        // blocks are cached there, free to vLLM, and it comes back for them.
+        let history: Vec<u32> = (10_000..13_200).collect();
+        drop(KvReservation::start(
+            &pool.workers[0],
+            &sequence_hashes(&history, 4),
+            0,
+        ));
+        // A new 400-token prompt with 200 tokens of output needs 150 blocks: worker 0 has 900
+        // free, but only 100 besides the conversation's.
+        let prompt: Vec<u32> = (0..400).collect();
+        let hashes = sequence_hashes(&prompt, 4);
+        let lookup = overlap(pool, &prompt);
+        // Before any prompt has come back for freed blocks, nothing freed is known to be wanted.
+        assert_eq!(pool.kv.reuse_horizon(), None);
+        let unknown = decide(pool, 400, &hashes, 200, &lookup, &[], &[]).unwrap();
+        assert!(unknown.scores.iter().all(|s| s.evicted_tokens == 0));
+        // Prompts come back about a second after their history is freed.
+        pool.kv.record_reuse(std::time::Duration::from_secs(1));
+        for _ in 0..3 {
+            let decision = decide(pool, 400, &hashes, 200, &lookup, &[], &[]).unwrap();
+            let evicting = &decision.scores[0];
+            assert_eq!(evicting.evicted_tokens, 200, "{:?}", decision.scores);
+            assert!(decision.scores[1..].iter().all(|s| s.evicted_tokens == 0));
+            // Its 50 blocks' prefill (60 ms at 300 µs a token) is charged to the choice, not to
+            // the request's own predicted time.
+            assert_eq!(
+                evicting.predicted_ttft_s,
+                decision.scores[1].predicted_ttft_s
+            );
+            assert!(evicting.cost_s > decision.scores[1].cost_s + 0.05);
+            assert_ne!(decision.chosen, 0);
+        }
+        // The conversation's own next turn takes none of that room: it hits its history.
+        let next: Vec<u32> = (10_000..13_300).collect();
+        let next_hashes = sequence_hashes(&next, 4);
+        let own = decide(pool, 3300, &next_hashes, 0, &overlap(pool, &next), &[], &[]).unwrap();
+        assert_eq!(own.scores[0].evicted_tokens, 0, "{:?}", own.scores);
     }
 
     #[test]

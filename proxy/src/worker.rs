@@ -3,10 +3,11 @@
 //! metrics report it, and its learned speed. Data only: the scorer and the attempt phase read
 //! and count here.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use switchyard_kv::hash::SequenceHash;
 use tokio::sync::Notify;
@@ -64,6 +65,94 @@ pub struct WorkerState {
 struct HeldBlocks {
     by_hash: HashMap<SequenceHash, u32>,
     unhashed: u64,
+    released: Released,
+}
+
+/// The full prompt blocks this proxy's requests at a worker held and none holds any more: the
+/// worker keeps them cached, free to vLLM, and evicts the least recently freed first when a
+/// request needs room. Those freed a moment ago are a conversation between its turns, or a
+/// prefix the next request shares: what a request taking their room would cost the traffic
+/// that comes back for them ([`crate::scorer`]).
+#[derive(Debug, Default)]
+struct Released {
+    /// When each was last freed ([`crate::kv::clock_micros`]), for up to
+    /// [`MAX_RELEASED_AGE_US`] and [`MAX_RELEASED`] of them.
+    at: HashMap<SequenceHash, u64>,
+    /// The same in the order freed, for forgetting them (an entry whose block was held, and
+    /// perhaps freed again, since is stale: `at` no longer has its time).
+    expiry: VecDeque<(u64, SequenceHash)>,
+    /// Those freed within the scorer's horizon (entries older than it are dropped as it
+    /// reads), and how many of them are not stale: the count is kept as blocks are held and
+    /// freed, so a read costs what has left the horizon since the last, not the blocks in it.
+    window: VecDeque<(u64, SequenceHash)>,
+    in_window: u64,
+    /// Every entry freed before this has left the window.
+    window_start: u64,
+}
+
+/// Freed blocks remembered per worker at most, and for at most this long.
+const MAX_RELEASED: usize = 1 << 16;
+const MAX_RELEASED_AGE_US: u64 = 600 * 1_000_000;
+
+impl Released {
+    fn held(&mut self, hash: &SequenceHash) {
+        if let Some(at) = self.at.remove(hash)
+            && at >= self.window_start
+        {
+            self.in_window = self.in_window.saturating_sub(1);
+        }
+    }
+
+    fn freed(&mut self, hash: SequenceHash, now: u64) {
+        self.held(&hash);
+        self.at.insert(hash, now);
+        self.expiry.push_back((now, hash));
+        self.window.push_back((now, hash));
+        self.in_window += 1;
+        while let Some(&(at, oldest)) = self.expiry.front() {
+            if self.expiry.len() <= MAX_RELEASED && now.saturating_sub(at) <= MAX_RELEASED_AGE_US {
+                break;
+            }
+            self.expiry.pop_front();
+            if self.at.get(&oldest) == Some(&at) {
+                self.held(&oldest);
+            }
+        }
+    }
+
+    /// Blocks freed within `horizon_us` of `now`, less those of `own` (the request's own prompt
+    /// hits them: they make no room for it, and it takes none of theirs). A horizon longer
+    /// than at the last read counts only what that one kept.
+    fn recent(&mut self, own: &[SequenceHash], now: u64, horizon_us: u64) -> u64 {
+        let since = now.saturating_sub(horizon_us);
+        while let Some(&(at, hash)) = self.window.front() {
+            if at >= since {
+                break;
+            }
+            self.window.pop_front();
+            if self.at.get(&hash) == Some(&at) && at >= self.window_start {
+                self.in_window = self.in_window.saturating_sub(1);
+            }
+        }
+        self.window_start = self.window_start.max(since);
+        let own = own
+            .iter()
+            .filter(|hash| {
+                self.at
+                    .get(*hash)
+                    .is_some_and(|at| *at >= self.window_start)
+            })
+            .count() as u64;
+        self.in_window.saturating_sub(own)
+    }
+
+    /// How many leading blocks of `hashes` were freed here, and how long ago the deepest of
+    /// them was (µs).
+    fn reused(&self, hashes: &[SequenceHash], now: u64) -> Option<(usize, u64)> {
+        let deepest = hashes.iter().rposition(|hash| self.at.contains_key(hash))?;
+        let at = self.at.get(hashes.get(deepest)?)?;
+        Some((deepest + 1, now.saturating_sub(*at)))
+    }
 }
 
 impl HeldBlocks {
@@ -106,6 +195,25 @@ impl WorkerState {
             return 0;
         }
         hashes.partition_point(|hash| held.by_hash.contains_key(hash))
+    }
+
+    /// Blocks this proxy's requests at the worker freed within `horizon` and nobody holds now,
+    /// less those of `hashes` (a prompt's own blocks): others' cached history, the first the
+    /// worker evicts when a request needs more than its other free blocks.
+    pub fn recently_freed_blocks(&self, hashes: &[SequenceHash], horizon: Duration) -> u64 {
+        let horizon_us = u64::try_from(horizon.as_micros()).unwrap_or(u64::MAX);
+        crate::lock(&self.held)
+            .released
+            .recent(hashes, crate::kv::clock_micros(), horizon_us)
+    }
+
+    /// How deep a prompt (its chained block hashes) reaches into blocks this proxy's requests
+    /// freed here, and how long ago the deepest of them was freed: a prompt coming back for
+    /// its history.
+    pub fn freed_prefix(&self, hashes: &[SequenceHash]) -> Option<(usize, Duration)> {
+        let held = crate::lock(&self.held);
+        let (depth, ago_us) = held.released.reused(hashes, crate::kv::clock_micros())?;
+        Some((depth, Duration::from_micros(ago_us)))
     }
 
     pub fn pending_prefill_tokens(&self) -> usize {
@@ -251,6 +359,7 @@ impl KvReservation {
         let mut held = crate::lock(&worker.held);
         for hash in hashes {
             *held.by_hash.entry(*hash).or_default() += 1;
+            held.released.held(hash);
         }
         held.unhashed = held.unhashed.saturating_add(unhashed);
         worker
@@ -268,6 +377,7 @@ impl KvReservation {
 impl Drop for KvReservation {
     fn drop(&mut self) {
         let mut held = crate::lock(&self.worker.held);
+        let now = crate::kv::clock_micros();
         for hash in &self.hashes {
             if let std::collections::hash_map::Entry::Occupied(mut entry) =
                 held.by_hash.entry(*hash)
@@ -275,6 +385,7 @@ impl Drop for KvReservation {
                 *entry.get_mut() -= 1;
                 if *entry.get() == 0 {
                     entry.remove();
+                    held.released.freed(*hash, now);
                 }
             }
         }
@@ -386,6 +497,42 @@ mod tests {
         drop(system);
         assert_eq!(worker.load.own_kv_blocks(), 0);
         assert_eq!(worker.held_prefix_blocks(&hashes), 0);
+    }
+
+    #[test]
+    fn blocks_nobody_holds_any_more_are_remembered_as_freed_until_held_again() {
+        let registry = EndpointRegistry::default();
+        let worker = registry.worker("127.0.0.1:1");
+        let hashes: Vec<SequenceHash> = (1..=10).map(SequenceHash).collect();
+        let other: Vec<SequenceHash> = (11..=14).map(SequenceHash).collect();
+        let minute = Duration::from_secs(60);
+        let system = KvReservation::start(&worker, &hashes[..6], 2);
+        let conversation = KvReservation::start(&worker, &hashes, 3);
+        assert_eq!(worker.recently_freed_blocks(&other, minute), 0);
+        assert_eq!(worker.freed_prefix(&hashes), None);
+        // The conversation's turn ends: its own 4 blocks are freed, the system prompt's are
+        // still held by the other request.
+        drop(conversation);
+        assert_eq!(worker.recently_freed_blocks(&other, minute), 4);
+        // A prompt's own blocks are not others' history to it.
+        assert_eq!(worker.recently_freed_blocks(&hashes, minute), 0);
+        let (depth, ago) = worker.freed_prefix(&hashes).unwrap();
+        assert_eq!(depth, 10);
+        assert!(ago < minute);
+        drop(system);
+        assert_eq!(worker.recently_freed_blocks(&other, minute), 10);
+        // Freed longer ago than the horizon: not counted.
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(
+            worker.recently_freed_blocks(&other, Duration::from_micros(100)),
+            0
+        );
+        // The next turn holds them again, and frees them again at its end: once each.
+        let next = KvReservation::start(&worker, &hashes, 3);
+        assert_eq!(worker.recently_freed_blocks(&other, minute), 0);
+        assert_eq!(worker.freed_prefix(&hashes), None);
+        drop(next);
+        assert_eq!(worker.recently_freed_blocks(&other, minute), 10);
     }
 
     #[test]
