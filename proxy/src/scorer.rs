@@ -1268,8 +1268,13 @@ mod tests {
         assert_eq!(pool.kv.reuse_horizon(), None);
         let unknown = decide(pool, 400, &hashes, 200, &lookup, &[], &[]).unwrap();
         assert!(unknown.scores.iter().all(|s| s.evicted_tokens == 0));
-        // Prompts come back about a second after their history is freed.
-        pool.kv.record_reuse(std::time::Duration::from_secs(1));
+        // Prompts come back about a minute after their history is freed: what was freed a
+        // moment ago is wanted for four.
+        pool.kv.record_reuse(std::time::Duration::from_secs(60));
+        assert_eq!(
+            pool.kv.reuse_horizon(),
+            Some(std::time::Duration::from_secs(240))
+        );
         for _ in 0..3 {
             let decision = decide(pool, 400, &hashes, 200, &lookup, &[], &[]).unwrap();
             let evicting = &decision.scores[0];
