@@ -75,20 +75,26 @@ struct HeldBlocks {
 /// that comes back for them ([`crate::scorer`]).
 #[derive(Debug, Default)]
 struct Released {
-    /// When each was last freed ([`crate::kv::clock_micros`]), for up to
-    /// [`MAX_RELEASED_AGE_US`] and [`MAX_RELEASED`] of them.
-    at: HashMap<SequenceHash, u64>,
+    /// When each was last freed ([`crate::kv::clock_micros`]) and that freeing's number, for up
+    /// to [`MAX_RELEASED_AGE_US`] and [`MAX_RELEASED`] of them.
+    at: HashMap<SequenceHash, (u64, u64)>,
     /// The same in the order freed, for forgetting them (an entry whose block was held, and
-    /// perhaps freed again, since is stale: `at` no longer has its time).
-    expiry: VecDeque<(u64, SequenceHash)>,
-    /// Those freed within the scorer's horizon (entries older than it are dropped as it
-    /// reads), and how many of them are not stale: the count is kept as blocks are held and
-    /// freed, so a read costs what has left the horizon since the last, not the blocks in it.
-    window: VecDeque<(u64, SequenceHash)>,
+    /// perhaps freed again, since is stale: `at` no longer has its number).
+    expiry: VecDeque<Freeing>,
+    /// Those freed within the scorer's horizon (older entries leave as it reads, and at the
+    /// same limits as `expiry`), and how many of them are not stale: the count is kept as
+    /// blocks are held and freed, so a read costs what has left the horizon since the last,
+    /// not the blocks in it.
+    window: VecDeque<Freeing>,
     in_window: u64,
-    /// Every entry freed before this has left the window.
-    window_start: u64,
+    /// Every freeing numbered below this has left the window.
+    window_from: u64,
+    /// The next freeing's number.
+    next: u64,
 }
+
+/// One block freed: when, its number, its hash.
+type Freeing = (u64, u64, SequenceHash);
 
 /// Freed blocks remembered per worker at most, and for at most this long.
 const MAX_RELEASED: usize = 1 << 16;
@@ -96,8 +102,8 @@ const MAX_RELEASED_AGE_US: u64 = 600 * 1_000_000;
 
 impl Released {
     fn held(&mut self, hash: &SequenceHash) {
-        if let Some(at) = self.at.remove(hash)
-            && at >= self.window_start
+        if let Some((_, number)) = self.at.remove(hash)
+            && number >= self.window_from
         {
             self.in_window = self.in_window.saturating_sub(1);
         }
@@ -105,18 +111,36 @@ impl Released {
 
     fn freed(&mut self, hash: SequenceHash, now: u64) {
         self.held(&hash);
-        self.at.insert(hash, now);
-        self.expiry.push_back((now, hash));
-        self.window.push_back((now, hash));
+        let number = self.next;
+        self.next += 1;
+        self.at.insert(hash, (now, number));
+        self.expiry.push_back((now, number, hash));
+        self.window.push_back((now, number, hash));
         self.in_window += 1;
-        while let Some(&(at, oldest)) = self.expiry.front() {
-            if self.expiry.len() <= MAX_RELEASED && now.saturating_sub(at) <= MAX_RELEASED_AGE_US {
-                break;
-            }
-            self.expiry.pop_front();
-            if self.at.get(&oldest) == Some(&at) {
+        let beyond = |deque: &VecDeque<Freeing>| {
+            deque.front().is_some_and(|(at, _, _)| {
+                deque.len() > MAX_RELEASED || now.saturating_sub(*at) > MAX_RELEASED_AGE_US
+            })
+        };
+        while beyond(&self.window) {
+            self.leave_window();
+        }
+        while beyond(&self.expiry) {
+            if let Some((_, number, oldest)) = self.expiry.pop_front()
+                && self.at.get(&oldest).is_some_and(|(_, n)| *n == number)
+            {
                 self.held(&oldest);
             }
+        }
+    }
+
+    /// The oldest entry of the window leaves it.
+    fn leave_window(&mut self) {
+        if let Some((_, number, hash)) = self.window.pop_front() {
+            if self.at.get(&hash).is_some_and(|(_, n)| *n == number) {
+                self.in_window = self.in_window.saturating_sub(1);
+            }
+            self.window_from = number + 1;
         }
     }
 
@@ -125,22 +149,15 @@ impl Released {
     /// than at the last read counts only what that one kept.
     fn recent(&mut self, own: &[SequenceHash], now: u64, horizon_us: u64) -> u64 {
         let since = now.saturating_sub(horizon_us);
-        while let Some(&(at, hash)) = self.window.front() {
-            if at >= since {
-                break;
-            }
-            self.window.pop_front();
-            if self.at.get(&hash) == Some(&at) && at >= self.window_start {
-                self.in_window = self.in_window.saturating_sub(1);
-            }
+        while self.window.front().is_some_and(|(at, _, _)| *at < since) {
+            self.leave_window();
         }
-        self.window_start = self.window_start.max(since);
         let own = own
             .iter()
             .filter(|hash| {
                 self.at
                     .get(*hash)
-                    .is_some_and(|at| *at >= self.window_start)
+                    .is_some_and(|(_, number)| *number >= self.window_from)
             })
             .count() as u64;
         self.in_window.saturating_sub(own)
@@ -150,7 +167,7 @@ impl Released {
     /// them was (µs).
     fn reused(&self, hashes: &[SequenceHash], now: u64) -> Option<(usize, u64)> {
         let deepest = hashes.iter().rposition(|hash| self.at.contains_key(hash))?;
-        let at = self.at.get(hashes.get(deepest)?)?;
+        let (at, _) = self.at.get(hashes.get(deepest)?)?;
         Some((deepest + 1, now.saturating_sub(*at)))
     }
 }
@@ -533,6 +550,40 @@ mod tests {
         assert_eq!(worker.freed_prefix(&hashes), None);
         drop(next);
         assert_eq!(worker.recently_freed_blocks(&other, minute), 10);
+    }
+
+    #[test]
+    fn the_freed_blocks_count_stays_exact_and_bounded() {
+        let hash = SequenceHash;
+        let mut released = Released::default();
+        // Freed, held again and freed again within one clock tick: counted once while in the
+        // horizon, and leaving it once.
+        released.freed(hash(1), 10);
+        released.held(&hash(1));
+        released.freed(hash(1), 10);
+        released.freed(hash(2), 11);
+        released.freed(hash(3), 12);
+        assert_eq!(released.recent(&[], 12, 5), 3);
+        assert_eq!(released.recent(&[hash(2)], 12, 5), 2);
+        // Block 1's two entries leave the horizon: one block less, not two.
+        assert_eq!(released.recent(&[], 14, 3), 2);
+        assert_eq!(released.recent(&[], 100, 5), 0);
+        assert_eq!(released.in_window, 0);
+        released.freed(hash(3), 101);
+        assert_eq!(released.recent(&[], 101, 5), 1);
+        // Without a single read (no horizon yet), the window keeps at most what `at` keeps;
+        // past the age limit, a block is forgotten.
+        let mut released = Released::default();
+        for i in 0..(MAX_RELEASED as u64 + 10) {
+            released.freed(hash(1000 + i), i);
+        }
+        assert_eq!(released.window.len(), MAX_RELEASED);
+        assert_eq!(released.at.len(), MAX_RELEASED);
+        assert_eq!(released.in_window, MAX_RELEASED as u64);
+        assert!(released.reused(&[hash(1000)], 0).is_none());
+        released.freed(hash(1), MAX_RELEASED_AGE_US + 100_000);
+        assert_eq!(released.at.len(), 1);
+        assert_eq!(released.recent(&[], MAX_RELEASED_AGE_US + 100_000, 1), 1);
     }
 
     #[test]
