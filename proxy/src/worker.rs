@@ -78,17 +78,15 @@ struct Released {
     /// When each was last freed ([`crate::kv::clock_micros`]) and that freeing's number, for up
     /// to [`MAX_RELEASED_AGE_US`] and [`MAX_RELEASED`] of them.
     at: HashMap<SequenceHash, (u64, u64)>,
-    /// The same in the order freed, for forgetting them (an entry whose block was held, and
-    /// perhaps freed again, since is stale: `at` no longer has its number).
-    expiry: VecDeque<Freeing>,
-    /// Those freed within the scorer's horizon (older entries leave as it reads, and at the
-    /// same limits as `expiry`), and how many of them are not stale: the count is kept as
-    /// blocks are held and freed, so a read costs what has left the horizon since the last,
-    /// not the blocks in it.
-    window: VecDeque<Freeing>,
-    in_window: u64,
-    /// Every freeing numbered below this has left the window.
+    /// The same in the order freed, numbered one after another (an entry whose block was held,
+    /// and perhaps freed again, since is stale: `at` no longer has its number).
+    order: VecDeque<Freeing>,
+    /// The entries from `window_from` on are those freed within the scorer's horizon (older
+    /// ones leave it as it reads), and `in_window` how many of them are not stale: the count is
+    /// kept as blocks are held and freed, so a read costs what has left the horizon since the
+    /// last, not the blocks in it.
     window_from: u64,
+    in_window: u64,
     /// The next freeing's number.
     next: u64,
 }
@@ -114,33 +112,17 @@ impl Released {
         let number = self.next;
         self.next += 1;
         self.at.insert(hash, (now, number));
-        self.expiry.push_back((now, number, hash));
-        self.window.push_back((now, number, hash));
+        self.order.push_back((now, number, hash));
         self.in_window += 1;
-        let beyond = |deque: &VecDeque<Freeing>| {
-            deque.front().is_some_and(|(at, _, _)| {
-                deque.len() > MAX_RELEASED || now.saturating_sub(*at) > MAX_RELEASED_AGE_US
-            })
-        };
-        while beyond(&self.window) {
-            self.leave_window();
-        }
-        while beyond(&self.expiry) {
-            if let Some((_, number, oldest)) = self.expiry.pop_front()
-                && self.at.get(&oldest).is_some_and(|(_, n)| *n == number)
-            {
-                self.held(&oldest);
+        while self.order.front().is_some_and(|(at, _, _)| {
+            self.order.len() > MAX_RELEASED || now.saturating_sub(*at) > MAX_RELEASED_AGE_US
+        }) {
+            if let Some((_, number, oldest)) = self.order.pop_front() {
+                if self.at.get(&oldest).is_some_and(|(_, n)| *n == number) {
+                    self.held(&oldest);
+                }
+                self.window_from = self.window_from.max(number + 1);
             }
-        }
-    }
-
-    /// The oldest entry of the window leaves it.
-    fn leave_window(&mut self) {
-        if let Some((_, number, hash)) = self.window.pop_front() {
-            if self.at.get(&hash).is_some_and(|(_, n)| *n == number) {
-                self.in_window = self.in_window.saturating_sub(1);
-            }
-            self.window_from = number + 1;
         }
     }
 
@@ -149,8 +131,19 @@ impl Released {
     /// than at the last read counts only what that one kept.
     fn recent(&mut self, own: &[SequenceHash], now: u64, horizon_us: u64) -> u64 {
         let since = now.saturating_sub(horizon_us);
-        while self.window.front().is_some_and(|(at, _, _)| *at < since) {
-            self.leave_window();
+        let first = self
+            .order
+            .front()
+            .map_or(self.next, |(_, number, _)| *number);
+        while let Some(&(at, number, hash)) = self
+            .order
+            .get(usize::try_from(self.window_from.saturating_sub(first)).unwrap_or(usize::MAX))
+            && at < since
+        {
+            if self.at.get(&hash).is_some_and(|(_, n)| *n == number) {
+                self.in_window = self.in_window.saturating_sub(1);
+            }
+            self.window_from = number + 1;
         }
         let own = own
             .iter()
@@ -571,13 +564,13 @@ mod tests {
         assert_eq!(released.in_window, 0);
         released.freed(hash(3), 101);
         assert_eq!(released.recent(&[], 101, 5), 1);
-        // Without a single read (no horizon yet), the window keeps at most what `at` keeps;
+        // Without a single read (no horizon yet), the count stays within what `at` keeps;
         // past the age limit, a block is forgotten.
         let mut released = Released::default();
         for i in 0..(MAX_RELEASED as u64 + 10) {
             released.freed(hash(1000 + i), i);
         }
-        assert_eq!(released.window.len(), MAX_RELEASED);
+        assert_eq!(released.order.len(), MAX_RELEASED);
         assert_eq!(released.at.len(), MAX_RELEASED);
         assert_eq!(released.in_window, MAX_RELEASED as u64);
         assert!(released.reused(&[hash(1000)], 0).is_none());
