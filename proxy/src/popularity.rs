@@ -1,15 +1,25 @@
-//! How much of a pool's recent work comes with each prefix.
+//! How much of a pool's recent work comes with each prefix, from more than one stream.
 //!
 //! Every routed prompt adds its work (the prompt tokens its worker had to prefill, plus one)
-//! to each of its leading blocks (a block's hash names the whole prefix up to it), and counts
-//! fade by half every [`HALF_LIFE_REQUESTS`] requests. A prefix's share is its count over the
-//! pool's (plus a prior, [`PRIOR_REQUESTS`]): about 0.92 for a system prompt every request
-//! opens with, about 1/16 of that for each of sixteen equally used ones, 1/n for a
-//! conversation's own history among n conversations, and little for a popular document whose
-//! requests are cache hits among cold prompts that bring most of the prefill. The scorer
-//! compares a prefix's share with how many workers hold it: a prefix whose traffic brings more
-//! work than its holders' fair share of the pool is worth a copy on another worker
-//! ([`crate::scorer`]).
+//! to each of its leading blocks (a block's hash names the whole prefix up to it) that another
+//! stream used last, and counts fade by half every [`HALF_LIFE_REQUESTS`] requests. A prefix's
+//! share is its count over the pool's (plus a prior, [`PRIOR_REQUESTS`]): about 0.92 for a
+//! system prompt every request opens with, about 1/16 of that for each of sixteen equally used
+//! ones, and little for a popular document whose requests are cache hits among cold prompts
+//! that bring most of the prefill. The scorer compares a prefix's share with how many workers
+//! hold it: a prefix whose traffic brings more work than its holders' fair share of the pool is
+//! worth a copy on another worker ([`crate::scorer`]).
+//!
+//! **Streams.** A request whose prompt covers the whole prompt of the request that last used
+//! its longest known prefix, and goes on past it, continues that request: a conversation's next
+//! turn, an agent's next step. The two are one stream, which sends one request at a time, so a
+//! copy of what they have in common spreads nothing: the next request follows the latest turn.
+//! A request adds its work only to the prefixes some other request used since its predecessor;
+//! a conversation's own history counts for nothing however few conversations share the pool
+//! (or however much a turn moved to another worker had to prefill), while the system prompt
+//! its turns open with counts whenever other conversations use it in between. A prompt that
+//! repeats its predecessor's, or stops short of it, is another stream (a second sample, a
+//! shorter request sharing a prefix).
 //!
 //! Fading per request rather than per second makes the share a fraction of the traffic at any
 //! rate. Each gateway replica counts what it routes: with clients spread over the replicas,
@@ -56,8 +66,18 @@ struct State {
     /// The pool's faded request count and work, as of the last request.
     faded_requests: f64,
     total: f64,
-    /// Per prefix: its faded count and the request number it was last brought up to date at.
-    prefixes: HashMap<SequenceHash, (f64, u64)>,
+    /// Per prefix: its faded count, and the request that last used it.
+    prefixes: HashMap<SequenceHash, Prefix>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Prefix {
+    /// The faded count, as of request `at`.
+    count: f64,
+    /// The number of the request that last used the prefix; the count is up to date as of it.
+    at: u64,
+    /// That request's prompt length in blocks (all of them, counted or not).
+    blocks: usize,
 }
 
 /// The factor a count fades by per request.
@@ -86,10 +106,27 @@ impl State {
         let now = self.requests;
         while self.prefixes.len() > MAX_PREFIXES / 2 {
             self.prefixes
-                .retain(|_, (count, at)| faded(*count, *at, now) >= below);
+                .retain(|_, prefix| faded(prefix.count, prefix.at, now) >= below);
             below *= 2.0;
         }
     }
+}
+
+/// The request a prompt of `blocks` blocks continues, of which `counted` are its leading
+/// ones: the one that last used the prompt's longest known prefix, if its whole prompt (as far
+/// as it was counted) is that prefix and this one goes on past it.
+fn predecessor(
+    prefixes: &HashMap<SequenceHash, Prefix>,
+    counted: &[SequenceHash],
+    blocks: usize,
+) -> Option<u64> {
+    let known = counted
+        .iter()
+        .map_while(|hash| prefixes.get(hash))
+        .enumerate()
+        .last()?;
+    let (deepest, last) = known;
+    (deepest + 1 == last.blocks.min(MAX_BLOCKS) && blocks > last.blocks).then_some(last.at)
 }
 
 impl PrefixPopularity {
@@ -104,9 +141,20 @@ impl PrefixPopularity {
         state.faded_requests = state.faded_requests * fade + 1.0;
         state.total = state.total * fade + work;
         let now = state.requests;
-        for hash in hashes.iter().take(MAX_BLOCKS) {
-            let entry = state.prefixes.entry(*hash).or_insert((0.0, now));
-            *entry = (faded(entry.0, entry.1, now) + work, now);
+        let counted = &hashes[..hashes.len().min(MAX_BLOCKS)];
+        let predecessor = predecessor(&state.prefixes, counted, hashes.len());
+        for hash in counted {
+            let entry = state.prefixes.entry(*hash).or_insert(Prefix {
+                count: 0.0,
+                at: now,
+                blocks: 0,
+            });
+            let shared = entry.blocks > 0 && Some(entry.at) != predecessor;
+            *entry = Prefix {
+                count: faded(entry.count, entry.at, now) + if shared { work } else { 0.0 },
+                at: now,
+                blocks: hashes.len(),
+            };
         }
         if state.prefixes.len() > MAX_PREFIXES {
             state.forget();
@@ -125,7 +173,7 @@ impl PrefixPopularity {
         let mut last = 1.0_f64;
         for hash in hashes.iter().take(MAX_BLOCKS) {
             let share = match state.prefixes.get(hash) {
-                Some((count, at)) => faded(*count, *at, state.requests) / total,
+                Some(prefix) => faded(prefix.count, prefix.at, state.requests) / total,
                 None => 0.0,
             };
             // A deeper prefix is used by no more requests than the one it extends (its count
@@ -157,7 +205,7 @@ mod tests {
     }
 
     #[test]
-    fn a_prefix_every_request_shares_has_all_the_traffic_and_each_history_its_own() {
+    fn a_prefix_every_conversation_shares_has_all_the_traffic_and_a_history_none() {
         let popularity = PrefixPopularity::default();
         let mut shares = Vec::new();
         // Before any traffic: nothing is shared.
@@ -169,19 +217,74 @@ mod tests {
                 popularity.record(&prompt(1, conversation, 12 + turn), 100);
             }
         }
+        // The system prompt (10 blocks) comes with nearly all the work; a conversation's own
+        // turns are one stream, which shares its history with nobody.
         popularity.shares(&prompt(1, 5, 20), &mut shares);
-        assert_eq!(shares.len(), 20, "{shares:?}");
-        let system = shares[9];
-        assert!(system > 0.9 && system <= 1.0, "{shares:?}");
-        let own = shares[10];
-        assert!(
-            own > 0.02 && own < 0.05,
-            "one conversation in 32: {shares:?}"
-        );
+        assert_eq!(shares.len(), 10, "{shares:?}");
+        assert!(shares[9] > 0.9 && shares[9] <= 1.0, "{shares:?}");
         assert!(shares.windows(2).all(|w| w[1] <= w[0]), "{shares:?}");
         // A prompt no request opened with shares nothing.
         popularity.shares(&prompt(2, 99, 12), &mut shares);
         assert!(shares.is_empty(), "{shares:?}");
+    }
+
+    #[test]
+    fn two_conversations_share_their_system_prompt_but_not_their_histories() {
+        let popularity = PrefixPopularity::default();
+        let mut shares = Vec::new();
+        // Two conversations, long turns: each history is half the traffic, which a count of
+        // all the work would read as a prefix two workers' worth of traffic comes with.
+        for turn in 0..40 {
+            for conversation in 0..2 {
+                popularity.record(&prompt(1, conversation, 12 + turn), 2_000);
+            }
+        }
+        popularity.shares(&prompt(1, 1, 52), &mut shares);
+        assert_eq!(shares.len(), 10, "{shares:?}");
+        assert!(shares[9] > 0.75, "{shares:?}");
+        // One conversation alone has nothing shared at all, its system prompt included.
+        let alone = PrefixPopularity::default();
+        for turn in 0..40 {
+            alone.record(&prompt(3, 0, 12 + turn), 2_000);
+        }
+        alone.shares(&prompt(3, 0, 52), &mut shares);
+        assert!(shares.is_empty(), "{shares:?}");
+    }
+
+    #[test]
+    fn repeats_and_shorter_prompts_are_other_streams() {
+        let mut shares = Vec::new();
+        // The same prompt again and again (samples of one prompt): each use after the first is
+        // another stream's.
+        let repeats = PrefixPopularity::default();
+        for _ in 0..64 {
+            repeats.record(&prompt(1, 0, 12), 100);
+        }
+        repeats.shares(&prompt(1, 0, 12), &mut shares);
+        assert_eq!(shares.len(), 12, "{shares:?}");
+        assert!(shares[11] > 0.7, "{shares:?}");
+        // A long prompt, then ones that stop inside it: they use what it used.
+        let shorter = PrefixPopularity::default();
+        for request in 0..64 {
+            shorter.record(&prompt(1, 0, 30), 100);
+            shorter.record(&prompt(1, 0, 12 + request % 8), 100);
+        }
+        shorter.shares(&prompt(1, 0, 30), &mut shares);
+        assert!(shares.len() >= 12, "{shares:?}");
+        assert!(shares[11] > 0.7, "{shares:?}");
+        // Past the first `MAX_BLOCKS` blocks a prompt is not counted, yet a longer turn still
+        // continues its predecessor and a repeat of it is still another stream.
+        let long = PrefixPopularity::default();
+        for turn in 0..64 {
+            long.record(&prompt(4, 0, MAX_BLOCKS as u64 + 10 + turn), 100);
+        }
+        long.shares(&prompt(4, 0, MAX_BLOCKS as u64 + 100), &mut shares);
+        assert!(shares.is_empty(), "{shares:?}");
+        for _ in 0..64 {
+            long.record(&prompt(4, 0, MAX_BLOCKS as u64 + 100), 100);
+        }
+        long.shares(&prompt(4, 0, MAX_BLOCKS as u64 + 100), &mut shares);
+        assert_eq!(shares.len(), MAX_BLOCKS, "{shares:?}");
     }
 
     #[test]

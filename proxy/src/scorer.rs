@@ -51,8 +51,8 @@
 //! faster than a cold copy, all of them stay, and every burst of that traffic queues on the
 //! one holder while the others idle (the per-request oracle does the same). The copy's
 //! prefill is real (the request's predicted TTFT keeps it): it is paid once, where the queue
-//! is shorter, and spreads every later request. A conversation's own history has only its own
-//! traffic's share and is charged as before.
+//! is shorter, and spreads every later request. A conversation's own history is one stream's,
+//! shared with nobody (its next turn follows the latest copy), and is charged as before.
 //!
 //! A choice also costs the traffic whose cached blocks it evicts. The blocks this proxy's
 //! requests freed at a worker within the pool's reuse horizon (a conversation between its
@@ -533,8 +533,8 @@ pub fn decide(
     // sees the same choice (stay with the holder, or pay the whole prefix's prefill elsewhere)
     // until one pays it. So a worker lacking such blocks is scored as if it held them: the
     // copy's prefill is paid once, by this request, and spreads all later ones. Prefixes held
-    // as widely as their traffic, and a conversation's own history (its share is its own
-    // traffic's), are charged as before.
+    // as widely as their traffic, and a conversation's own history (one stream's, shared with
+    // nobody), are charged as before.
     let replicated = replicable_blocks(&scores, &eligible, shares, eligible_count);
     for score in &mut scores {
         let missing = replicated
