@@ -362,12 +362,10 @@ impl Exchange {
                 // A copy's prefill is not demand for the prefix: counting it would make each
                 // copy invite the next.
                 let copied = decision.chosen_score().map_or(0, |s| s.replicated_tokens);
-                if pool.config.scoring.replicate_shared_prefixes {
-                    kv.popularity.record(
-                        &prompt.hashes,
-                        (prefill.tokens as usize).saturating_sub(copied),
-                    );
-                }
+                kv.popularity.record(
+                    &prompt.hashes,
+                    (prefill.tokens as usize).saturating_sub(copied),
+                );
             }
             kv.record_arrival();
             let counter = match decision.outcome {

@@ -21,6 +21,12 @@
 //! repeats its predecessor's, or stops short of it, is another stream (a second sample, a
 //! shorter request sharing a prefix).
 //!
+//! **New streams.** The same count says how much of the pool's traffic continues a stream, and
+//! how long the prompts that do are: a pool whose requests mostly continue one serves
+//! conversations or agents, and a request there that continues nothing starts a stream that
+//! will keep coming back to the worker it lands on, with prompts about that long
+//! ([`PrefixPopularity::new_stream_blocks`]; the scorer places it where it leaves room).
+//!
 //! Fading per request rather than per second makes the share a fraction of the traffic at any
 //! rate. Each gateway replica counts what it routes: with clients spread over the replicas,
 //! each sees the same fractions.
@@ -44,6 +50,11 @@ pub const HALF_LIFE_REQUESTS: f64 = 128.0;
 /// 16 workers) stays with one holder.
 pub const PRIOR_REQUESTS: f64 = 16.0;
 
+/// The share of the pool's recent requests that must continue a stream for a request that
+/// continues none to be taken as starting one: below it the pool serves mostly single requests,
+/// and a request that continues nothing most likely stays alone.
+pub const STREAMS_ABOVE: f64 = 0.5;
+
 /// Leading blocks of a prompt that are counted (past them a prompt's blocks are its own).
 pub const MAX_BLOCKS: usize = 1024;
 
@@ -66,6 +77,10 @@ struct State {
     /// The pool's faded request count and work, as of the last request.
     faded_requests: f64,
     total: f64,
+    /// Of those, the faded count of requests that continued a stream, and their prompts'
+    /// blocks.
+    continuing: f64,
+    continuing_blocks: f64,
     /// Per prefix: its faded count, and the request that last used it.
     prefixes: HashMap<SequenceHash, Prefix>,
 }
@@ -143,6 +158,9 @@ impl PrefixPopularity {
         let now = state.requests;
         let counted = &hashes[..hashes.len().min(MAX_BLOCKS)];
         let predecessor = predecessor(&state.prefixes, counted, hashes.len());
+        let continues = f64::from(u8::from(predecessor.is_some()));
+        state.continuing = state.continuing * fade + continues;
+        state.continuing_blocks = state.continuing_blocks * fade + continues * hashes.len() as f64;
         for hash in counted {
             let entry = state.prefixes.entry(*hash).or_insert(Prefix {
                 count: 0.0,
@@ -159,6 +177,18 @@ impl PrefixPopularity {
         if state.prefixes.len() > MAX_PREFIXES {
             state.forget();
         }
+    }
+
+    /// The blocks a stream's prompts take, on average, when a prompt of these blocks starts one
+    /// in a pool whose requests mostly continue streams ([`STREAMS_ABOVE`]); `None` for a
+    /// prompt that continues a stream, or where most requests continue none.
+    pub fn new_stream_blocks(&self, hashes: &[SequenceHash]) -> Option<f64> {
+        let state = crate::lock(&self.state);
+        let streams =
+            state.faded_requests > 0.0 && state.continuing > STREAMS_ABOVE * state.faded_requests;
+        let counted = &hashes[..hashes.len().min(MAX_BLOCKS)];
+        (streams && predecessor(&state.prefixes, counted, hashes.len()).is_none())
+            .then(|| state.continuing_blocks / state.continuing)
     }
 
     /// The share of the pool's recent work that came with each leading prefix of `hashes`

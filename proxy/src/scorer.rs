@@ -102,6 +102,9 @@ pub struct WorkerScore {
     /// report its cache size).
     pub kv_blocks_needed: u64,
     pub kv_blocks_free: Option<u64>,
+    /// Free blocks not wanted by the traffic that freed them within the pool's reuse horizon:
+    /// the room left for traffic to come (`None` where the free blocks are unknown).
+    pub room_blocks: Option<u64>,
     /// Tokens of others' cached history the request's blocks would evict here: blocks this
     /// proxy's requests freed within the pool's reuse horizon, which the worker gives up once
     /// its other free blocks are taken ([`crate::kv::PoolKv::reuse_horizon`]).
@@ -159,6 +162,9 @@ pub struct Decision {
     pub prompt_tokens: usize,
     /// KV blocks of the request that no block hash names ([`unhashed_kv_blocks`]).
     pub unhashed_kv_blocks: u64,
+    /// For a request that starts a stream in a pool of streams, the blocks the pool's streams
+    /// take: it was placed among the workers that leave room for one.
+    pub new_stream_blocks: Option<f64>,
     pub scores: Vec<WorkerScore>,
 }
 
@@ -188,10 +194,13 @@ impl Decision {
             self.outcome,
             self.prompt_tokens
         );
+        if let Some(blocks) = self.new_stream_blocks {
+            let _ = write!(out, "; new_stream_blocks={blocks:.0}");
+        }
         for score in &self.scores {
             let _ = write!(
                 out,
-                "; {} matched_blocks={} cached_tokens={} replicated_tokens={} queued_tokens={} running={} in_flight={} healthy={} kv_blocks_needed={} kv_blocks_free={} evicted_tokens={} predicted_ttft_ms={:.1} cost_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
+                "; {} matched_blocks={} cached_tokens={} replicated_tokens={} queued_tokens={} running={} in_flight={} healthy={} kv_blocks_needed={} kv_blocks_free={} kv_room_blocks={} evicted_tokens={} predicted_ttft_ms={:.1} cost_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
                 address(score.position),
                 score.matched_blocks,
                 score.cached_tokens,
@@ -204,6 +213,9 @@ impl Decision {
                 score
                     .kv_blocks_free
                     .map_or_else(|| "unknown".to_owned(), |free| free.to_string()),
+                score
+                    .room_blocks
+                    .map_or_else(|| "unknown".to_owned(), |room| room.to_string()),
                 score.evicted_tokens,
                 score.predicted_ttft_s * 1000.0,
                 score.cost_s * 1000.0,
@@ -235,6 +247,7 @@ pub fn decide_for_prompt(
         pool.kv.popularity.shares(held, &mut shares);
     }
     let hashes = prompt.map_or(&[][..], |prompt| prompt.hashes.as_slice());
+    let new_stream_blocks = prompt.and_then(|_| pool.kv.popularity.new_stream_blocks(hashes));
     decide(
         pool,
         tokens,
@@ -242,6 +255,7 @@ pub fn decide_for_prompt(
         output_tokens,
         &overlap,
         &shares,
+        new_stream_blocks,
         exclude,
     )
 }
@@ -351,7 +365,9 @@ pub fn unhashed_kv_blocks(
 /// Score every eligible worker (not in `exclude`, address resolved) and choose one for a prompt
 /// of `prompt_tokens` whose full blocks hash to `hashes`. `shares`: the share of the pool's
 /// recent work that came with each of the prompt's leading prefixes ([`crate::popularity`]),
-/// as deep as any worker holds it.
+/// as deep as any worker holds it. `new_stream_blocks`: for a prompt that starts a stream in a
+/// pool of streams, the blocks the pool's streams take ([`crate::popularity`]).
+#[allow(clippy::too_many_arguments)]
 pub fn decide(
     pool: &PoolRuntime,
     prompt_tokens: usize,
@@ -359,6 +375,7 @@ pub fn decide(
     output_tokens: usize,
     overlap: &Overlap,
     shares: &[f64],
+    new_stream_blocks: Option<f64>,
     exclude: &[usize],
 ) -> Option<Decision> {
     let scoring = pool.config.scoring;
@@ -475,6 +492,7 @@ pub fn decide(
                 .min(wanted)
         });
         let evicted_tokens = (evicted_blocks as usize).saturating_mul(block_size);
+        let room_blocks = kv_blocks_free.map(|free| free.saturating_sub(wanted));
         scores.push(WorkerScore {
             position,
             matched_blocks,
@@ -489,6 +507,7 @@ pub fn decide(
             healthy: load.healthy(),
             kv_blocks_needed,
             kv_blocks_free,
+            room_blocks,
             evicted_tokens,
             formula_ttft_s,
             speed,
@@ -504,13 +523,32 @@ pub fn decide(
     };
     let any_healthy = scores.iter().any(|s| s.healthy);
     let any_room = scores.iter().any(|s| s.healthy && fits(s));
-    let eligible = |s: &&WorkerScore| {
+    let usable = |s: &&WorkerScore| {
         if any_room {
             s.healthy && fits(s)
         } else {
             s.healthy || !any_healthy
         }
     };
+    // A request that starts a stream (in a pool whose traffic is mostly streams: conversations,
+    // agents) brings it back to the worker it lands on turn after turn, its prompts growing to
+    // the pool's streams' size, and a stream moved later prefills its whole history again. So
+    // it starts where it leaves room: at a worker whose room (free blocks not wanted by the
+    // traffic that freed them) is within one stream of the most. A worker that holds the
+    // prompt's shared opening but is filling up with streams would win it on its TTFT alone,
+    // and then every stream there would thrash its cache for want of room.
+    let most_room = new_stream_blocks.and_then(|_| {
+        scores
+            .iter()
+            .filter(usable)
+            .filter_map(|s| s.room_blocks)
+            .max()
+    });
+    let leaves_room = |s: &&WorkerScore| match (new_stream_blocks, most_room, s.room_blocks) {
+        (Some(stream), Some(most), Some(room)) => room as f64 + stream >= most as f64,
+        _ => true,
+    };
+    let eligible = |s: &&WorkerScore| usable(s) && leaves_room(s);
     // While every eligible worker has prefill queued, the fleet is behind: a prefill added now
     // delays the requests that arrive before the shortest backlog clears, wherever they go, so
     // a choice is charged its own prefill times the arrivals each worker will see in that
@@ -614,6 +652,7 @@ pub fn decide(
         outcome,
         prompt_tokens,
         unhashed_kv_blocks: unhashed_blocks,
+        new_stream_blocks,
         scores,
     })
 }
@@ -681,7 +720,7 @@ mod tests {
         let lookup = overlap(pool, &prompt);
         assert_eq!(lookup.depth(WorkerId(pool.slots[1].0)), 99);
 
-        let first = decide(pool, 400, &[], 0, &lookup, &[], &[]).unwrap();
+        let first = decide(pool, 400, &[], 0, &lookup, &[], None, &[]).unwrap();
         assert_eq!(first.chosen, 1);
         assert_eq!(first.outcome, Outcome::CacheHit);
         assert_eq!(first.scores[1].uncached_tokens, 4);
@@ -690,12 +729,14 @@ mod tests {
         // than the 396 tokens the others would have to prefill...
         let _some = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 300));
         assert_eq!(
-            decide(pool, 400, &[], 0, &lookup, &[], &[]).unwrap().chosen,
+            decide(pool, 400, &[], 0, &lookup, &[], None, &[])
+                .unwrap()
+                .chosen,
             1
         );
         // ...and loses once the backlog is larger (no hot spot).
         let _more = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 200));
-        let spread = decide(pool, 400, &[], 0, &lookup, &[], &[]).unwrap();
+        let spread = decide(pool, 400, &[], 0, &lookup, &[], None, &[]).unwrap();
         assert_ne!(spread.chosen, 1);
         assert_eq!(spread.outcome, Outcome::Spread);
         assert!(spread.explain(pool).contains("matched_blocks=99"));
@@ -719,7 +760,17 @@ mod tests {
                 .map(|_| PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 1_800)))
                 .collect();
             let _busy = PendingPrefill::start(&pool.workers[2], PrefillWork::after(0, 30_000));
-            let decision = decide(pool, 20_000, &[], 0, &overlap(pool, &prompt), &[], &[]).unwrap();
+            let decision = decide(
+                pool,
+                20_000,
+                &[],
+                0,
+                &overlap(pool, &prompt),
+                &[],
+                None,
+                &[],
+            )
+            .unwrap();
             let (holder, cold) = (&decision.scores[1], &decision.scores[0]);
             assert_eq!((holder.cached_tokens, cold.cached_tokens), (16_000, 0));
             assert_eq!(
@@ -749,7 +800,7 @@ mod tests {
         let lookup = overlap(pool, &[1, 2, 3, 4]);
         let chosen: Vec<usize> = (0..12)
             .map(|_| {
-                let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
+                let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
                 assert_eq!(decision.outcome, Outcome::NoCache);
                 // Sent and answered at once: the workers stay idle, only the turn moves on.
                 drop(InFlight::start(&pool.workers[decision.chosen]));
@@ -766,7 +817,9 @@ mod tests {
         let next = chosen[0];
         let _busy = InFlight::start(&pool.workers[next]);
         assert_ne!(
-            decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().chosen,
+            decide(pool, 4, &[], 0, &lookup, &[], None, &[])
+                .unwrap()
+                .chosen,
             next
         );
     }
@@ -782,7 +835,7 @@ mod tests {
         let _b = InFlight::start(&pool.workers[0]);
         let _c = InFlight::start(&pool.workers[1]);
         let _c_prefill = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 500));
-        let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
+        let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
         assert_eq!(
             (decision.scores[0].running, decision.scores[0].queued_tokens),
             (2, 0)
@@ -797,7 +850,7 @@ mod tests {
             "vllm:num_requests_waiting 4\nvllm:num_requests_running 6\n",
             10,
         );
-        let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
+        let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
         assert_eq!(decision.scores[2].running, 6);
         assert!(decision.scores[2].queued_tokens > 0);
         // Another replica's one request, prefilling `tokens` for `elapsed_us` when read.
@@ -815,7 +868,7 @@ mod tests {
             in_flight: 1,
             ..Default::default()
         });
-        let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
+        let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
         // (Less what the worker did since the ledger was read: a token per 300 µs.)
         let queued = decision.scores[1].queued_tokens;
         assert!((3400..=3500).contains(&queued), "{queued}");
@@ -823,14 +876,23 @@ mod tests {
         // (300 µs a token, and its attention: 2 µs more for the 250 tokens before it, on
         // average, in the worker's queue of our 500).
         pool.workers[1].load.set_peers(prefilling(3000, 300_000));
-        let queued = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
+        let queued = decide(pool, 4, &[], 0, &lookup, &[], None, &[])
+            .unwrap()
+            .scores[1]
+            .queued_tokens;
         assert!((2400..=2520).contains(&queued), "{queued}");
         // A peer's long wait (10 s: 33,000 tokens' time) counts only against its own 1,000:
         // a prompt this proxy has just sent there stays queued.
         pool.workers[1].load.set_peers(prefilling(1000, 10_000_000));
-        let before = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
+        let before = decide(pool, 4, &[], 0, &lookup, &[], None, &[])
+            .unwrap()
+            .scores[1]
+            .queued_tokens;
         let _ours = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 3000));
-        let queued = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[1].queued_tokens;
+        let queued = decide(pool, 4, &[], 0, &lookup, &[], None, &[])
+            .unwrap()
+            .scores[1]
+            .queued_tokens;
         assert!(queued >= before + 2900, "{before} then {queued}");
         assert_eq!(decision.scores[0].running, 3);
         pool.workers[0].load.set_peers(Default::default());
@@ -839,7 +901,10 @@ mod tests {
             .load
             .update_from_metrics("vllm:num_requests_running 2\n", 10);
         assert_eq!(
-            decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[0].running,
+            decide(pool, 4, &[], 0, &lookup, &[], None, &[])
+                .unwrap()
+                .scores[0]
+                .running,
             2
         );
     }
@@ -877,7 +942,10 @@ mod tests {
         let _short_prediction = pool.kv.predictions.add(pool.slots[0], prompt(&short), 0);
         std::thread::sleep(std::time::Duration::from_millis(20));
         let queued = |pool: &PoolRuntime, position: usize| {
-            decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap().scores[position].queued_tokens
+            decide(pool, 4, &[], 0, &lookup, &[], None, &[])
+                .unwrap()
+                .scores[position]
+                .queued_tokens
         };
         assert_eq!((queued(pool, 0), queued(pool, 1)), (0, 0));
         // Its KV events have stored the first 100 blocks of the long one (vLLM stores a block
@@ -944,7 +1012,7 @@ mod tests {
         let _a = PendingPrefill::start(&pool.workers[0], PrefillWork::after(0, 1_200));
         let _b = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 1_500));
         let _c = PendingPrefill::start(&pool.workers[2], PrefillWork::after(0, 1_500));
-        let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
+        let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
         assert_ne!(decision.chosen, 0, "{:?}", decision.scores);
         let slow = &decision.scores[0];
         assert!((slow.relative_speed - 1.5).abs() < 0.05, "{slow:?}");
@@ -958,7 +1026,7 @@ mod tests {
             pool.workers[0].ttft.observe(answer(i, 1.5), &model);
             pool.workers[1].ttft.observe(answer(i, 1.0), &model);
         }
-        let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
+        let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
         assert_eq!(decision.scores[0].relative_speed, 1.0);
         assert!(decision.scores[0].speed.known());
     }
@@ -987,7 +1055,8 @@ mod tests {
             let pool = table.pools().next().unwrap();
             teach(pool);
             let configured = Coefficients::configured(&pool.config.scoring);
-            let decision = decide(pool, 2000, &[], 0, &overlap(pool, &prompt), &[], &[]).unwrap();
+            let decision =
+                decide(pool, 2000, &[], 0, &overlap(pool, &prompt), &[], None, &[]).unwrap();
             let ratio = decision.scores[0].formula_ttft_s
                 / configured.predict(PrefillWork::after(0, 2000), 0.0);
             assert!(
@@ -1021,6 +1090,7 @@ mod tests {
                 healthy: true,
                 kv_blocks_needed: 0,
                 kv_blocks_free: None,
+                room_blocks: None,
                 evicted_tokens: 0,
                 formula_ttft_s: formula,
                 speed: Speed::default(),
@@ -1063,7 +1133,7 @@ mod tests {
         let chosen = |pool: &PoolRuntime| {
             let mut counts = [0usize; 3];
             for _ in 0..50 {
-                counts[decide(pool, 1000, &[], 0, &lookup, &[], &[])
+                counts[decide(pool, 1000, &[], 0, &lookup, &[], None, &[])
                     .unwrap()
                     .chosen] += 1;
             }
@@ -1089,7 +1159,7 @@ mod tests {
         }
         let error = pool.kv.calibration.fit(configured).error.unwrap();
         assert!((0.1..0.25).contains(&error), "{error}");
-        let decision = decide(pool, 1000, &[], 0, &lookup, &[], &[]).unwrap();
+        let decision = decide(pool, 1000, &[], 0, &lookup, &[], None, &[]).unwrap();
         let behind = |position: usize| {
             decision.scores[position].predicted_ttft_s - decision.scores[0].predicted_ttft_s
         };
@@ -1151,7 +1221,7 @@ mod tests {
         let _shorter = PendingPrefill::start(&pool.workers[0], PrefillWork::after(0, 1500));
         let longer = PendingPrefill::start(&pool.workers[2], PrefillWork::after(0, 2500));
         // Nothing has arrived yet: no charge, the request's own TTFT decides.
-        let alone = decide(pool, 1000, &[], 0, &lookup, &[], &[]).unwrap();
+        let alone = decide(pool, 1000, &[], 0, &lookup, &[], None, &[]).unwrap();
         assert_eq!(alone.chosen, 0, "{:?}", alone.scores);
         assert!(alone.scores.iter().all(|s| s.cost_s == s.predicted_ttft_s));
         // Requests arriving fast: copying 1,000 tokens delays every one of them that comes
@@ -1160,13 +1230,13 @@ mod tests {
             pool.kv.record_arrival();
         }
         assert!(pool.kv.arrival_rate() > 100.0);
-        let behind = decide(pool, 1000, &[], 0, &lookup, &[], &[]).unwrap();
+        let behind = decide(pool, 1000, &[], 0, &lookup, &[], None, &[]).unwrap();
         assert_eq!(behind.chosen, 1, "{:?}", behind.scores);
         assert_eq!(behind.outcome, Outcome::CacheHit);
         assert!(behind.scores[0].cost_s > behind.scores[0].predicted_ttft_s);
         // With one worker idle the fleet is not behind: copying to it costs nobody a wait.
         drop(longer);
-        let idle = decide(pool, 1000, &[], 0, &lookup, &[], &[]).unwrap();
+        let idle = decide(pool, 1000, &[], 0, &lookup, &[], None, &[]).unwrap();
         assert_eq!(idle.chosen, 2, "{:?}", idle.scores);
         assert!(idle.scores.iter().all(|s| s.cost_s == s.predicted_ttft_s));
     }
@@ -1194,7 +1264,7 @@ mod tests {
         for (position, usage) in [(0, "0.1"), (1, "0.85"), (2, "0.1")] {
             scrape(position, usage);
         }
-        let fits = decide(pool, 400, &hashes, 200, &lookup, &[], &[]).unwrap();
+        let fits = decide(pool, 400, &hashes, 200, &lookup, &[], None, &[]).unwrap();
         assert_eq!(fits.chosen, 1, "{:?}", fits.scores);
         assert!(fits.scores.iter().all(|s| s.kv_blocks_needed == 150));
         assert_eq!(fits.scores[1].kv_blocks_free, Some(150));
@@ -1203,7 +1273,7 @@ mod tests {
         // only 50 blocks of the request are new there (a conversation's history, cached but
         // idle between its turns, does not make room).
         scrape(1, "0.9");
-        let passed = decide(pool, 400, &hashes, 200, &lookup, &[], &[]).unwrap();
+        let passed = decide(pool, 400, &hashes, 200, &lookup, &[], None, &[]).unwrap();
         assert_ne!(passed.chosen, 1, "{:?}", passed.scores);
         assert!(
             passed
@@ -1215,7 +1285,7 @@ mod tests {
         let running = KvReservation::start(&pool.workers[1], &hashes[..80], 5);
         scrape(1, "0.9");
         assert_eq!(pool.workers[1].load.free_kv_blocks(), Some(100));
-        let shares = decide(pool, 400, &hashes, 200, &lookup, &[], &[]).unwrap();
+        let shares = decide(pool, 400, &hashes, 200, &lookup, &[], None, &[]).unwrap();
         assert_eq!(shares.chosen, 1, "{:?}", shares.scores);
         assert_eq!(shares.scores[1].kv_blocks_needed, 70);
         assert_eq!(shares.scores[0].kv_blocks_needed, 150);
@@ -1226,13 +1296,13 @@ mod tests {
             KvReservation::start(&pool.workers[2], &[], 800),
         ];
         assert_eq!(
-            decide(pool, 400, &hashes, 200, &lookup, &[], &[])
+            decide(pool, 400, &hashes, 200, &lookup, &[], None, &[])
                 .unwrap()
                 .chosen,
             1
         );
         // A `max_tokens` no model has room for counts as the bound, not as an overflow.
-        let huge = decide(pool, 400, &hashes, usize::MAX, &lookup, &[], &[]).unwrap();
+        let huge = decide(pool, 400, &hashes, usize::MAX, &lookup, &[], None, &[]).unwrap();
         assert_eq!(
             huge.scores[1].kv_blocks_needed,
             100 + MAX_OUTPUT_TOKENS.div_ceil(4) as u64
@@ -1266,7 +1336,7 @@ mod tests {
         let lookup = overlap(pool, &prompt);
         // Before any prompt has come back for freed blocks, nothing freed is known to be wanted.
         assert_eq!(pool.kv.reuse_horizon(), None);
-        let unknown = decide(pool, 400, &hashes, 200, &lookup, &[], &[]).unwrap();
+        let unknown = decide(pool, 400, &hashes, 200, &lookup, &[], None, &[]).unwrap();
         assert!(unknown.scores.iter().all(|s| s.evicted_tokens == 0));
         // Prompts come back about a minute after their history is freed: what was freed a
         // moment ago is wanted for four.
@@ -1276,7 +1346,7 @@ mod tests {
             Some(std::time::Duration::from_secs(240))
         );
         for _ in 0..3 {
-            let decision = decide(pool, 400, &hashes, 200, &lookup, &[], &[]).unwrap();
+            let decision = decide(pool, 400, &hashes, 200, &lookup, &[], None, &[]).unwrap();
             let evicting = &decision.scores[0];
             assert_eq!(evicting.evicted_tokens, 200, "{:?}", decision.scores);
             assert!(decision.scores[1..].iter().all(|s| s.evicted_tokens == 0));
@@ -1292,8 +1362,111 @@ mod tests {
         // The conversation's own next turn takes none of that room: it hits its history.
         let next: Vec<u32> = (10_000..13_300).collect();
         let next_hashes = sequence_hashes(&next, 4);
-        let own = decide(pool, 3300, &next_hashes, 0, &overlap(pool, &next), &[], &[]).unwrap();
+        let own = decide(
+            pool,
+            3300,
+            &next_hashes,
+            0,
+            &overlap(pool, &next),
+            &[],
+            None,
+            &[],
+        )
+        .unwrap();
         assert_eq!(own.scores[0].evicted_tokens, 0, "{:?}", own.scores);
+    }
+
+    #[test]
+    fn a_new_stream_starts_where_it_leaves_room_for_one() {
+        use crate::prompt::PromptInfo;
+        use crate::routing::KvReservation;
+        // A 400-token system prompt (100 blocks) every conversation opens with, then 200
+        // tokens (50 blocks) a turn.
+        let system: Vec<u32> = (0..400).collect();
+        let turn = |n: u32, turns: u32| -> Vec<u32> {
+            system
+                .iter()
+                .copied()
+                .chain((0..200 * turns).map(|i| 100_000 * (n + 1) + i))
+                .collect()
+        };
+        let hashes = |tokens: &[u32]| sequence_hashes(tokens, 4);
+        // Workers of 1,000 blocks, 100 of them used by others. Three conversations are under
+        // way on worker 1, between their fourth and fifth turns: their 600 blocks of history
+        // are free to vLLM and wanted (prompts come back a minute after their blocks are
+        // freed). `traffic` records what else the pool has routed.
+        let pool_with = |table: &RoutingTable, traffic: &dyn Fn(&PoolRuntime)| {
+            let pool = table.pools().next().unwrap();
+            for position in 0..3 {
+                pool.workers[position].load.update_from_metrics(
+                    "vllm:kv_cache_usage_perc 0.1\nvllm:cache_config_info{num_gpu_blocks=\"1001\"} 1\n",
+                    10,
+                );
+            }
+            for n in 0..3 {
+                store(pool, 1, &turn(n, 4));
+                drop(KvReservation::start(
+                    &pool.workers[1],
+                    &hashes(&turn(n, 4)),
+                    0,
+                ));
+            }
+            pool.kv.record_reuse(std::time::Duration::from_secs(60));
+            traffic(pool);
+        };
+        let decide_turn = |pool: &PoolRuntime, tokens: &[u32]| {
+            let prompt = PromptInfo {
+                tokens: tokens.len(),
+                hashes: hashes(tokens),
+                unfinished: None,
+            };
+            decide_for_prompt(pool, Some(&prompt), 0, &[]).unwrap()
+        };
+
+        // The pool's traffic is those conversations' turns: nine of twelve requests continued
+        // a stream, with prompts of 250 blocks on average.
+        let conversations = table();
+        pool_with(&conversations, &|pool| {
+            for t in 1..=4 {
+                for n in 0..3 {
+                    pool.kv.popularity.record(&hashes(&turn(n, t)), 200);
+                }
+            }
+        });
+        let pool = conversations.pools().next().unwrap();
+        // A new conversation would prefill least on worker 1, which holds the system prompt;
+        // but with 300 blocks of room there against 900 elsewhere it would squeeze the three
+        // conversations' next turns: it starts elsewhere.
+        let new = decide_turn(pool, &turn(9, 1));
+        let streams = new.new_stream_blocks.unwrap();
+        assert!((249.0..=251.0).contains(&streams), "{streams}");
+        assert_eq!(new.scores[1].room_blocks, Some(300), "{:?}", new.scores);
+        assert_eq!(new.scores[0].room_blocks, Some(900));
+        assert_ne!(new.chosen, 1);
+        let chosen = new.chosen_score().unwrap();
+        assert!(new.scores[1].predicted_ttft_s < chosen.predicted_ttft_s);
+        assert!(
+            new.explain(pool)
+                .contains(&format!("new_stream_blocks={streams:.0}"))
+        );
+        assert!(new.explain(pool).contains("kv_room_blocks=300"));
+        // A conversation's next turn continues its stream: it stays with its history.
+        let next = decide_turn(pool, &turn(0, 5));
+        assert_eq!(next.new_stream_blocks, None);
+        assert_eq!(next.chosen, 1);
+
+        // Where the traffic is single requests opening with the system prompt, a request that
+        // continues nothing most likely stays alone: the cached worker takes it.
+        let singles = table();
+        pool_with(&singles, &|pool| {
+            for n in 10..22 {
+                pool.kv.popularity.record(&hashes(&turn(n, 1)), 200);
+            }
+        });
+        let pool = singles.pools().next().unwrap();
+        let single = decide_turn(pool, &turn(9, 1));
+        assert_eq!(single.new_stream_blocks, None);
+        assert_eq!(single.chosen, 1);
     }
 
     #[test]
@@ -1303,20 +1476,20 @@ mod tests {
         let lookup = overlap(pool, &[1, 2, 3, 4]);
         let mut seen = [0; 3];
         for _ in 0..300 {
-            let decision = decide(pool, 4, &[], 0, &lookup, &[], &[]).unwrap();
+            let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
             assert_eq!(decision.outcome, Outcome::NoCache);
             seen[decision.chosen] += 1;
         }
         assert!(seen.iter().all(|n| *n > 30), "{seen:?}");
         for _ in 0..20 {
             assert_eq!(
-                decide(pool, 4, &[], 0, &lookup, &[], &[0, 2])
+                decide(pool, 4, &[], 0, &lookup, &[], None, &[0, 2])
                     .unwrap()
                     .chosen,
                 1
             );
         }
-        assert!(decide(pool, 4, &[], 0, &lookup, &[], &[0, 1, 2]).is_none());
+        assert!(decide(pool, 4, &[], 0, &lookup, &[], None, &[0, 1, 2]).is_none());
     }
 
     #[test]
@@ -1377,17 +1550,17 @@ mod tests {
 
         // Half the work needs 1.5 workers: one holder of three is too few, two are enough.
         let lookup = overlap(pool, &conversation(99));
-        let one = decide(pool, 400, &[], 0, &lookup, &[0.5; 95], &[]).unwrap();
+        let one = decide(pool, 400, &[], 0, &lookup, &[0.5; 95], None, &[]).unwrap();
         assert_eq!(one.scores[0].replicated_tokens, 380);
         store(pool, 2, &system);
         let lookup = overlap(pool, &conversation(99));
-        let two = decide(pool, 400, &[], 0, &lookup, &[0.5; 95], &[]).unwrap();
+        let two = decide(pool, 400, &[], 0, &lookup, &[0.5; 95], None, &[]).unwrap();
         assert!(
             two.scores.iter().all(|s| s.replicated_tokens == 0),
             "{two:?}"
         );
         // All of it on two holders of three: the third is scored as holding it.
-        let all = decide(pool, 400, &[], 0, &lookup, &[1.0; 95], &[]).unwrap();
+        let all = decide(pool, 400, &[], 0, &lookup, &[1.0; 95], None, &[]).unwrap();
         assert_eq!(all.scores[0].replicated_tokens, 380);
     }
 
@@ -1406,7 +1579,7 @@ mod tests {
         shares.extend([1.0 / 32.0; 60]);
         let lookup = overlap(pool, &history);
         let _queued = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 60));
-        let decision = decide(pool, 400, &[], 0, &lookup, &shares, &[]).unwrap();
+        let decision = decide(pool, 400, &[], 0, &lookup, &shares, None, &[]).unwrap();
         assert_eq!((decision.chosen, decision.outcome), (1, Outcome::CacheHit));
         assert!(decision.scores.iter().all(|s| s.replicated_tokens == 0));
     }
