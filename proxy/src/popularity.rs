@@ -127,6 +127,11 @@ impl State {
     }
 }
 
+/// The leading blocks of a prompt that are counted.
+fn counted(hashes: &[SequenceHash]) -> &[SequenceHash] {
+    hashes.get(..MAX_BLOCKS).unwrap_or(hashes)
+}
+
 /// The request a prompt of `blocks` blocks continues, of which `counted` are its leading
 /// ones: the one that last used the prompt's longest known prefix, if its whole prompt (as far
 /// as it was counted) is that prefix and this one goes on past it.
@@ -156,7 +161,7 @@ impl PrefixPopularity {
         state.faded_requests = state.faded_requests * fade + 1.0;
         state.total = state.total * fade + work;
         let now = state.requests;
-        let counted = &hashes[..hashes.len().min(MAX_BLOCKS)];
+        let counted = counted(hashes);
         let predecessor = predecessor(&state.prefixes, counted, hashes.len());
         let continues = f64::from(u8::from(predecessor.is_some()));
         state.continuing = state.continuing * fade + continues;
@@ -186,7 +191,7 @@ impl PrefixPopularity {
         let state = crate::lock(&self.state);
         let streams =
             state.faded_requests > 0.0 && state.continuing > STREAMS_ABOVE * state.faded_requests;
-        let counted = &hashes[..hashes.len().min(MAX_BLOCKS)];
+        let counted = counted(hashes);
         (streams && predecessor(&state.prefixes, counted, hashes.len()).is_none())
             .then(|| state.continuing_blocks / state.continuing)
     }
