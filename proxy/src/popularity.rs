@@ -10,22 +10,26 @@
 //! hold it: a prefix whose traffic brings more work than its holders' fair share of the pool is
 //! worth a copy on another worker ([`crate::scorer`]).
 //!
-//! **Streams.** A request whose prompt covers the whole prompt of the request that last used
-//! its longest known prefix, and goes on past it, continues that request: a conversation's next
-//! turn, an agent's next step. The two are one stream, which sends one request at a time, so a
-//! copy of what they have in common spreads nothing: the next request follows the latest turn.
-//! A request adds its work only to the prefixes some other request used since its predecessor;
-//! a conversation's own history counts for nothing however few conversations share the pool
-//! (or however much a turn moved to another worker had to prefill), while the system prompt
-//! its turns open with counts whenever other conversations use it in between. A prompt that
-//! repeats its predecessor's, or stops short of it, is another stream (a second sample, a
-//! shorter request sharing a prefix).
+//! **Streams.** A request whose prompt holds the whole prompt of the request that last used its
+//! longest known prefix (that prompt's last block hash names all of it), and goes on past it,
+//! continues that request: a conversation's next turn, an agent's next step. The two are one
+//! stream, which sends one request at a time, so a copy of what they have in common spreads
+//! nothing: the next request follows the latest turn. A request adds its work only to the
+//! prefixes whose last use was another request's than its predecessor's (the first use of a
+//! prefix counts for nothing): a conversation's own history counts for nothing however few
+//! conversations share the pool (or however much a turn moved to another worker had to
+//! prefill), while the system prompt its turns open with counts whenever other conversations
+//! use it in between. A prompt the same as the one of the request that last used it, or one
+//! that stops inside it, continues nothing (a second sample, a shorter request sharing a
+//! prefix): its work counts.
 //!
 //! **New streams.** The same count says how much of the pool's traffic continues a stream, and
 //! how long the prompts that do are: a pool whose requests mostly continue one serves
-//! conversations or agents, and a request there that continues nothing starts a stream that
+//! conversations or agents, and a request there without a stream of its own starts one that
 //! will keep coming back to the worker it lands on, with prompts about that long
-//! ([`PrefixPopularity::new_stream_blocks`]; the scorer places it where it leaves room).
+//! ([`PrefixPopularity::new_stream_blocks`]; the scorer places it where it leaves room). The
+//! table forgets the prefixes used longest ago (a live history, never shared, has no count to
+//! keep it by).
 //!
 //! Fading per request rather than per second makes the share a fraction of the traffic at any
 //! rate. Each gateway replica counts what it routes: with clients spread over the replicas,
@@ -58,12 +62,9 @@ pub const STREAMS_ABOVE: f64 = 0.5;
 /// Leading blocks of a prompt that are counted (past them a prompt's blocks are its own).
 pub const MAX_BLOCKS: usize = 1024;
 
-/// Prefixes remembered at most; past it the faded ones are forgotten.
+/// Prefixes remembered at most; past it the half used longest ago are forgotten (by when they
+/// were last used, not by count: a live conversation's history has a count of nothing).
 pub const MAX_PREFIXES: usize = 1 << 16;
-
-/// Counts below this many requests of the average work (a prefix last seen about two
-/// half-lives ago, once) are forgotten when the table is full.
-const FORGET_BELOW: f64 = 0.25;
 
 #[derive(Debug, Default)]
 pub struct PrefixPopularity {
@@ -91,8 +92,10 @@ struct Prefix {
     count: f64,
     /// The number of the request that last used the prefix; the count is up to date as of it.
     at: u64,
-    /// That request's prompt length in blocks (all of them, counted or not).
+    /// That request's prompt length in blocks (all of them, counted or not), and its last
+    /// block's hash, which names the whole prompt.
     blocks: usize,
+    tail: SequenceHash,
 }
 
 /// The factor a count fades by per request.
@@ -115,15 +118,16 @@ impl State {
         }
     }
 
-    /// Forget the faded prefixes, more of them while the table stays above half its size.
+    /// Forget the prefixes used longest ago, down to about half the table (the blocks of one
+    /// request share its number: the ones of the request at the cut stay with it).
     fn forget(&mut self) {
-        let mut below = FORGET_BELOW * self.average_work().max(1.0);
-        let now = self.requests;
-        while self.prefixes.len() > MAX_PREFIXES / 2 {
-            self.prefixes
-                .retain(|_, prefix| faded(prefix.count, prefix.at, now) >= below);
-            below *= 2.0;
-        }
+        let mut used: Vec<u64> = self.prefixes.values().map(|prefix| prefix.at).collect();
+        let Some(cut) = used.len().checked_sub(MAX_PREFIXES / 2) else {
+            return;
+        };
+        let (_, oldest_kept, _) = used.select_nth_unstable(cut);
+        let oldest_kept = *oldest_kept;
+        self.prefixes.retain(|_, prefix| prefix.at >= oldest_kept);
     }
 }
 
@@ -132,21 +136,29 @@ fn counted(hashes: &[SequenceHash]) -> &[SequenceHash] {
     hashes.get(..MAX_BLOCKS).unwrap_or(hashes)
 }
 
-/// The request a prompt of `blocks` blocks continues, of which `counted` are its leading
-/// ones: the one that last used the prompt's longest known prefix, if its whole prompt (as far
-/// as it was counted) is that prefix and this one goes on past it.
-fn predecessor(
-    prefixes: &HashMap<SequenceHash, Prefix>,
-    counted: &[SequenceHash],
-    blocks: usize,
-) -> Option<u64> {
-    let known = counted
+/// How many of a prompt's leading blocks the table knows, and the deepest of them.
+fn known<'a>(
+    prefixes: &'a HashMap<SequenceHash, Prefix>,
+    hashes: &[SequenceHash],
+) -> (usize, Option<&'a Prefix>) {
+    counted(hashes)
         .iter()
         .map_while(|hash| prefixes.get(hash))
-        .enumerate()
-        .last()?;
-    let (deepest, last) = known;
-    (deepest + 1 == last.blocks.min(MAX_BLOCKS) && blocks > last.blocks).then_some(last.at)
+        .fold((0, None), |(depth, _), prefix| (depth + 1, Some(prefix)))
+}
+
+/// The request a prompt (its block hashes) continues: the one that last used the prompt's
+/// longest known prefix, if the prompt holds that request's whole prompt and goes on past it.
+fn predecessor(prefixes: &HashMap<SequenceHash, Prefix>, hashes: &[SequenceHash]) -> Option<u64> {
+    let (depth, last) = known(prefixes, hashes);
+    let last = last?;
+    let whole = depth == last.blocks.min(MAX_BLOCKS)
+        && last
+            .blocks
+            .checked_sub(1)
+            .and_then(|tail| hashes.get(tail))
+            .is_some_and(|tail| *tail == last.tail);
+    (whole && hashes.len() > last.blocks).then_some(last.at)
 }
 
 impl PrefixPopularity {
@@ -161,22 +173,24 @@ impl PrefixPopularity {
         state.faded_requests = state.faded_requests * fade + 1.0;
         state.total = state.total * fade + work;
         let now = state.requests;
-        let counted = counted(hashes);
-        let predecessor = predecessor(&state.prefixes, counted, hashes.len());
+        let predecessor = predecessor(&state.prefixes, hashes);
+        let tail = hashes.last().copied().unwrap_or(SequenceHash(0));
         let continues = f64::from(u8::from(predecessor.is_some()));
         state.continuing = state.continuing * fade + continues;
         state.continuing_blocks = state.continuing_blocks * fade + continues * hashes.len() as f64;
-        for hash in counted {
+        for hash in counted(hashes) {
             let entry = state.prefixes.entry(*hash).or_insert(Prefix {
                 count: 0.0,
                 at: now,
                 blocks: 0,
+                tail,
             });
             let shared = entry.blocks > 0 && Some(entry.at) != predecessor;
             *entry = Prefix {
                 count: faded(entry.count, entry.at, now) + if shared { work } else { 0.0 },
                 at: now,
                 blocks: hashes.len(),
+                tail,
             };
         }
         if state.prefixes.len() > MAX_PREFIXES {
@@ -185,15 +199,22 @@ impl PrefixPopularity {
     }
 
     /// The blocks a stream's prompts take, on average, when a prompt of these blocks starts one
-    /// in a pool whose requests mostly continue streams ([`STREAMS_ABOVE`]); `None` for a
-    /// prompt that continues a stream, or where most requests continue none.
-    pub fn new_stream_blocks(&self, hashes: &[SequenceHash]) -> Option<f64> {
+    /// in a pool whose requests mostly continue streams ([`STREAMS_ABOVE`], after at least
+    /// [`PRIOR_REQUESTS`] requests); `None` where most requests continue none, or for a prompt
+    /// with a stream of its own already: one whose deepest prefix the table knows was used by
+    /// one stream alone (a conversation's next turn, a retry, a repeat), or whose blocks some
+    /// worker caches deeper than the table knows them (`cached_blocks`: a stream another
+    /// gateway replica placed, or one this table forgot).
+    pub fn new_stream_blocks(&self, hashes: &[SequenceHash], cached_blocks: usize) -> Option<f64> {
         let state = crate::lock(&self.state);
-        let streams =
-            state.faded_requests > 0.0 && state.continuing > STREAMS_ABOVE * state.faded_requests;
-        let counted = counted(hashes);
-        (streams && predecessor(&state.prefixes, counted, hashes.len()).is_none())
-            .then(|| state.continuing_blocks / state.continuing)
+        if state.faded_requests < PRIOR_REQUESTS
+            || state.continuing <= STREAMS_ABOVE * state.faded_requests
+        {
+            return None;
+        }
+        let (depth, deepest) = known(&state.prefixes, hashes);
+        let own_history = deepest.is_some_and(|prefix| prefix.count <= 0.0);
+        (!own_history && cached_blocks <= depth).then(|| state.continuing_blocks / state.continuing)
     }
 
     /// The share of the pool's recent work that came with each leading prefix of `hashes`
@@ -350,6 +371,59 @@ mod tests {
     }
 
     #[test]
+    fn streams_sharing_more_than_the_counted_blocks_are_still_two_streams() {
+        // Two conversations whose prompts share their first MAX_BLOCKS + 5 blocks (a long
+        // document both discuss), taking turns.
+        let shared = (0..MAX_BLOCKS as u64 + 5).map(SequenceHash);
+        let turn = |conversation: u64, turn: u64| -> Vec<SequenceHash> {
+            shared
+                .clone()
+                .chain((0..10 * turn).map(|b| SequenceHash(1 << 40 | conversation << 20 | b)))
+                .collect()
+        };
+        let popularity = PrefixPopularity::default();
+        for t in 1..40 {
+            for conversation in 0..2 {
+                popularity.record(&turn(conversation, t), 100);
+            }
+        }
+        // Each turn's predecessor is its own conversation's last turn, not whichever of the two
+        // used the counted blocks last: the shared document comes with every turn's work.
+        let mut shares = Vec::new();
+        popularity.shares(&turn(0, 40), &mut shares);
+        assert_eq!(shares.len(), MAX_BLOCKS, "{shares:?}");
+        assert!(shares[MAX_BLOCKS - 1] > 0.7, "{shares:?}");
+    }
+
+    #[test]
+    fn a_full_table_forgets_what_was_used_longest_ago_not_live_histories() {
+        let popularity = PrefixPopularity::default();
+        // A conversation takes a turn between every 64 unique prompts, far more blocks than
+        // the table holds.
+        let turn = |t: u64| prompt(1, 0, 12 + t);
+        for t in 0..(3 * MAX_PREFIXES as u64 / 64 / 64) {
+            popularity.record(&turn(t), 100);
+            for request in 0..64 {
+                let unique: Vec<SequenceHash> = (0..64)
+                    .map(|b| SequenceHash(1 << 40 | (t * 64 + request) << 8 | b))
+                    .collect();
+                popularity.record(&unique, 100);
+            }
+        }
+        let state = crate::lock(&popularity.state);
+        assert!(
+            state.prefixes.len() <= MAX_PREFIXES,
+            "{}",
+            state.prefixes.len()
+        );
+        // The conversation's history, never shared, is still known: its next turn continues
+        // it.
+        let last = 3 * MAX_PREFIXES as u64 / 64 / 64 - 1;
+        assert!(predecessor(&state.prefixes, &turn(last + 1)).is_some());
+        assert_eq!(known(&state.prefixes, &turn(last)).0, turn(last).len());
+    }
+
+    #[test]
     fn a_popular_prefix_of_cache_hits_has_little_of_the_work() {
         let popularity = PrefixPopularity::default();
         let mut shares = Vec::new();
@@ -367,7 +441,7 @@ mod tests {
     }
 
     #[test]
-    fn the_table_forgets_faded_prefixes_when_full() {
+    fn a_full_table_forgets_the_prefixes_used_longest_ago() {
         let popularity = PrefixPopularity::default();
         // One shared block, then unique ones: far more prefixes than the table holds.
         let shared = SequenceHash(u64::MAX);

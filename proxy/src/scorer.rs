@@ -62,6 +62,14 @@
 //! freed first), and whoever comes back for them prefills them again. The choice's cost adds
 //! that prefill.
 //!
+//! A request that starts a stream, in a pool whose traffic is mostly streams (conversations,
+//! agents; [`crate::popularity::PrefixPopularity::new_stream_blocks`]), decides where the
+//! stream's later requests find their history, and so where its room must come from while its
+//! prompts grow. It is placed among the workers whose room (free blocks less the wanted ones)
+//! is within one of the pool's streams of the most, then by cost: a worker holding the shared
+//! opening of every conversation would otherwise win each new one on its TTFT until its
+//! conversations evict each other's histories.
+//!
 //! Workers within `tie_tolerance` of the best cost, or within the model's error spread of the
 //! terms in which their prediction differs from the best's ([`near_tie`]), are tied, and the one
 //! holding most of the prompt, then the one with fewest requests in flight, then the one this
@@ -247,7 +255,11 @@ pub fn decide_for_prompt(
         pool.kv.popularity.shares(held, &mut shares);
     }
     let hashes = prompt.map_or(&[][..], |prompt| prompt.hashes.as_slice());
-    let new_stream_blocks = prompt.and_then(|_| pool.kv.popularity.new_stream_blocks(hashes));
+    let new_stream_blocks = prompt.and_then(|_| {
+        pool.kv
+            .popularity
+            .new_stream_blocks(hashes, overlap.deepest() as usize)
+    });
     decide(
         pool,
         tokens,
@@ -533,18 +545,23 @@ pub fn decide(
     // A request that starts a stream (in a pool whose traffic is mostly streams: conversations,
     // agents) brings it back to the worker it lands on turn after turn, its prompts growing to
     // the pool's streams' size, and a stream moved later prefills its whole history again. So
-    // it starts where it leaves room: at a worker whose room (free blocks not wanted by the
-    // traffic that freed them) is within one stream of the most. A worker that holds the
-    // prompt's shared opening but is filling up with streams would win it on its TTFT alone,
-    // and then every stream there would thrash its cache for want of room.
+    // it starts where it leaves room: at a worker whose room once it has taken its blocks (free
+    // blocks not wanted by the traffic that freed them, less the request's) is within one
+    // stream of the most. A worker that holds the prompt's shared opening but is filling up
+    // with streams would win it on its TTFT alone, and then every stream there would thrash its
+    // cache for want of room. Workers that do not report their cache size are not compared.
+    let room_left = |s: &WorkerScore| {
+        s.room_blocks
+            .map(|room| room.saturating_sub(s.kv_blocks_needed))
+    };
     let most_room = new_stream_blocks.and_then(|_| {
         scores
             .iter()
             .filter(usable)
-            .filter_map(|s| s.room_blocks)
+            .filter_map(&room_left)
             .max()
     });
-    let leaves_room = |s: &&WorkerScore| match (new_stream_blocks, most_room, s.room_blocks) {
+    let leaves_room = |s: &&WorkerScore| match (new_stream_blocks, most_room, room_left(s)) {
         (Some(stream), Some(most), Some(room)) => room as f64 + stream >= most as f64,
         _ => true,
     };
@@ -621,7 +638,7 @@ pub fn decide(
     let chosen = firsts.get(pick).map(|s| (s.position, s.matched_blocks))?;
     let most_matched = scores
         .iter()
-        .filter(eligible)
+        .filter(usable)
         .map(|s| s.matched_blocks)
         .max()
         .unwrap_or(0);
@@ -1423,12 +1440,12 @@ mod tests {
             decide_for_prompt(pool, Some(&prompt), 0, &[]).unwrap()
         };
 
-        // The pool's traffic is those conversations' turns: nine of twelve requests continued
-        // a stream, with prompts of 250 blocks on average.
+        // The pool's traffic is those conversations' turns and two others': fifteen of twenty
+        // requests continued a stream, with prompts of 250 blocks on average.
         let conversations = table();
         pool_with(&conversations, &|pool| {
             for t in 1..=4 {
-                for n in 0..3 {
+                for n in 0..5 {
                     pool.kv.popularity.record(&hashes(&turn(n, t)), 200);
                 }
             }
@@ -1439,7 +1456,7 @@ mod tests {
         // conversations' next turns: it starts elsewhere.
         let new = decide_turn(pool, &turn(9, 1));
         let streams = new.new_stream_blocks.unwrap();
-        assert!((249.0..=251.0).contains(&streams), "{streams}");
+        assert!((245.0..=260.0).contains(&streams), "{streams}");
         assert_eq!(new.scores[1].room_blocks, Some(300), "{:?}", new.scores);
         assert_eq!(new.scores[0].room_blocks, Some(900));
         assert_ne!(new.chosen, 1);
@@ -1450,16 +1467,26 @@ mod tests {
                 .contains(&format!("new_stream_blocks={streams:.0}"))
         );
         assert!(new.explain(pool).contains("kv_room_blocks=300"));
-        // A conversation's next turn continues its stream: it stays with its history.
+        // A conversation's next turn continues its stream: it stays with its history. So does a
+        // retry of its last turn (the table knows that prompt, and one stream used it).
         let next = decide_turn(pool, &turn(0, 5));
         assert_eq!(next.new_stream_blocks, None);
         assert_eq!(next.chosen, 1);
+        let again = decide_turn(pool, &turn(0, 4));
+        assert_eq!(again.new_stream_blocks, None);
+        assert_eq!(again.chosen, 1);
+        // A conversation this proxy never routed whose history a worker caches (another gateway
+        // replica placed it) is not a new one either.
+        store(pool, 2, &turn(7, 3));
+        let elsewhere = decide_turn(pool, &turn(7, 4));
+        assert_eq!(elsewhere.new_stream_blocks, None);
+        assert_eq!(elsewhere.chosen, 2);
 
         // Where the traffic is single requests opening with the system prompt, a request that
         // continues nothing most likely stays alone: the cached worker takes it.
         let singles = table();
         pool_with(&singles, &|pool| {
-            for n in 10..22 {
+            for n in 10..30 {
                 pool.kv.popularity.record(&hashes(&turn(n, 1)), 200);
             }
         });
