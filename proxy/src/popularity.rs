@@ -199,22 +199,22 @@ impl PrefixPopularity {
     }
 
     /// The blocks a stream's prompts take, on average, when a prompt of these blocks starts one
-    /// in a pool whose requests mostly continue streams ([`STREAMS_ABOVE`], after at least
-    /// [`PRIOR_REQUESTS`] requests); `None` where most requests continue none, or for a prompt
-    /// with a stream of its own already: one whose deepest prefix the table knows was used by
-    /// one stream alone (a conversation's next turn, a retry, a repeat), or whose blocks some
-    /// worker caches deeper than the table knows them (`cached_blocks`: a stream another
-    /// gateway replica placed, or one this table forgot).
+    /// in a pool whose requests mostly continue streams ([`STREAMS_ABOVE`]); `None` where most
+    /// requests continue none (none yet included), for a prompt that continues a stream, and
+    /// for one some worker caches deeper than the table knows it (`cached_blocks`: a stream
+    /// another gateway replica placed, or one this table forgot). A prompt the same as the one
+    /// of the request that last used it continues nothing and starts a stream (a regenerated
+    /// answer); the gateway's own retries are not asked.
     pub fn new_stream_blocks(&self, hashes: &[SequenceHash], cached_blocks: usize) -> Option<f64> {
         let state = crate::lock(&self.state);
-        if state.faded_requests < PRIOR_REQUESTS
-            || state.continuing <= STREAMS_ABOVE * state.faded_requests
-        {
+        // No warm-up: the conversations a pool starts with are the ones that pile up on the
+        // first worker to hold their shared opening.
+        if state.continuing <= STREAMS_ABOVE * state.faded_requests {
             return None;
         }
-        let (depth, deepest) = known(&state.prefixes, hashes);
-        let own_history = deepest.is_some_and(|prefix| prefix.count <= 0.0);
-        (!own_history && cached_blocks <= depth).then(|| state.continuing_blocks / state.continuing)
+        let (depth, _) = known(&state.prefixes, hashes);
+        let continues = predecessor(&state.prefixes, hashes).is_some();
+        (!continues && cached_blocks <= depth).then(|| state.continuing_blocks / state.continuing)
     }
 
     /// The share of the pool's recent work that came with each leading prefix of `hashes`

@@ -255,7 +255,8 @@ pub fn decide_for_prompt(
         pool.kv.popularity.shares(held, &mut shares);
     }
     let hashes = prompt.map_or(&[][..], |prompt| prompt.hashes.as_slice());
-    let new_stream_blocks = prompt.and_then(|_| {
+    // A retry (some worker already tried) goes wherever it is answered soonest.
+    let new_stream_blocks = prompt.filter(|_| exclude.is_empty()).and_then(|_| {
         pool.kv
             .popularity
             .new_stream_blocks(hashes, overlap.deepest() as usize)
@@ -545,23 +546,19 @@ pub fn decide(
     // A request that starts a stream (in a pool whose traffic is mostly streams: conversations,
     // agents) brings it back to the worker it lands on turn after turn, its prompts growing to
     // the pool's streams' size, and a stream moved later prefills its whole history again. So
-    // it starts where it leaves room: at a worker whose room once it has taken its blocks (free
-    // blocks not wanted by the traffic that freed them, less the request's) is within one
-    // stream of the most. A worker that holds the prompt's shared opening but is filling up
-    // with streams would win it on its TTFT alone, and then every stream there would thrash its
-    // cache for want of room. Workers that do not report their cache size are not compared.
-    let room_left = |s: &WorkerScore| {
-        s.room_blocks
-            .map(|room| room.saturating_sub(s.kv_blocks_needed))
-    };
+    // it starts where it leaves room: at a worker whose room (free blocks not wanted by the
+    // traffic that freed them) is within one stream of the most. A worker that holds the
+    // prompt's shared opening but is filling up with streams would win it on its TTFT alone,
+    // and then every stream there would thrash its cache for want of room. Workers that do not
+    // report their cache size are not compared.
     let most_room = new_stream_blocks.and_then(|_| {
         scores
             .iter()
             .filter(usable)
-            .filter_map(&room_left)
+            .filter_map(|s| s.room_blocks)
             .max()
     });
-    let leaves_room = |s: &&WorkerScore| match (new_stream_blocks, most_room, room_left(s)) {
+    let leaves_room = |s: &&WorkerScore| match (new_stream_blocks, most_room, s.room_blocks) {
         (Some(stream), Some(most), Some(room)) => room as f64 + stream >= most as f64,
         _ => true,
     };
@@ -1467,14 +1464,19 @@ mod tests {
                 .contains(&format!("new_stream_blocks={streams:.0}"))
         );
         assert!(new.explain(pool).contains("kv_room_blocks=300"));
-        // A conversation's next turn continues its stream: it stays with its history. So does a
-        // retry of its last turn (the table knows that prompt, and one stream used it).
+        // A conversation's next turn continues its stream: it stays with its history.
         let next = decide_turn(pool, &turn(0, 5));
         assert_eq!(next.new_stream_blocks, None);
         assert_eq!(next.chosen, 1);
-        let again = decide_turn(pool, &turn(0, 4));
-        assert_eq!(again.new_stream_blocks, None);
-        assert_eq!(again.chosen, 1);
+        // A retry after worker 0 failed the new conversation's first turn is placed by cost.
+        let prompt = PromptInfo {
+            tokens: turn(9, 1).len(),
+            hashes: hashes(&turn(9, 1)),
+            unfinished: None,
+        };
+        let retry = decide_for_prompt(pool, Some(&prompt), 0, &[0]).unwrap();
+        assert_eq!(retry.new_stream_blocks, None);
+        assert_eq!(retry.chosen, 1);
         // A conversation this proxy never routed whose history a worker caches (another gateway
         // replica placed it) is not a new one either.
         store(pool, 2, &turn(7, 3));
