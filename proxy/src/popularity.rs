@@ -25,7 +25,7 @@
 //!
 //! **New streams.** The same count says how much of the pool's traffic continues a stream, and
 //! how long the prompts that do are: a pool whose requests mostly continue one serves
-//! conversations or agents, and a request there without a stream of its own starts one that
+//! conversations or agents, and a request there that continues none starts a stream that
 //! will keep coming back to the worker it lands on, with prompts about that long
 //! ([`PrefixPopularity::new_stream_blocks`]; the scorer places it where it leaves room). The
 //! table forgets the prefixes used longest ago (a live history, never shared, has no count to
