@@ -1,11 +1,13 @@
 """Markdown tables of switchyard-bench compare results, as the README shows them: one table per
 workload (client TTFT medians over the seeds with their range, the workers' own TTFT, hit rate,
 ratios against random), a line of switchyard over the best other router and over the oracle, and
-the capacity search when it ran. Usage: tables.py RESULTS.json. Standard library only."""
+the capacity search when it ran; where the results keep each request's TTFT, a table of the
+requests slower than a threshold. Usage: tables.py RESULTS.json [--slow SECONDS] (default 0.2).
+Standard library only."""
 
+import argparse
 import json
 import pathlib
-import sys
 
 
 def is_other(router: str) -> bool:
@@ -111,12 +113,47 @@ def capacity_table(results: dict) -> list[str]:
     return lines
 
 
+def slow_table(results: dict, threshold: float) -> list[str]:
+    """Per workload and router: the requests whose TTFT is over `threshold` model seconds, seed by
+    seed (and their sum), and the sum of every TTFT over the seeds. Where a few cold prefills sit
+    near the 90th percentile, a seed's p90 jumps with one request on either side of it; these
+    counts say how many requests each router actually left slow."""
+    rows: dict[str, dict[str, list[tuple[int, list[float]]]]] = {}
+    for name, report in results.items():
+        for r in report.get("results", []):
+            if r.get("ttfts"):
+                rows.setdefault(name, {}).setdefault(r["router"], []).append((r["seed"], r["ttfts"]))
+    if not rows:
+        return []
+    routers: list[str] = []
+    for by_router in rows.values():
+        routers += [r for r in by_router if r not in routers]
+    lines = [
+        f"Requests over {threshold:g} s per seed (sum); the sum of all TTFTs over the seeds:",
+        "",
+        "| workload | " + " | ".join(routers) + " |",
+        "|---|" + "---|" * len(routers),
+    ]
+    for name, by_router in rows.items():
+        cells = []
+        for router in routers:
+            runs = sorted(by_router.get(router, []))
+            if not runs:
+                cells.append("–")
+                continue
+            counts = [sum(1 for t in ttfts if t > threshold) for _, ttfts in runs]
+            total = sum(sum(ttfts) for _, ttfts in runs)
+            cells.append(", ".join(map(str, counts)) + f" ({sum(counts)}); {total:.1f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 # The order `--all-workloads` runs them in (the JSON's keys are sorted).
 ORDER = ["shared-prefix", "multi-turn", "no-shared", "zipf-prefix", "hot-prefix", "bursty",
          "varied-output", "heterogeneous"]
 
 
-def main(path: str) -> None:
+def main(path: str, slow: float) -> None:
     results = json.loads(pathlib.Path(path).read_text())
     results = dict(sorted(results.items(), key=lambda item: (
         ORDER.index(item[0]) if item[0] in ORDER else len(ORDER), item[0])))
@@ -125,10 +162,16 @@ def main(path: str) -> None:
         if report.get("summary"):
             out += workload_table(name, report) + [""]
     out += capacity_table(results)
+    slow_lines = slow_table(results, slow)
+    if slow_lines:
+        out += ([""] if out and out[-1] else []) + slow_lines
     print("\n".join(out))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit(__doc__)
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", help="a switchyard-bench compare JSON")
+    parser.add_argument("--slow", type=float, default=0.2,
+                        help="the TTFT (model seconds) over which a request counts as slow")
+    args = parser.parse_args()
+    main(args.results, args.slow)
