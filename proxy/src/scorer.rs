@@ -261,16 +261,35 @@ pub fn decide_for_prompt(
             .popularity
             .new_stream_blocks(hashes, overlap.deepest() as usize)
     });
-    decide(
-        pool,
-        tokens,
+    let ask = Ask {
+        prompt_tokens: tokens,
         hashes,
         output_tokens,
-        &overlap,
-        &shares,
+        overlap: &overlap,
+        shares: &shares,
         new_stream_blocks,
-        exclude,
-    )
+    };
+    decide(pool, &ask, exclude)
+}
+
+/// What one request asks of a pool, as the scorer sees it: its prompt and what the pool knows of
+/// that prompt.
+#[derive(Clone, Copy, Debug)]
+pub struct Ask<'a> {
+    /// Tokens of the prompt (0 where it is routed by queue alone).
+    pub prompt_tokens: usize,
+    /// Hashes of the prompt's full blocks.
+    pub hashes: &'a [switchyard_kv::hash::SequenceHash],
+    /// Tokens it may generate (its KV blocks are needed until it ends).
+    pub output_tokens: usize,
+    /// How many of the prompt's leading blocks each worker holds.
+    pub overlap: &'a Overlap,
+    /// The share of the pool's recent work that came with each of the prompt's leading
+    /// prefixes, as deep as any worker holds it ([`crate::popularity`]).
+    pub shares: &'a [f64],
+    /// For a prompt that starts a stream in a pool of streams, the blocks the pool's streams
+    /// take ([`crate::popularity`]).
+    pub new_stream_blocks: Option<f64>,
 }
 
 /// The pool's TTFT model: learned from its answers (`scoring.learnCoefficients`, the default),
@@ -375,22 +394,16 @@ pub fn unhashed_kv_blocks(
         .div_ceil(block_size.max(1)) as u64
 }
 
-/// Score every eligible worker (not in `exclude`, address resolved) and choose one for a prompt
-/// of `prompt_tokens` whose full blocks hash to `hashes`. `shares`: the share of the pool's
-/// recent work that came with each of the prompt's leading prefixes ([`crate::popularity`]),
-/// as deep as any worker holds it. `new_stream_blocks`: for a prompt that starts a stream in a
-/// pool of streams, the blocks the pool's streams take ([`crate::popularity`]).
-#[allow(clippy::too_many_arguments)]
-pub fn decide(
-    pool: &PoolRuntime,
-    prompt_tokens: usize,
-    hashes: &[switchyard_kv::hash::SequenceHash],
-    output_tokens: usize,
-    overlap: &Overlap,
-    shares: &[f64],
-    new_stream_blocks: Option<f64>,
-    exclude: &[usize],
-) -> Option<Decision> {
+/// Score every eligible worker (not in `exclude`, address resolved) and choose one for `ask`.
+pub fn decide(pool: &PoolRuntime, ask: &Ask<'_>, exclude: &[usize]) -> Option<Decision> {
+    let Ask {
+        prompt_tokens,
+        hashes,
+        output_tokens,
+        overlap,
+        shares,
+        new_stream_blocks,
+    } = *ask;
     let scoring = pool.config.scoring;
     let (model, scale, error) = model(pool);
     let tolerance = f64::from(scoring.tie_tolerance_micros) / 1e6;
@@ -725,6 +738,19 @@ mod tests {
         out
     }
 
+    /// A prompt of `prompt_tokens` that `overlap` finds, without hashes, output, shares or a
+    /// stream to start.
+    fn ask(prompt_tokens: usize, overlap: &Overlap) -> Ask<'_> {
+        Ask {
+            prompt_tokens,
+            hashes: &[],
+            output_tokens: 0,
+            overlap,
+            shares: &[],
+            new_stream_blocks: None,
+        }
+    }
+
     #[test]
     fn the_cached_worker_wins_until_its_backlog_outweighs_the_saved_prefill() {
         let table = table();
@@ -734,7 +760,7 @@ mod tests {
         let lookup = overlap(pool, &prompt);
         assert_eq!(lookup.depth(WorkerId(pool.slots[1].0)), 99);
 
-        let first = decide(pool, 400, &[], 0, &lookup, &[], None, &[]).unwrap();
+        let first = decide(pool, &ask(400, &lookup), &[]).unwrap();
         assert_eq!(first.chosen, 1);
         assert_eq!(first.outcome, Outcome::CacheHit);
         assert_eq!(first.scores[1].uncached_tokens, 4);
@@ -742,15 +768,10 @@ mod tests {
         // Pile prefill work onto the cached worker: it stays best while its backlog is smaller
         // than the 396 tokens the others would have to prefill...
         let _some = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 300));
-        assert_eq!(
-            decide(pool, 400, &[], 0, &lookup, &[], None, &[])
-                .unwrap()
-                .chosen,
-            1
-        );
+        assert_eq!(decide(pool, &ask(400, &lookup), &[]).unwrap().chosen, 1);
         // ...and loses once the backlog is larger (no hot spot).
         let _more = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 200));
-        let spread = decide(pool, 400, &[], 0, &lookup, &[], None, &[]).unwrap();
+        let spread = decide(pool, &ask(400, &lookup), &[]).unwrap();
         assert_ne!(spread.chosen, 1);
         assert_eq!(spread.outcome, Outcome::Spread);
         assert!(spread.explain(pool).contains("matched_blocks=99"));
@@ -774,17 +795,7 @@ mod tests {
                 .map(|_| PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 1_800)))
                 .collect();
             let _busy = PendingPrefill::start(&pool.workers[2], PrefillWork::after(0, 30_000));
-            let decision = decide(
-                pool,
-                20_000,
-                &[],
-                0,
-                &overlap(pool, &prompt),
-                &[],
-                None,
-                &[],
-            )
-            .unwrap();
+            let decision = decide(pool, &ask(20_000, &overlap(pool, &prompt)), &[]).unwrap();
             let (holder, cold) = (&decision.scores[1], &decision.scores[0]);
             assert_eq!((holder.cached_tokens, cold.cached_tokens), (16_000, 0));
             assert_eq!(
@@ -814,7 +825,7 @@ mod tests {
         let lookup = overlap(pool, &[1, 2, 3, 4]);
         let chosen: Vec<usize> = (0..12)
             .map(|_| {
-                let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
+                let decision = decide(pool, &ask(4, &lookup), &[]).unwrap();
                 assert_eq!(decision.outcome, Outcome::NoCache);
                 // Sent and answered at once: the workers stay idle, only the turn moves on.
                 drop(InFlight::start(&pool.workers[decision.chosen]));
@@ -830,12 +841,7 @@ mod tests {
         // A worker with a request in flight is passed over whatever its turn.
         let next = chosen[0];
         let _busy = InFlight::start(&pool.workers[next]);
-        assert_ne!(
-            decide(pool, 4, &[], 0, &lookup, &[], None, &[])
-                .unwrap()
-                .chosen,
-            next
-        );
+        assert_ne!(decide(pool, &ask(4, &lookup), &[]).unwrap().chosen, next);
     }
 
     #[test]
@@ -849,7 +855,7 @@ mod tests {
         let _b = InFlight::start(&pool.workers[0]);
         let _c = InFlight::start(&pool.workers[1]);
         let _c_prefill = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 500));
-        let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
+        let decision = decide(pool, &ask(4, &lookup), &[]).unwrap();
         assert_eq!(
             (decision.scores[0].running, decision.scores[0].queued_tokens),
             (2, 0)
@@ -864,7 +870,7 @@ mod tests {
             "vllm:num_requests_waiting 4\nvllm:num_requests_running 6\n",
             10,
         );
-        let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
+        let decision = decide(pool, &ask(4, &lookup), &[]).unwrap();
         assert_eq!(decision.scores[2].running, 6);
         assert!(decision.scores[2].queued_tokens > 0);
         // Another replica's one request, prefilling `tokens` for `elapsed_us` when read.
@@ -882,7 +888,7 @@ mod tests {
             in_flight: 1,
             ..Default::default()
         });
-        let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
+        let decision = decide(pool, &ask(4, &lookup), &[]).unwrap();
         // (Less what the worker did since the ledger was read: a token per 300 µs.)
         let queued = decision.scores[1].queued_tokens;
         assert!((3400..=3500).contains(&queued), "{queued}");
@@ -890,23 +896,14 @@ mod tests {
         // (300 µs a token, and its attention: 2 µs more for the 250 tokens before it, on
         // average, in the worker's queue of our 500).
         pool.workers[1].load.set_peers(prefilling(3000, 300_000));
-        let queued = decide(pool, 4, &[], 0, &lookup, &[], None, &[])
-            .unwrap()
-            .scores[1]
-            .queued_tokens;
+        let queued = decide(pool, &ask(4, &lookup), &[]).unwrap().scores[1].queued_tokens;
         assert!((2400..=2520).contains(&queued), "{queued}");
         // A peer's long wait (10 s: 33,000 tokens' time) counts only against its own 1,000:
         // a prompt this proxy has just sent there stays queued.
         pool.workers[1].load.set_peers(prefilling(1000, 10_000_000));
-        let before = decide(pool, 4, &[], 0, &lookup, &[], None, &[])
-            .unwrap()
-            .scores[1]
-            .queued_tokens;
+        let before = decide(pool, &ask(4, &lookup), &[]).unwrap().scores[1].queued_tokens;
         let _ours = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 3000));
-        let queued = decide(pool, 4, &[], 0, &lookup, &[], None, &[])
-            .unwrap()
-            .scores[1]
-            .queued_tokens;
+        let queued = decide(pool, &ask(4, &lookup), &[]).unwrap().scores[1].queued_tokens;
         assert!(queued >= before + 2900, "{before} then {queued}");
         assert_eq!(decision.scores[0].running, 3);
         pool.workers[0].load.set_peers(Default::default());
@@ -915,10 +912,7 @@ mod tests {
             .load
             .update_from_metrics("vllm:num_requests_running 2\n", 10);
         assert_eq!(
-            decide(pool, 4, &[], 0, &lookup, &[], None, &[])
-                .unwrap()
-                .scores[0]
-                .running,
+            decide(pool, &ask(4, &lookup), &[]).unwrap().scores[0].running,
             2
         );
     }
@@ -956,10 +950,7 @@ mod tests {
         let _short_prediction = pool.kv.predictions.add(pool.slots[0], prompt(&short), 0);
         std::thread::sleep(std::time::Duration::from_millis(20));
         let queued = |pool: &PoolRuntime, position: usize| {
-            decide(pool, 4, &[], 0, &lookup, &[], None, &[])
-                .unwrap()
-                .scores[position]
-                .queued_tokens
+            decide(pool, &ask(4, &lookup), &[]).unwrap().scores[position].queued_tokens
         };
         assert_eq!((queued(pool, 0), queued(pool, 1)), (0, 0));
         // Its KV events have stored the first 100 blocks of the long one (vLLM stores a block
@@ -1026,7 +1017,7 @@ mod tests {
         let _a = PendingPrefill::start(&pool.workers[0], PrefillWork::after(0, 1_200));
         let _b = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 1_500));
         let _c = PendingPrefill::start(&pool.workers[2], PrefillWork::after(0, 1_500));
-        let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
+        let decision = decide(pool, &ask(4, &lookup), &[]).unwrap();
         assert_ne!(decision.chosen, 0, "{:?}", decision.scores);
         let slow = &decision.scores[0];
         assert!((slow.relative_speed - 1.5).abs() < 0.05, "{slow:?}");
@@ -1040,7 +1031,7 @@ mod tests {
             pool.workers[0].ttft.observe(answer(i, 1.5), &model);
             pool.workers[1].ttft.observe(answer(i, 1.0), &model);
         }
-        let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
+        let decision = decide(pool, &ask(4, &lookup), &[]).unwrap();
         assert_eq!(decision.scores[0].relative_speed, 1.0);
         assert!(decision.scores[0].speed.known());
     }
@@ -1069,8 +1060,7 @@ mod tests {
             let pool = table.pools().next().unwrap();
             teach(pool);
             let configured = Coefficients::configured(&pool.config.scoring);
-            let decision =
-                decide(pool, 2000, &[], 0, &overlap(pool, &prompt), &[], None, &[]).unwrap();
+            let decision = decide(pool, &ask(2000, &overlap(pool, &prompt)), &[]).unwrap();
             let ratio = decision.scores[0].formula_ttft_s
                 / configured.predict(PrefillWork::after(0, 2000), 0.0);
             assert!(
@@ -1147,9 +1137,7 @@ mod tests {
         let chosen = |pool: &PoolRuntime| {
             let mut counts = [0usize; 3];
             for _ in 0..50 {
-                counts[decide(pool, 1000, &[], 0, &lookup, &[], None, &[])
-                    .unwrap()
-                    .chosen] += 1;
+                counts[decide(pool, &ask(1000, &lookup), &[]).unwrap().chosen] += 1;
             }
             counts
         };
@@ -1173,7 +1161,7 @@ mod tests {
         }
         let error = pool.kv.calibration.fit(configured).error.unwrap();
         assert!((0.1..0.25).contains(&error), "{error}");
-        let decision = decide(pool, 1000, &[], 0, &lookup, &[], None, &[]).unwrap();
+        let decision = decide(pool, &ask(1000, &lookup), &[]).unwrap();
         let behind = |position: usize| {
             decision.scores[position].predicted_ttft_s - decision.scores[0].predicted_ttft_s
         };
@@ -1235,7 +1223,7 @@ mod tests {
         let _shorter = PendingPrefill::start(&pool.workers[0], PrefillWork::after(0, 1500));
         let longer = PendingPrefill::start(&pool.workers[2], PrefillWork::after(0, 2500));
         // Nothing has arrived yet: no charge, the request's own TTFT decides.
-        let alone = decide(pool, 1000, &[], 0, &lookup, &[], None, &[]).unwrap();
+        let alone = decide(pool, &ask(1000, &lookup), &[]).unwrap();
         assert_eq!(alone.chosen, 0, "{:?}", alone.scores);
         assert!(alone.scores.iter().all(|s| s.cost_s == s.predicted_ttft_s));
         // Requests arriving fast: copying 1,000 tokens delays every one of them that comes
@@ -1244,13 +1232,13 @@ mod tests {
             pool.kv.record_arrival();
         }
         assert!(pool.kv.arrival_rate() > 100.0);
-        let behind = decide(pool, 1000, &[], 0, &lookup, &[], None, &[]).unwrap();
+        let behind = decide(pool, &ask(1000, &lookup), &[]).unwrap();
         assert_eq!(behind.chosen, 1, "{:?}", behind.scores);
         assert_eq!(behind.outcome, Outcome::CacheHit);
         assert!(behind.scores[0].cost_s > behind.scores[0].predicted_ttft_s);
         // With one worker idle the fleet is not behind: copying to it costs nobody a wait.
         drop(longer);
-        let idle = decide(pool, 1000, &[], 0, &lookup, &[], None, &[]).unwrap();
+        let idle = decide(pool, &ask(1000, &lookup), &[]).unwrap();
         assert_eq!(idle.chosen, 2, "{:?}", idle.scores);
         assert!(idle.scores.iter().all(|s| s.cost_s == s.predicted_ttft_s));
     }
@@ -1278,7 +1266,16 @@ mod tests {
         for (position, usage) in [(0, "0.1"), (1, "0.85"), (2, "0.1")] {
             scrape(position, usage);
         }
-        let fits = decide(pool, 400, &hashes, 200, &lookup, &[], None, &[]).unwrap();
+        let fits = decide(
+            pool,
+            &Ask {
+                hashes: &hashes,
+                output_tokens: 200,
+                ..ask(400, &lookup)
+            },
+            &[],
+        )
+        .unwrap();
         assert_eq!(fits.chosen, 1, "{:?}", fits.scores);
         assert!(fits.scores.iter().all(|s| s.kv_blocks_needed == 150));
         assert_eq!(fits.scores[1].kv_blocks_free, Some(150));
@@ -1287,7 +1284,16 @@ mod tests {
         // only 50 blocks of the request are new there (a conversation's history, cached but
         // idle between its turns, does not make room).
         scrape(1, "0.9");
-        let passed = decide(pool, 400, &hashes, 200, &lookup, &[], None, &[]).unwrap();
+        let passed = decide(
+            pool,
+            &Ask {
+                hashes: &hashes,
+                output_tokens: 200,
+                ..ask(400, &lookup)
+            },
+            &[],
+        )
+        .unwrap();
         assert_ne!(passed.chosen, 1, "{:?}", passed.scores);
         assert!(
             passed
@@ -1299,7 +1305,16 @@ mod tests {
         let running = KvReservation::start(&pool.workers[1], &hashes[..80], 5);
         scrape(1, "0.9");
         assert_eq!(pool.workers[1].load.free_kv_blocks(), Some(100));
-        let shares = decide(pool, 400, &hashes, 200, &lookup, &[], None, &[]).unwrap();
+        let shares = decide(
+            pool,
+            &Ask {
+                hashes: &hashes,
+                output_tokens: 200,
+                ..ask(400, &lookup)
+            },
+            &[],
+        )
+        .unwrap();
         assert_eq!(shares.chosen, 1, "{:?}", shares.scores);
         assert_eq!(shares.scores[1].kv_blocks_needed, 70);
         assert_eq!(shares.scores[0].kv_blocks_needed, 150);
@@ -1310,13 +1325,30 @@ mod tests {
             KvReservation::start(&pool.workers[2], &[], 800),
         ];
         assert_eq!(
-            decide(pool, 400, &hashes, 200, &lookup, &[], None, &[])
-                .unwrap()
-                .chosen,
+            decide(
+                pool,
+                &Ask {
+                    hashes: &hashes,
+                    output_tokens: 200,
+                    ..ask(400, &lookup)
+                },
+                &[]
+            )
+            .unwrap()
+            .chosen,
             1
         );
         // A `max_tokens` no model has room for counts as the bound, not as an overflow.
-        let huge = decide(pool, 400, &hashes, usize::MAX, &lookup, &[], None, &[]).unwrap();
+        let huge = decide(
+            pool,
+            &Ask {
+                hashes: &hashes,
+                output_tokens: usize::MAX,
+                ..ask(400, &lookup)
+            },
+            &[],
+        )
+        .unwrap();
         assert_eq!(
             huge.scores[1].kv_blocks_needed,
             100 + MAX_OUTPUT_TOKENS.div_ceil(4) as u64
@@ -1350,7 +1382,16 @@ mod tests {
         let lookup = overlap(pool, &prompt);
         // Before any prompt has come back for freed blocks, nothing freed is known to be wanted.
         assert_eq!(pool.kv.reuse_horizon(), None);
-        let unknown = decide(pool, 400, &hashes, 200, &lookup, &[], None, &[]).unwrap();
+        let unknown = decide(
+            pool,
+            &Ask {
+                hashes: &hashes,
+                output_tokens: 200,
+                ..ask(400, &lookup)
+            },
+            &[],
+        )
+        .unwrap();
         assert!(unknown.scores.iter().all(|s| s.evicted_tokens == 0));
         // Prompts come back about a minute after their history is freed: what was freed a
         // moment ago is wanted for four.
@@ -1360,7 +1401,16 @@ mod tests {
             Some(std::time::Duration::from_secs(240))
         );
         for _ in 0..3 {
-            let decision = decide(pool, 400, &hashes, 200, &lookup, &[], None, &[]).unwrap();
+            let decision = decide(
+                pool,
+                &Ask {
+                    hashes: &hashes,
+                    output_tokens: 200,
+                    ..ask(400, &lookup)
+                },
+                &[],
+            )
+            .unwrap();
             let evicting = &decision.scores[0];
             assert_eq!(evicting.evicted_tokens, 200, "{:?}", decision.scores);
             assert!(decision.scores[1..].iter().all(|s| s.evicted_tokens == 0));
@@ -1378,12 +1428,10 @@ mod tests {
         let next_hashes = sequence_hashes(&next, 4);
         let own = decide(
             pool,
-            3300,
-            &next_hashes,
-            0,
-            &overlap(pool, &next),
-            &[],
-            None,
+            &Ask {
+                hashes: &next_hashes,
+                ..ask(3300, &overlap(pool, &next))
+            },
             &[],
         )
         .unwrap();
@@ -1505,20 +1553,15 @@ mod tests {
         let lookup = overlap(pool, &[1, 2, 3, 4]);
         let mut seen = [0; 3];
         for _ in 0..300 {
-            let decision = decide(pool, 4, &[], 0, &lookup, &[], None, &[]).unwrap();
+            let decision = decide(pool, &ask(4, &lookup), &[]).unwrap();
             assert_eq!(decision.outcome, Outcome::NoCache);
             seen[decision.chosen] += 1;
         }
         assert!(seen.iter().all(|n| *n > 30), "{seen:?}");
         for _ in 0..20 {
-            assert_eq!(
-                decide(pool, 4, &[], 0, &lookup, &[], None, &[0, 2])
-                    .unwrap()
-                    .chosen,
-                1
-            );
+            assert_eq!(decide(pool, &ask(4, &lookup), &[0, 2]).unwrap().chosen, 1);
         }
-        assert!(decide(pool, 4, &[], 0, &lookup, &[], None, &[0, 1, 2]).is_none());
+        assert!(decide(pool, &ask(4, &lookup), &[0, 1, 2]).is_none());
     }
 
     #[test]
@@ -1579,17 +1622,41 @@ mod tests {
 
         // Half the work needs 1.5 workers: one holder of three is too few, two are enough.
         let lookup = overlap(pool, &conversation(99));
-        let one = decide(pool, 400, &[], 0, &lookup, &[0.5; 95], None, &[]).unwrap();
+        let one = decide(
+            pool,
+            &Ask {
+                shares: &[0.5; 95],
+                ..ask(400, &lookup)
+            },
+            &[],
+        )
+        .unwrap();
         assert_eq!(one.scores[0].replicated_tokens, 380);
         store(pool, 2, &system);
         let lookup = overlap(pool, &conversation(99));
-        let two = decide(pool, 400, &[], 0, &lookup, &[0.5; 95], None, &[]).unwrap();
+        let two = decide(
+            pool,
+            &Ask {
+                shares: &[0.5; 95],
+                ..ask(400, &lookup)
+            },
+            &[],
+        )
+        .unwrap();
         assert!(
             two.scores.iter().all(|s| s.replicated_tokens == 0),
             "{two:?}"
         );
         // All of it on two holders of three: the third is scored as holding it.
-        let all = decide(pool, 400, &[], 0, &lookup, &[1.0; 95], None, &[]).unwrap();
+        let all = decide(
+            pool,
+            &Ask {
+                shares: &[1.0; 95],
+                ..ask(400, &lookup)
+            },
+            &[],
+        )
+        .unwrap();
         assert_eq!(all.scores[0].replicated_tokens, 380);
     }
 
@@ -1608,7 +1675,15 @@ mod tests {
         shares.extend([1.0 / 32.0; 60]);
         let lookup = overlap(pool, &history);
         let _queued = PendingPrefill::start(&pool.workers[1], PrefillWork::after(0, 60));
-        let decision = decide(pool, 400, &[], 0, &lookup, &shares, None, &[]).unwrap();
+        let decision = decide(
+            pool,
+            &Ask {
+                shares: &shares,
+                ..ask(400, &lookup)
+            },
+            &[],
+        )
+        .unwrap();
         assert_eq!((decision.chosen, decision.outcome), (1, Outcome::CacheHit));
         assert!(decision.scores.iter().all(|s| s.replicated_tokens == 0));
     }
