@@ -1252,6 +1252,12 @@ mod tests {
         let hashes = sequence_hashes(&prompt, 4);
         store(pool, 1, &prompt);
         let lookup = overlap(pool, &prompt);
+        // The prompt, and 200 tokens of output.
+        let request = Ask {
+            hashes: &hashes,
+            output_tokens: 200,
+            ..ask(400, &lookup)
+        };
         // Each worker has 1,000 usable blocks of 4 tokens (1,001 with vLLM's null block).
         let scrape = |position: usize, usage: &str| {
             pool.workers[position].load.update_from_metrics(
@@ -1266,16 +1272,7 @@ mod tests {
         for (position, usage) in [(0, "0.1"), (1, "0.85"), (2, "0.1")] {
             scrape(position, usage);
         }
-        let fits = decide(
-            pool,
-            &Ask {
-                hashes: &hashes,
-                output_tokens: 200,
-                ..ask(400, &lookup)
-            },
-            &[],
-        )
-        .unwrap();
+        let fits = decide(pool, &request, &[]).unwrap();
         assert_eq!(fits.chosen, 1, "{:?}", fits.scores);
         assert!(fits.scores.iter().all(|s| s.kv_blocks_needed == 150));
         assert_eq!(fits.scores[1].kv_blocks_free, Some(150));
@@ -1284,16 +1281,7 @@ mod tests {
         // only 50 blocks of the request are new there (a conversation's history, cached but
         // idle between its turns, does not make room).
         scrape(1, "0.9");
-        let passed = decide(
-            pool,
-            &Ask {
-                hashes: &hashes,
-                output_tokens: 200,
-                ..ask(400, &lookup)
-            },
-            &[],
-        )
-        .unwrap();
+        let passed = decide(pool, &request, &[]).unwrap();
         assert_ne!(passed.chosen, 1, "{:?}", passed.scores);
         assert!(
             passed
@@ -1305,16 +1293,7 @@ mod tests {
         let running = KvReservation::start(&pool.workers[1], &hashes[..80], 5);
         scrape(1, "0.9");
         assert_eq!(pool.workers[1].load.free_kv_blocks(), Some(100));
-        let shares = decide(
-            pool,
-            &Ask {
-                hashes: &hashes,
-                output_tokens: 200,
-                ..ask(400, &lookup)
-            },
-            &[],
-        )
-        .unwrap();
+        let shares = decide(pool, &request, &[]).unwrap();
         assert_eq!(shares.chosen, 1, "{:?}", shares.scores);
         assert_eq!(shares.scores[1].kv_blocks_needed, 70);
         assert_eq!(shares.scores[0].kv_blocks_needed, 150);
@@ -1324,27 +1303,13 @@ mod tests {
             KvReservation::start(&pool.workers[0], &[], 800),
             KvReservation::start(&pool.workers[2], &[], 800),
         ];
-        assert_eq!(
-            decide(
-                pool,
-                &Ask {
-                    hashes: &hashes,
-                    output_tokens: 200,
-                    ..ask(400, &lookup)
-                },
-                &[]
-            )
-            .unwrap()
-            .chosen,
-            1
-        );
+        assert_eq!(decide(pool, &request, &[]).unwrap().chosen, 1);
         // A `max_tokens` no model has room for counts as the bound, not as an overflow.
         let huge = decide(
             pool,
             &Ask {
-                hashes: &hashes,
                 output_tokens: usize::MAX,
-                ..ask(400, &lookup)
+                ..request
             },
             &[],
         )
@@ -1380,18 +1345,14 @@ mod tests {
         let prompt: Vec<u32> = (0..400).collect();
         let hashes = sequence_hashes(&prompt, 4);
         let lookup = overlap(pool, &prompt);
+        let request = Ask {
+            hashes: &hashes,
+            output_tokens: 200,
+            ..ask(400, &lookup)
+        };
         // Before any prompt has come back for freed blocks, nothing freed is known to be wanted.
         assert_eq!(pool.kv.reuse_horizon(), None);
-        let unknown = decide(
-            pool,
-            &Ask {
-                hashes: &hashes,
-                output_tokens: 200,
-                ..ask(400, &lookup)
-            },
-            &[],
-        )
-        .unwrap();
+        let unknown = decide(pool, &request, &[]).unwrap();
         assert!(unknown.scores.iter().all(|s| s.evicted_tokens == 0));
         // Prompts come back about a minute after their history is freed: what was freed a
         // moment ago is wanted for four.
@@ -1401,16 +1362,7 @@ mod tests {
             Some(std::time::Duration::from_secs(240))
         );
         for _ in 0..3 {
-            let decision = decide(
-                pool,
-                &Ask {
-                    hashes: &hashes,
-                    output_tokens: 200,
-                    ..ask(400, &lookup)
-                },
-                &[],
-            )
-            .unwrap();
+            let decision = decide(pool, &request, &[]).unwrap();
             let evicting = &decision.scores[0];
             assert_eq!(evicting.evicted_tokens, 200, "{:?}", decision.scores);
             assert!(decision.scores[1..].iter().all(|s| s.evicted_tokens == 0));
@@ -1621,42 +1573,25 @@ mod tests {
         assert_eq!(idle.scores[0].replicated_tokens, 380);
 
         // Half the work needs 1.5 workers: one holder of three is too few, two are enough.
+        fn with_shares(pool: &PoolRuntime, lookup: &Overlap, shares: &[f64]) -> Decision {
+            let request = Ask {
+                shares,
+                ..ask(400, lookup)
+            };
+            decide(pool, &request, &[]).unwrap()
+        }
         let lookup = overlap(pool, &conversation(99));
-        let one = decide(
-            pool,
-            &Ask {
-                shares: &[0.5; 95],
-                ..ask(400, &lookup)
-            },
-            &[],
-        )
-        .unwrap();
+        let one = with_shares(pool, &lookup, &[0.5; 95]);
         assert_eq!(one.scores[0].replicated_tokens, 380);
         store(pool, 2, &system);
         let lookup = overlap(pool, &conversation(99));
-        let two = decide(
-            pool,
-            &Ask {
-                shares: &[0.5; 95],
-                ..ask(400, &lookup)
-            },
-            &[],
-        )
-        .unwrap();
+        let two = with_shares(pool, &lookup, &[0.5; 95]);
         assert!(
             two.scores.iter().all(|s| s.replicated_tokens == 0),
             "{two:?}"
         );
         // All of it on two holders of three: the third is scored as holding it.
-        let all = decide(
-            pool,
-            &Ask {
-                shares: &[1.0; 95],
-                ..ask(400, &lookup)
-            },
-            &[],
-        )
-        .unwrap();
+        let all = with_shares(pool, &lookup, &[1.0; 95]);
         assert_eq!(all.scores[0].replicated_tokens, 380);
     }
 
