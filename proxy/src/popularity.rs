@@ -136,29 +136,34 @@ fn counted(hashes: &[SequenceHash]) -> &[SequenceHash] {
     hashes.get(..MAX_BLOCKS).unwrap_or(hashes)
 }
 
-/// How many of a prompt's leading blocks the table knows, and the deepest of them.
-fn known<'a>(
-    prefixes: &'a HashMap<SequenceHash, Prefix>,
-    hashes: &[SequenceHash],
-) -> (usize, Option<&'a Prefix>) {
-    counted(hashes)
-        .iter()
-        .map_while(|hash| prefixes.get(hash))
-        .fold((0, None), |(depth, _), prefix| (depth + 1, Some(prefix)))
+/// What the table knows of a prompt: how many of its leading blocks, and the deepest of them.
+struct Known<'a> {
+    depth: usize,
+    deepest: Option<&'a Prefix>,
 }
 
-/// The request a prompt (its block hashes) continues: the one that last used the prompt's
-/// longest known prefix, if the prompt holds that request's whole prompt and goes on past it.
-fn predecessor(prefixes: &HashMap<SequenceHash, Prefix>, hashes: &[SequenceHash]) -> Option<u64> {
-    let (depth, last) = known(prefixes, hashes);
-    let last = last?;
-    let whole = depth == last.blocks.min(MAX_BLOCKS)
-        && last
-            .blocks
-            .checked_sub(1)
-            .and_then(|tail| hashes.get(tail))
-            .is_some_and(|tail| *tail == last.tail);
-    (whole && hashes.len() > last.blocks).then_some(last.at)
+impl<'a> Known<'a> {
+    fn of(prefixes: &'a HashMap<SequenceHash, Prefix>, hashes: &[SequenceHash]) -> Self {
+        let (depth, deepest) = counted(hashes)
+            .iter()
+            .map_while(|hash| prefixes.get(hash))
+            .fold((0, None), |(depth, _), prefix| (depth + 1, Some(prefix)));
+        Known { depth, deepest }
+    }
+
+    /// The request the prompt (its block hashes, those `of` was given) continues: the one that
+    /// last used its longest known prefix, if the prompt holds that request's whole prompt and
+    /// goes on past it.
+    fn predecessor(&self, hashes: &[SequenceHash]) -> Option<u64> {
+        let last = self.deepest?;
+        let whole = self.depth == last.blocks.min(MAX_BLOCKS)
+            && last
+                .blocks
+                .checked_sub(1)
+                .and_then(|tail| hashes.get(tail))
+                .is_some_and(|tail| *tail == last.tail);
+        (whole && hashes.len() > last.blocks).then_some(last.at)
+    }
 }
 
 impl PrefixPopularity {
@@ -173,7 +178,7 @@ impl PrefixPopularity {
         state.faded_requests = state.faded_requests * fade + 1.0;
         state.total = state.total * fade + work;
         let now = state.requests;
-        let predecessor = predecessor(&state.prefixes, hashes);
+        let predecessor = Known::of(&state.prefixes, hashes).predecessor(hashes);
         let tail = hashes.last().copied().unwrap_or(SequenceHash(0));
         let continues = f64::from(u8::from(predecessor.is_some()));
         state.continuing = state.continuing * fade + continues;
@@ -212,9 +217,10 @@ impl PrefixPopularity {
         if state.continuing <= STREAMS_ABOVE * state.faded_requests {
             return None;
         }
-        let (depth, _) = known(&state.prefixes, hashes);
-        let continues = predecessor(&state.prefixes, hashes).is_some();
-        (!continues && cached_blocks <= depth).then(|| state.continuing_blocks / state.continuing)
+        let known = Known::of(&state.prefixes, hashes);
+        let continues = known.predecessor(hashes).is_some();
+        (!continues && cached_blocks <= known.depth)
+            .then(|| state.continuing_blocks / state.continuing)
     }
 
     /// The share of the pool's recent work that came with each leading prefix of `hashes`
@@ -419,8 +425,16 @@ mod tests {
         // The conversation's history, never shared, is still known: its next turn continues
         // it.
         let last = 3 * MAX_PREFIXES as u64 / 64 / 64 - 1;
-        assert!(predecessor(&state.prefixes, &turn(last + 1)).is_some());
-        assert_eq!(known(&state.prefixes, &turn(last)).0, turn(last).len());
+        let next = turn(last + 1);
+        assert!(
+            Known::of(&state.prefixes, &next)
+                .predecessor(&next)
+                .is_some()
+        );
+        assert_eq!(
+            Known::of(&state.prefixes, &turn(last)).depth,
+            turn(last).len()
+        );
     }
 
     #[test]
