@@ -2,8 +2,9 @@
 workload (client TTFT medians over the seeds with their range, the workers' own TTFT, hit rate,
 ratios against random), a line of switchyard over the best other router and over the oracle, and
 the capacity search when it ran; where the results keep each request's TTFT, a table of the
-requests slower than a threshold. Usage: tables.py RESULTS.json [--slow SECONDS] (default 0.2).
-Standard library only."""
+requests slower than a threshold. Several files are read as one run per seed: each workload's
+per-seed results together, medians over all their seeds. Usage: tables.py RESULTS.json
+[MORE.json ...] [--slow SECONDS] (default 0.2). Standard library only."""
 
 import argparse
 import json
@@ -26,6 +27,14 @@ def ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs > 0 else "n/a"
 
 
+def seed_list(seeds: list[int]) -> str:
+    """"1–3" for a run of seeds, else "1, 4, 5"."""
+    seeds = sorted(seeds)
+    if len(seeds) > 1 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}–{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
 def workload_table(name: str, report: dict) -> list[str]:
     summaries = report["summary"]
     seeds = max((len(s["seeds"]) for s in summaries), default=1)
@@ -38,6 +47,8 @@ def workload_table(name: str, report: dict) -> list[str]:
     ]
     for s in summaries:
         router = f"**{s['router']}**" if s["router"] == "switchyard" else s["router"]
+        if len(s["seeds"]) < seeds:
+            router += f" (seeds {seed_list(s['seeds'])})"
         vs = [s.get("ttft_p50_vs_random"), s.get("ttft_p90_vs_random")]
         vs = [f"{v:.2f}" if isinstance(v, (int, float)) else "–" for v in vs]
         lines.append(
@@ -153,8 +164,68 @@ ORDER = ["shared-prefix", "multi-turn", "no-shared", "zipf-prefix", "hot-prefix"
          "varied-output", "heterogeneous"]
 
 
-def main(path: str, slow: float) -> None:
-    results = json.loads(pathlib.Path(path).read_text())
+def spread(values: list[float]) -> dict:
+    """Median, min and max, as switchyard-bench's `Spread` (an even count's median is the mean
+    of the middle two)."""
+    values = sorted(values)
+    n = len(values)
+    median = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+    return {"median": median, "min": values[0], "max": values[-1]}
+
+
+# The summary's spreads, from each seed's result (as switchyard-bench's `summarize`).
+SPREADS = {
+    "ttft_p50": lambda r: r["ttft_p50"],
+    "ttft_p90": lambda r: r["ttft_p90"],
+    "ttft_p99": lambda r: r["ttft_p99"],
+    "ttft_mean": lambda r: r["ttft_mean"],
+    "engine_ttft_mean": lambda r: r["engine_ttft"]["mean"],
+    "engine_ttft_p50": lambda r: r["engine_ttft"]["p50"],
+    "engine_ttft_p90": lambda r: r["engine_ttft"]["p90"],
+    "cache_hit_rate": lambda r: r["cache_hit_rate"],
+}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per-router summaries of per-seed results, routers in the order they first appear."""
+    routers: list[str] = []
+    for run in runs:
+        if run["router"] not in routers:
+            routers.append(run["router"])
+    summaries = []
+    for router in routers:
+        mine = sorted((r for r in runs if r["router"] == router), key=lambda r: r["seed"])
+        summary = {"router": router, "seeds": [r["seed"] for r in mine]}
+        summary.update({field: spread([get(r) for r in mine]) for field, get in SPREADS.items()})
+        summaries.append(summary)
+    random = next((s for s in summaries if s["router"] == "random"), None)
+    for summary in summaries:
+        for p in ("p50", "p90"):
+            ours = summary[f"ttft_{p}"]["median"]
+            if random and ours > 0:
+                summary[f"ttft_{p}_vs_random"] = random[f"ttft_{p}"]["median"] / ours
+    return summaries
+
+
+def merge(files: list[dict]) -> dict:
+    """Several results files as one: each workload's per-seed results together (a router's seed
+    in a later file replaces the same in an earlier one), its summaries computed again."""
+    merged: dict = {}
+    for results in files:
+        for name, report in results.items():
+            into = merged.setdefault(name, {"results": [], "capacity": {}})
+            runs = {(r["router"], r["seed"]): r for r in into["results"]}
+            runs.update({(r["router"], r["seed"]): r for r in report.get("results", [])})
+            into["results"] = list(runs.values())
+            into["capacity"].update(report.get("capacity") or {})
+    for report in merged.values():
+        report["summary"] = summarize(report["results"])
+    return merged
+
+
+def main(paths: list[str], slow: float) -> None:
+    files = [json.loads(pathlib.Path(path).read_text()) for path in paths]
+    results = files[0] if len(files) == 1 else merge(files)
     results = dict(sorted(results.items(), key=lambda item: (
         ORDER.index(item[0]) if item[0] in ORDER else len(ORDER), item[0])))
     out: list[str] = []
@@ -170,7 +241,8 @@ def main(path: str, slow: float) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", help="a switchyard-bench compare JSON")
+    parser.add_argument("results", nargs="+",
+                        help="switchyard-bench compare JSON files (several: merged by seed)")
     parser.add_argument("--slow", type=float, default=0.2,
                         help="the TTFT (model seconds) over which a request counts as slow")
     args = parser.parse_args()
