@@ -61,7 +61,9 @@ def workload_table(name: str, report: dict) -> list[str]:
         )
     by_router = {s["router"]: s for s in summaries}
     ours = by_router.get("switchyard")
-    others = [s for s in summaries if is_other(s["router"])]
+    # Medians compared over the same seeds only (merged files may give some routers fewer).
+    others = [s for s in summaries
+              if is_other(s["router"]) and ours and s["seeds"] == ours["seeds"]]
     if ours and others:
         best50 = min(others, key=lambda s: s["ttft_p50"]["median"])
         best90 = min(others, key=lambda s: s["ttft_p90"]["median"])
@@ -200,9 +202,12 @@ def summarize(runs: list[dict]) -> list[dict]:
         summaries.append(summary)
     random = next((s for s in summaries if s["router"] == "random"), None)
     for summary in summaries:
+        # Ratios of medians over the same seeds only.
+        if not random or random["seeds"] != summary["seeds"]:
+            continue
         for p in ("p50", "p90"):
             ours = summary[f"ttft_{p}"]["median"]
-            if random and ours > 0:
+            if ours > 0:
                 summary[f"ttft_{p}_vs_random"] = random[f"ttft_{p}"]["median"] / ours
     return summaries
 
