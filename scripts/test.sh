@@ -61,6 +61,8 @@ echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo test"
 cargo test --workspace --locked
+echo "== loadtest/tables.py tests"
+python3 -m unittest discover -s loadtest -p 'test_*.py'
 # The index benchmark lives in its own workspace (dynamo-kv-router pins tokio): keep it compiling.
 echo "== index benchmark compiles"
 (cd loadtest/index-bench && cargo check --benches --locked --quiet)
