@@ -27,6 +27,11 @@ def ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs > 0 else "n/a"
 
 
+def first_seen(names) -> list[str]:
+    """Each name once, in the order it first appears."""
+    return list(dict.fromkeys(names))
+
+
 def seed_list(seeds: list[int]) -> str:
     """"1–3" for a run of seeds, else "1, 4, 5"."""
     seeds = sorted(seeds)
@@ -102,9 +107,7 @@ def capacity_table(results: dict) -> list[str]:
     rows = [(name, report["capacity"]) for name, report in results.items() if report.get("capacity")]
     if not rows:
         return []
-    routers: list[str] = []
-    for _, capacity in rows:
-        routers += [r for r in capacity if r not in routers]
+    routers = first_seen(r for _, capacity in rows for r in capacity)
     lines = [
         "| workload | " + " | ".join(routers) + " | switchyard / best other |",
         "|---|" + "---|" * (len(routers) + 1),
@@ -138,9 +141,7 @@ def slow_table(results: dict, threshold: float) -> list[str]:
                 rows.setdefault(name, {}).setdefault(r["router"], []).append((r["seed"], r["ttfts"]))
     if not rows:
         return []
-    routers: list[str] = []
-    for by_router in rows.values():
-        routers += [r for r in by_router if r not in routers]
+    routers = first_seen(r for by_router in rows.values() for r in by_router)
     lines = [
         f"Requests over {threshold:g} s per seed (sum); the sum of all TTFTs over the seeds:",
         "",
@@ -190,12 +191,8 @@ SPREADS = {
 
 def summarize(runs: list[dict]) -> list[dict]:
     """Per-router summaries of per-seed results, routers in the order they first appear."""
-    routers: list[str] = []
-    for run in runs:
-        if run["router"] not in routers:
-            routers.append(run["router"])
     summaries = []
-    for router in routers:
+    for router in first_seen(run["router"] for run in runs):
         mine = sorted((r for r in runs if r["router"] == router), key=lambda r: r["seed"])
         summary = {"router": router, "seeds": [r["seed"] for r in mine]}
         summary.update({field: spread([get(r) for r in mine]) for field, get in SPREADS.items()})
