@@ -68,6 +68,9 @@ pub struct Attempt {
     /// The prompt was routed by its head: the whole is tokenized once the worker has
     /// prefilled it (see [`finish_prompt`]).
     pub unfinished: Option<Arc<Unfinished>>,
+    /// When this attempt's worker (or provider) was chosen: the request log's `routed_us`, the
+    /// gateway's own time before the upstream sees the request.
+    pub routed: Option<Instant>,
 }
 
 /// A streamed attempt's prediction, waiting for what happens.

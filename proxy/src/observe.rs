@@ -111,6 +111,9 @@ fn log_line(error: Option<&Error>, failure: Option<Failure>, ctx: &RequestCtx) {
                     .and_then(|x| x.answer.first_output)
                     .map(|t| t.duration_since(ctx.started).as_millis() as u64),
                 duration_ms = ctx.started.elapsed().as_millis() as u64,
+                routed_us = exchange
+                    .and_then(|x| x.attempt.routed)
+                    .map(|t| t.duration_since(ctx.started).as_micros() as u64),
                 $message
             )
         };

@@ -151,7 +151,10 @@ impl ProxyHttp for Gateway {
             ));
         }
         match exchange.next_peer(self.settings.upstream_read_timeout) {
-            Ok(peer) => Ok(Box::new(peer)),
+            Ok(peer) => {
+                exchange.attempt.routed = Some(Instant::now());
+                Ok(Box::new(peer))
+            }
             Err(error) => {
                 let status = error.status();
                 exchange.failure = Some(error);

@@ -62,6 +62,8 @@ async fn a_client_aborting_a_stream_logs_nothing_at_warn_or_above() {
         .filter(|l| l.contains("request ended by the client"))
     {
         assert!(line.contains(" ttft_ms="), "{line}");
+        // And how long the gateway took to choose the worker.
+        assert!(line.contains(" routed_us="), "{line}");
     }
     // A request after the aborts still works and is logged at info.
     let answer = client

@@ -292,6 +292,7 @@ fn made_up_fields_removed(line: &str) -> String {
                 "span_id=",
                 "ttft_ms=",
                 "duration_ms=",
+                "routed_us=",
             ]
             .iter()
             .any(|name| field.starts_with(name));
