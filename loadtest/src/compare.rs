@@ -229,6 +229,15 @@ pub struct RunConfig {
     pub proxy_log: Option<PathBuf>,
 }
 
+impl RunConfig {
+    /// How this run's conversations arrive: the configured arrival, in the workload's bursts
+    /// where it has them (bursty). Until 2026-12-07 the bursts were applied only to the
+    /// results' description, and bursty's conversations arrived one at a time.
+    pub fn arrival(&self) -> Arrival {
+        self.arrival.in_bursts(self.workload.burst(&self.size))
+    }
+}
+
 /// Whether conversation `index` asks for whole answers when `share` of them do: every
 /// conversation where the running count of `share` per conversation reaches a new integer.
 pub fn asks_whole(index: usize, share: f64) -> bool {
@@ -924,7 +933,8 @@ pub async fn run(
     let scale = config.time_scale;
     let started = Instant::now();
     let mut tasks = Vec::new();
-    match config.arrival {
+    let arrival = config.arrival();
+    match arrival {
         Arrival::Concurrency { clients } => {
             let queue = Arc::new(Mutex::new(
                 conversations
@@ -965,7 +975,7 @@ pub async fn run(
             }
         }
         Arrival::Poisson { .. } | Arrival::Bursts { .. } => {
-            let starts = config.arrival.start_times(conversations.len(), config.seed);
+            let starts = arrival.start_times(conversations.len(), config.seed);
             for (index, (conversation, at)) in conversations.iter().zip(starts).enumerate() {
                 let conversation = conversation.clone();
                 // Model time, slept in wall time.
@@ -1363,6 +1373,71 @@ mod tests {
             "vllm:e2e_request_latency_seconds_bucket{{{labels},le=\"1.0\"}} 99\n"
         ));
         text
+    }
+
+    #[test]
+    fn a_bursty_run_starts_its_conversations_in_the_workloads_bursts() {
+        let size = WorkloadSize {
+            requests: 16,
+            groups: 2,
+            prompt_tokens: 50,
+            question_tokens: 5,
+            system_prompt_tokens: 40,
+            turn_tokens: 20,
+            turns: 1,
+            output_tokens: 8,
+            output_sigma: 0.0,
+            think_time_s: 0.0,
+            zipf_prefixes: 4,
+            zipf_exponent: 1.1,
+            hot_suffix_tokens: 25,
+            burst: 4,
+            varied_output_sigma: 1.5,
+        };
+        let config = |workload: WorkloadKind| RunConfig {
+            bin_dir: PathBuf::new(),
+            workload,
+            size,
+            seed: 1,
+            arrival: Arrival::Poisson { rate: 2.0 },
+            time_scale: 0.2,
+            workers: 3,
+            gpu: GpuProfile::H100_80gb,
+            num_blocks: None,
+            block_size: 64,
+            worker_speed: Vec::new(),
+            learn_worker_speed: false,
+            learn_coefficients: true,
+            replicate_shared_prefixes: true,
+            scoring_error: 1.0,
+            tie_tolerance_us: None,
+            peer_interval_ms: 20,
+            vllm_router: None,
+            whole_answers: 0.0,
+            kv_events: true,
+            proxy_log: None,
+        };
+        let bursty = config(WorkloadKind::Bursty).arrival();
+        assert!(
+            matches!(bursty, Arrival::Bursts { size: 4, .. }),
+            "{bursty:?}"
+        );
+        let starts = bursty.start_times(16, 1);
+        for burst in starts.chunks(4) {
+            assert!(burst.iter().all(|at| *at == burst[0]), "{starts:?}");
+        }
+        // The capacity search's probes at other rates keep the bursts.
+        let probed = RunConfig {
+            arrival: config(WorkloadKind::Bursty).arrival.at_rate(5.0),
+            ..config(WorkloadKind::Bursty)
+        };
+        assert!(matches!(
+            probed.arrival(),
+            Arrival::Bursts { size: 4, rate } if rate == 5.0
+        ));
+        // Other workloads arrive one conversation at a time.
+        let plain = config(WorkloadKind::SharedPrefix).arrival();
+        assert!(matches!(plain, Arrival::Poisson { .. }), "{plain:?}");
     }
 
     #[test]
