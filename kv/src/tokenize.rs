@@ -831,6 +831,32 @@ impl PromptTokenizer {
         text: &str,
         min_tokens: usize,
     ) -> Result<(Vec<u32>, usize), TokenizeError> {
+        self.head_from(text, min_tokens, min_tokens.saturating_mul(6).max(64))
+    }
+
+    /// [`Self::encode_head`] grown past a head of `text` that ends at byte `bytes`: at least
+    /// `min_tokens` tokens, the first try ending at the first of the whole's cuts past `bytes`
+    /// (one piece more), not at six bytes for every token asked for. A head that ran through
+    /// the pieces seen before ends where the prompt's own text usually begins, and six bytes per
+    /// token of a long head reach far into that text (on digit-rich text at 4 bytes per token,
+    /// a 1,700-token head asked for one token more tokenized 3 kB of it, not one piece).
+    pub fn encode_head_past(
+        &self,
+        text: &str,
+        min_tokens: usize,
+        bytes: usize,
+    ) -> Result<(Vec<u32>, usize), TokenizeError> {
+        self.head_from(text, min_tokens, bytes.saturating_add(1))
+    }
+
+    /// A head of at least `min_tokens` tokens whose first try ends at the first cut at or after
+    /// `first_bytes` (see [`Self::grow_head`]).
+    fn head_from(
+        &self,
+        text: &str,
+        min_tokens: usize,
+        first_bytes: usize,
+    ) -> Result<(Vec<u32>, usize), TokenizeError> {
         if !self.cuts_words() {
             return Ok((self.encode(text)?, text.len()));
         }
@@ -845,7 +871,7 @@ impl PromptTokenizer {
                 next_word_cut(text, bytes)
             }
         };
-        match Self::grow_head(text, min_tokens, cut_from, |head| {
+        match Self::grow_head(text, min_tokens, first_bytes, cut_from, |head| {
             self.encode_pieces(head, true)
         })? {
             Some(head) => Ok(head),
@@ -854,15 +880,17 @@ impl PromptTokenizer {
     }
 
     /// Heads of `text` ending at `cut_from(bytes)`, each tokenized with `encode`, until one holds
-    /// `min_tokens` tokens: its tokens and where it ends; none when no cut is left. Generous
-    /// bytes per token at first (six), then what the head so far measured, with a margin.
+    /// `min_tokens` tokens: its tokens and where it ends; none when no cut is left. The first
+    /// ends at `cut_from(first_bytes)` (the callers: generous bytes per token, six, or just past
+    /// a head already known), the next at what the head so far measured, with a margin.
     fn grow_head(
         text: &str,
         min_tokens: usize,
+        first_bytes: usize,
         cut_from: impl Fn(usize) -> Option<usize>,
         encode: impl Fn(&str) -> Result<Vec<u32>, TokenizeError>,
     ) -> Result<Option<(Vec<u32>, usize)>, TokenizeError> {
-        let mut bytes = min_tokens.saturating_mul(6).max(64);
+        let mut bytes = first_bytes;
         loop {
             let Some(cut) = cut_from(bytes) else {
                 return Ok(None);
@@ -910,7 +938,10 @@ impl PromptTokenizer {
             next_word_cut(text, bytes)
                 .filter(|cut| piece_cut.is_none_or(|piece_cut| *cut < piece_cut))
         };
-        match Self::grow_head(text, min_tokens, cut_from, |head| self.encode_new(head))? {
+        let first_bytes = min_tokens.saturating_mul(6).max(64);
+        match Self::grow_head(text, min_tokens, first_bytes, cut_from, |head| {
+            self.encode_new(head)
+        })? {
             Some(head) => Ok(head),
             None => self.encode_head(text, min_tokens),
         }
@@ -1361,6 +1392,43 @@ mod tests {
         let whole = tokenizer.encode(&text).unwrap();
         assert_eq!(whole, tokenizer.encode_whole(&text).unwrap());
         assert_eq!(whole[..head.len()], head[..]);
+    }
+
+    #[test]
+    fn a_head_grown_past_the_pieces_seen_before_takes_one_piece_more() {
+        let tokenizer = shipped();
+        // Digit-rich text (about 4 bytes per token): six bytes per token overshoots it.
+        let shared: String = (0..900)
+            .map(|i| format!("river{} ", (i * 37) % 1000))
+            .collect();
+        let own: String = (0..450)
+            .map(|i| format!("lake{} ", (i * 53) % 1000))
+            .collect();
+        let text = format!("{shared}{own}");
+        tokenizer
+            .encode(&format!("{shared}and then something else"))
+            .unwrap();
+        let (mut tokens, mut bytes) = tokenizer.encode_head(&text, 64).unwrap();
+        assert!(tokenizer.extend_cached(&text, &mut tokens, &mut bytes));
+        let known = (tokens.len(), bytes);
+        let (past, past_bytes) = tokenizer
+            .encode_head_past(&text, known.0 + 1, known.1)
+            .unwrap();
+        assert!(past.len() > known.0);
+        assert!(
+            past_bytes > known.1 && past_bytes <= known.1 + 2 * MIN_SEGMENT_BYTES,
+            "{past_bytes} past {}",
+            known.1
+        );
+        // Still exactly the start of the whole's tokens.
+        let whole = tokenizer.encode_whole(&text).unwrap();
+        assert_eq!(past, whole[..past.len()]);
+        // Asked for as many tokens from scratch, the head's first try reaches much further.
+        let (_, from_scratch) = tokenizer.encode_head(&text, known.0 + 1).unwrap();
+        assert!(
+            from_scratch > known.1 + 4 * MIN_SEGMENT_BYTES,
+            "{from_scratch}"
+        );
     }
 
     #[test]

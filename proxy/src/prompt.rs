@@ -397,9 +397,13 @@ pub fn analyse(
             };
             let mut want = block_size.max(first);
             let mut first_look = true;
+            // Where the text seen before ended, when the last step ran through it.
+            let mut past = None;
             loop {
                 let head = if std::mem::take(&mut first_look) {
                     tokenizer.encode_first_head(text, want)
+                } else if let Some(bytes) = past.take() {
+                    tokenizer.encode_head_past(text, want, bytes)
                 } else {
                     tokenizer.encode_head(text, want)
                 };
@@ -461,6 +465,7 @@ pub fn analyse(
                     }));
                 }
                 want = if seen {
+                    past = Some(bytes);
                     own_tokens + 1
                 } else {
                     want.max(own_tokens).saturating_mul(4)
