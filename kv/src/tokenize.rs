@@ -507,6 +507,12 @@ fn segment_cuts(text: &str, min_bytes: usize, words: bool) -> Vec<usize> {
     segment_cuts_until(text, min_bytes, words, usize::MAX)
 }
 
+/// Where a head of `min_tokens` tokens first tries to end when nothing is known of its text:
+/// six bytes per token, generous for most text (at least 64 bytes).
+fn generous_bytes(min_tokens: usize) -> usize {
+    min_tokens.saturating_mul(6).max(64)
+}
+
 /// The first of `text`'s segment cuts (with word cuts, see [`segment_cuts`]) at or after `from`.
 fn segment_cut_from(text: &str, min_bytes: usize, from: usize) -> Option<usize> {
     segment_cuts_until(text, min_bytes, true, from)
@@ -831,7 +837,7 @@ impl PromptTokenizer {
         text: &str,
         min_tokens: usize,
     ) -> Result<(Vec<u32>, usize), TokenizeError> {
-        self.head_from(text, min_tokens, min_tokens.saturating_mul(6).max(64))
+        self.head_from(text, min_tokens, generous_bytes(min_tokens))
     }
 
     /// [`Self::encode_head`] grown past a head of `text` that ends at byte `bytes`: at least
@@ -938,10 +944,13 @@ impl PromptTokenizer {
             next_word_cut(text, bytes)
                 .filter(|cut| piece_cut.is_none_or(|piece_cut| *cut < piece_cut))
         };
-        let first_bytes = min_tokens.saturating_mul(6).max(64);
-        match Self::grow_head(text, min_tokens, first_bytes, cut_from, |head| {
-            self.encode_new(head)
-        })? {
+        match Self::grow_head(
+            text,
+            min_tokens,
+            generous_bytes(min_tokens),
+            cut_from,
+            |head| self.encode_new(head),
+        )? {
             Some(head) => Ok(head),
             None => self.encode_head(text, min_tokens),
         }

@@ -641,7 +641,8 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
             }
         }
         let summaries = compare::summarize(&results);
-        let arrival = arrival.in_bursts(kind.burst(&size));
+        // The arrival the runs had (the workload's bursts included), not a second derivation.
+        let arrival = runs.first().map_or(arrival, |(config, _)| config.arrival());
         let arrival_text = arrival.describe();
         // Every router sees the same prompts; pooled over all runs, weighted by requests.
         let weighted = |f: fn(&RouterResult) -> f64| {
