@@ -1,13 +1,15 @@
 """Markdown tables of switchyard-bench compare results, as the README shows them: one table per
 workload (client TTFT medians over the seeds with their range, the workers' own TTFT, hit rate,
-ratios against random), a line of switchyard over the best other router and over the oracle, and
-the capacity search when it ran; where the results keep each request's TTFT, a table of the
+ratios against random), a line of switchyard over the best other router and over the oracle (and,
+where every seed kept its requests' TTFTs, the same over all seeds' requests pooled), and the
+capacity search when it ran; where the results keep each request's TTFT, a table of the
 requests slower than a threshold. Several files are read as one run per seed: each workload's
 per-seed results together, medians over all their seeds. Usage: tables.py RESULTS.json
 [MORE.json ...] [--slow SECONDS] (default 0.2). Standard library only."""
 
 import argparse
 import json
+import math
 import pathlib
 
 
@@ -99,6 +101,16 @@ def workload_table(name: str, report: dict) -> list[str]:
             )
             if has_mean:
                 line += f", mean {ratio(replicas['ttft_mean']['median'], ours['ttft_mean']['median'])}"
+        # The same p90s over every seed's requests pooled: a seed's p90 on a bursty tail jumps
+        # between runs of the same code; the pooled one much less.
+        pooled = "ttft_p90_pooled"
+        if all(pooled in s for s in [ours] + others):
+            best = min(others, key=lambda s: s[pooled])
+            line += f"; pooled p90: {ratio(ours[pooled], best[pooled])} ({best['router']})"
+            if oracle and pooled in oracle:
+                line += f", / oracle {ratio(ours[pooled], oracle[pooled])}"
+            if replicas and pooled in replicas:
+                line += f", 2 replicas / 1 {ratio(replicas[pooled], ours[pooled])}"
         lines.append(line + ".")
     return lines
 
@@ -189,6 +201,12 @@ SPREADS = {
 }
 
 
+def nearest_rank(sorted_values: list[float], q: float) -> float:
+    """The q-quantile by nearest rank, as switchyard-bench's own."""
+    rank = min(max(math.ceil(q * len(sorted_values)), 1), len(sorted_values))
+    return sorted_values[rank - 1]
+
+
 def summarize(runs: list[dict]) -> list[dict]:
     """Per-router summaries of per-seed results, routers in the order they first appear."""
     summaries = []
@@ -196,6 +214,10 @@ def summarize(runs: list[dict]) -> list[dict]:
         mine = sorted((r for r in runs if r["router"] == router), key=lambda r: r["seed"])
         summary = {"router": router, "seeds": [r["seed"] for r in mine]}
         summary.update({field: spread([get(r) for r in mine]) for field, get in SPREADS.items()})
+        # The p90 of every seed's requests together, where every seed kept them.
+        if all(r.get("ttfts") for r in mine):
+            summary["ttft_p90_pooled"] = nearest_rank(
+                sorted(t for r in mine for t in r["ttfts"] if t is not None), 0.9)
         summaries.append(summary)
     random = next((s for s in summaries if s["router"] == "random"), None)
     for summary in summaries:

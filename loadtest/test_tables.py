@@ -47,6 +47,28 @@ class MergeTest(unittest.TestCase):
         self.assertIn("| **switchyard** | 0.100 (0.05–0.15) | 0.200 (0.10–0.30) |", lines)
         # The best other router is taken among those that ran the same seeds.
         self.assertIn("p90 0.40x (vllm-router)", lines)
+        # Over every seed's requests pooled: switchyard's 0.1, 0.1, 0.25, 0.3 and vllm-router's
+        # 0.4, 0.5, 0.6 (the later file's seed 1).
+        self.assertEqual(by_router["switchyard"]["ttft_p90_pooled"], 0.3)
+        self.assertEqual(by_router["vllm-router"]["ttft_p90_pooled"], 0.6)
+        self.assertIn("; pooled p90: 0.50x (vllm-router).", lines)
+
+    def test_pooled_p90s_compare_replicas_and_need_every_seeds_requests(self):
+        tail = lambda slow: [0.1] * 8 + [slow] * 2
+        runs = [run("switchyard", seed, 0.2, tail(slow)) for seed, slow in ((1, 1.0), (2, 0.2))]
+        runs += [run("switchyard-2", seed, 0.2, tail(slow)) for seed, slow in ((1, 0.9), (2, 0.3))]
+        runs += [run("round-robin", seed, 0.5, [0.5] * 10) for seed in (1, 2)]
+        summaries = {s["router"]: s for s in tables.summarize(runs)}
+        # The 18th of 20: the smaller of the two seeds' tails.
+        self.assertEqual(summaries["switchyard"]["ttft_p90_pooled"], 0.2)
+        self.assertEqual(summaries["switchyard-2"]["ttft_p90_pooled"], 0.3)
+        line = tables.workload_table("bursty", {"summary": list(summaries.values())})[-1]
+        self.assertIn("; pooled p90: 0.40x (round-robin), 2 replicas / 1 1.50x.", line)
+        # A seed without its requests' TTFTs (an older file): no pooled figure, no pooled line.
+        runs[0] = dict(runs[0], ttfts=[])
+        summaries = tables.summarize(runs)
+        self.assertNotIn("ttft_p90_pooled", summaries[0])
+        self.assertNotIn("pooled", tables.workload_table("bursty", {"summary": summaries})[-1])
 
     def test_an_even_count_of_seeds_takes_the_middle_two(self):
         self.assertEqual(tables.spread([4.0, 1.0, 2.0, 3.0]), {"median": 2.5, "min": 1.0, "max": 4.0})
