@@ -207,6 +207,14 @@ def nearest_rank(sorted_values: list[float], q: float) -> float:
     return sorted_values[rank - 1]
 
 
+def add_pooled(summary: dict, runs: list[dict]) -> None:
+    """The p90 of every seed's requests together into `summary`, where each of its `runs` (the
+    router's seeds) kept them."""
+    if runs and all(r.get("ttfts") for r in runs):
+        summary["ttft_p90_pooled"] = nearest_rank(
+            sorted(t for r in runs for t in r["ttfts"] if t is not None), 0.9)
+
+
 def summarize(runs: list[dict]) -> list[dict]:
     """Per-router summaries of per-seed results, routers in the order they first appear."""
     summaries = []
@@ -214,10 +222,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         mine = sorted((r for r in runs if r["router"] == router), key=lambda r: r["seed"])
         summary = {"router": router, "seeds": [r["seed"] for r in mine]}
         summary.update({field: spread([get(r) for r in mine]) for field, get in SPREADS.items()})
-        # The p90 of every seed's requests together, where every seed kept them.
-        if all(r.get("ttfts") for r in mine):
-            summary["ttft_p90_pooled"] = nearest_rank(
-                sorted(t for r in mine for t in r["ttfts"] if t is not None), 0.9)
+        add_pooled(summary, mine)
         summaries.append(summary)
     random = next((s for s in summaries if s["router"] == "random"), None)
     for summary in summaries:
@@ -250,6 +255,12 @@ def merge(files: list[dict]) -> dict:
 def main(paths: list[str], slow: float) -> None:
     files = [json.loads(pathlib.Path(path).read_text()) for path in paths]
     results = files[0] if len(files) == 1 else merge(files)
+    # A file from before the bench pooled the p90s: pooled here from its requests' TTFTs.
+    for report in results.values():
+        for summary in report.get("summary", []):
+            if "ttft_p90_pooled" not in summary:
+                add_pooled(summary, [r for r in report.get("results", [])
+                                     if r["router"] == summary["router"]])
     results = dict(sorted(results.items(), key=lambda item: (
         ORDER.index(item[0]) if item[0] in ORDER else len(ORDER), item[0])))
     out: list[str] = []

@@ -86,6 +86,17 @@ class MergeTest(unittest.TestCase):
         self.assertIn("| **switchyard** | 0.100 (0.05–0.15) | 0.200 (0.10–0.30) |", out)
         self.assertIn("| shared-prefix | 1, 0 (1); 0.5 |", out)
 
+    def test_one_file_from_before_the_pooled_p90s_has_them_pooled_from_its_requests(self):
+        older = results([run("switchyard", 1, 0.3, [0.1, 0.3]), run("vllm-router", 1, 0.2, [0.6])])
+        for summary in older["shared-prefix"]["summary"]:
+            del summary["ttft_p90_pooled"]
+        with tempfile.TemporaryDirectory() as directory:
+            path = pathlib.Path(directory) / "older.json"
+            path.write_text(json.dumps(older))
+            out = subprocess.run([sys.executable, str(pathlib.Path(tables.__file__)), str(path)],
+                                 check=True, capture_output=True, text=True).stdout
+        self.assertIn("; pooled p90: 0.50x (vllm-router).", out)
+
 
 if __name__ == "__main__":
     unittest.main()
