@@ -103,13 +103,18 @@ def workload_table(name: str, report: dict) -> list[str]:
                 line += f", mean {ratio(replicas['ttft_mean']['median'], ours['ttft_mean']['median'])}"
         # The same p90s over every seed's requests pooled: a seed's p90 on a bursty tail jumps
         # between runs of the same code; the pooled one much less.
+        # (The bench writes null for a router whose clients saw no first token.)
         pooled = "ttft_p90_pooled"
-        if all(pooled in s for s in [ours] + others):
+
+        def has(summary) -> bool:
+            return bool(summary) and isinstance(summary.get(pooled), (int, float))
+
+        if all(has(s) for s in [ours] + others):
             best = min(others, key=lambda s: s[pooled])
             line += f"; pooled p90: {ratio(ours[pooled], best[pooled])} ({best['router']})"
-            if oracle and pooled in oracle:
+            if has(oracle):
                 line += f", / oracle {ratio(ours[pooled], oracle[pooled])}"
-            if replicas and pooled in replicas:
+            if has(replicas):
                 line += f", 2 replicas / 1 {ratio(replicas[pooled], ours[pooled])}"
         lines.append(line + ".")
     return lines

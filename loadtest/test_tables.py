@@ -54,7 +54,9 @@ class MergeTest(unittest.TestCase):
         self.assertIn("; pooled p90: 0.50x (vllm-router).", lines)
 
     def test_pooled_p90s_compare_replicas_and_need_every_seeds_requests(self):
-        tail = lambda slow: [0.1] * 8 + [slow] * 2
+        def tail(slow: float) -> list[float]:
+            return [0.1] * 8 + [slow] * 2
+
         runs = [run("switchyard", seed, 0.2, tail(slow)) for seed, slow in ((1, 1.0), (2, 0.2))]
         runs += [run("switchyard-2", seed, 0.2, tail(slow)) for seed, slow in ((1, 0.9), (2, 0.3))]
         runs += [run("round-robin", seed, 0.5, [0.5] * 10) for seed in (1, 2)]
@@ -68,6 +70,10 @@ class MergeTest(unittest.TestCase):
         runs[0] = dict(runs[0], ttfts=[])
         summaries = tables.summarize(runs)
         self.assertNotIn("ttft_p90_pooled", summaries[0])
+        self.assertNotIn("pooled", tables.workload_table("bursty", {"summary": summaries})[-1])
+        # Nor where the bench wrote null (a router whose clients saw no first token).
+        summaries = tables.summarize(runs[1:])
+        summaries[0]["ttft_p90_pooled"] = None
         self.assertNotIn("pooled", tables.workload_table("bursty", {"summary": summaries})[-1])
 
     def test_an_even_count_of_seeds_takes_the_middle_two(self):
