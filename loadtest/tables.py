@@ -9,8 +9,9 @@ per-seed results together, medians over all their seeds. Usage: tables.py RESULT
 
 import argparse
 import json
-import math
 import pathlib
+
+from proxy_logs import quantile
 
 
 def is_other(router: str) -> bool:
@@ -206,17 +207,11 @@ SPREADS = {
 }
 
 
-def nearest_rank(sorted_values: list[float], q: float) -> float:
-    """The q-quantile by nearest rank, as switchyard-bench's own."""
-    rank = min(max(math.ceil(q * len(sorted_values)), 1), len(sorted_values))
-    return sorted_values[rank - 1]
-
-
 def add_pooled(summary: dict, runs: list[dict]) -> None:
     """The p90 of every seed's requests together into `summary`, where each of its `runs` (the
     router's seeds) kept them."""
     if runs and all(r.get("ttfts") for r in runs):
-        summary["ttft_p90_pooled"] = nearest_rank(
+        summary["ttft_p90_pooled"] = quantile(
             sorted(t for r in runs for t in r["ttfts"] if t is not None), 0.9)
 
 
