@@ -102,6 +102,8 @@ pub struct WorkerScore {
     pub queued_pairs: f64,
     pub running: u64,
     pub in_flight: usize,
+    /// Requests the other replicas have in flight there, as they last reported them.
+    pub peers_in_flight: u64,
     /// The number of this proxy's latest request to the worker (smaller: longer ago; 0: never).
     pub last_sent: u64,
     pub healthy: bool,
@@ -208,7 +210,7 @@ impl Decision {
         for score in &self.scores {
             let _ = write!(
                 out,
-                "; {} matched_blocks={} cached_tokens={} replicated_tokens={} queued_tokens={} running={} in_flight={} healthy={} kv_blocks_needed={} kv_blocks_free={} kv_room_blocks={} evicted_tokens={} predicted_ttft_ms={:.1} cost_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
+                "; {} matched_blocks={} cached_tokens={} replicated_tokens={} queued_tokens={} running={} in_flight={} peers_in_flight={} healthy={} kv_blocks_needed={} kv_blocks_free={} kv_room_blocks={} evicted_tokens={} predicted_ttft_ms={:.1} cost_ms={:.1} formula_ttft_ms={:.1} relative_speed={:.2}",
                 address(score.position),
                 score.matched_blocks,
                 score.cached_tokens,
@@ -216,6 +218,7 @@ impl Decision {
                 score.queued_tokens,
                 score.running,
                 score.in_flight,
+                score.peers_in_flight,
                 score.healthy,
                 score.kv_blocks_needed,
                 score
@@ -529,6 +532,7 @@ pub fn decide(pool: &PoolRuntime, ask: &Ask<'_>, exclude: &[usize]) -> Option<De
             queued_pairs: queued.pairs,
             running,
             in_flight,
+            peers_in_flight: peers.in_flight,
             last_sent: worker.last_sent(),
             healthy: load.healthy(),
             kv_blocks_needed,
@@ -629,8 +633,9 @@ pub fn decide(pool: &PoolRuntime, ask: &Ask<'_>, exclude: &[usize]) -> Option<De
         .filter(|s| near_tie(best, s, &model, error, tolerance))
         .collect();
     // Among near-ties, the worker holding more of the prompt keeps it (its cache then serves the
-    // next request too); with equal holdings, the one with fewest requests in flight; then the
-    // one this proxy sent a request to longest ago. On prompts no worker holds, idle workers
+    // next request too); with equal holdings, the one with fewest requests in flight (this
+    // proxy's and, behind several replicas, the others' as they last reported them: one proxy
+    // would see them all); then the one this proxy sent a request to longest ago. On prompts no worker holds, idle workers
     // tie at every arrival: a random pick would hand each worker a Poisson share of them, two
     // prefills landing on one worker's next step by chance while another has none, where
     // taking turns spaces each worker's arrivals as round-robin does (which beat a random pick
@@ -638,7 +643,7 @@ pub fn decide(pool: &PoolRuntime, ask: &Ask<'_>, exclude: &[usize]) -> Option<De
     let rank = |s: &WorkerScore| {
         (
             std::cmp::Reverse(s.matched_blocks),
-            s.in_flight,
+            (s.in_flight as u64).saturating_add(s.peers_in_flight),
             s.last_sent,
         )
     };
@@ -842,6 +847,38 @@ mod tests {
         let next = chosen[0];
         let _busy = InFlight::start(&pool.workers[next]);
         assert_ne!(decide(pool, &ask(4, &lookup), &[]).unwrap().chosen, next);
+    }
+
+    /// Behind several replicas, a request another replica has in flight counts in the
+    /// tie-break as one of this proxy's would: one proxy in front of the fleet would see both.
+    #[test]
+    fn near_ties_count_the_other_replicas_requests_in_flight() {
+        let table = table();
+        let pool = table.pools().next().unwrap();
+        let lookup = overlap(pool, &[1, 2, 3, 4]);
+        // Another replica decodes one request on workers 0 and 2: half a millisecond more
+        // each, well within the tie tolerance.
+        for position in [0, 2] {
+            pool.workers[position]
+                .load
+                .set_peers(crate::peers::PeerLedger {
+                    in_flight: 1,
+                    ..Default::default()
+                });
+        }
+        for _ in 0..20 {
+            let decision = decide(pool, &ask(4, &lookup), &[]).unwrap();
+            assert_eq!(decision.chosen, 1);
+            assert_eq!(decision.scores[0].running, 1);
+            assert_eq!(decision.scores[0].peers_in_flight, 1);
+            assert_eq!(decision.scores[0].in_flight, 0);
+        }
+        // Excluded, worker 1 leaves two tied workers alike in flight: either may be chosen.
+        let mut seen = [0; 3];
+        for _ in 0..60 {
+            seen[decide(pool, &ask(4, &lookup), &[1]).unwrap().chosen] += 1;
+        }
+        assert!(seen[0] > 0 && seen[2] > 0, "{seen:?}");
     }
 
     #[test]
@@ -1090,6 +1127,7 @@ mod tests {
                 queued_pairs: 0.0,
                 running,
                 in_flight: 0,
+                peers_in_flight: 0,
                 last_sent: 0,
                 healthy: true,
                 kv_blocks_needed: 0,
