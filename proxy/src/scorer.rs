@@ -635,11 +635,12 @@ pub fn decide(pool: &PoolRuntime, ask: &Ask<'_>, exclude: &[usize]) -> Option<De
     // Among near-ties, the worker holding more of the prompt keeps it (its cache then serves the
     // next request too); with equal holdings, the one with fewest requests in flight (this
     // proxy's and, behind several replicas, the others' as they last reported them: one proxy
-    // would see them all); then the one this proxy sent a request to longest ago. On prompts no worker holds, idle workers
-    // tie at every arrival: a random pick would hand each worker a Poisson share of them, two
-    // prefills landing on one worker's next step by chance while another has none, where
-    // taking turns spaces each worker's arrivals as round-robin does (which beat a random pick
-    // at p90 by 10% on short unique prompts at 12 requests/s; see the README).
+    // would see them all); then the one this proxy sent a request to longest ago. On prompts no
+    // worker holds, idle workers tie at every arrival: a random pick would hand each worker a
+    // Poisson share of them, two prefills landing on one worker's next step by chance while
+    // another has none, where taking turns spaces each worker's arrivals as round-robin does
+    // (which beat a random pick at p90 by 10% on short unique prompts at 12 requests/s; see the
+    // README).
     let rank = |s: &WorkerScore| {
         (
             std::cmp::Reverse(s.matched_blocks),
