@@ -1,18 +1,27 @@
 """Plot switchyard-bench compare results: TTFT CDF per router (every seed's requests pooled), and
-median TTFT p90 vs load from the capacity search (the rates its bisection probed). Usage: plot.py RESULTS.json OUT_DIR. Needs
-matplotlib (scripts/test.sh installs it into .venv)."""
+median TTFT p90 vs load from the capacity search (the rates its bisection probed). Usage:
+plot.py RESULTS.json OUT_DIR. Needs matplotlib (scripts/test.sh installs it into .venv); the
+file names alone do not."""
 
 import json
 import pathlib
 import sys
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+def cdf_name(workload: str, report: dict) -> str:
+    """The CDF's file name. A capacity search's results are its closed-loop run, not a run at
+    the compare's rate: their plot is named apart, so a search written next to an every-router
+    run of the same workload (one results folder) does not replace that run's plot."""
+    suffix = "-capacity" if report.get("capacity") else ""
+    return f"ttft-cdf-{workload}{suffix}.png"
 
 
 def main(results_path: str, out_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     results = json.loads(pathlib.Path(results_path).read_text())
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -36,9 +45,9 @@ def main(results_path: str, out_dir: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out / f"ttft-cdf-{workload}.png", dpi=120)
+        fig.savefig(out / cdf_name(workload, report), dpi=120)
         plt.close(fig)
-        print(out / f"ttft-cdf-{workload}.png")
+        print(out / cdf_name(workload, report))
 
         capacity = report.get("capacity") or {}
         if capacity:
