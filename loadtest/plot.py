@@ -45,9 +45,10 @@ def main(results_path: str, out_dir: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out / cdf_name(workload, report), dpi=120)
+        cdf = out / cdf_name(workload, report)
+        fig.savefig(cdf, dpi=120)
         plt.close(fig)
-        print(out / cdf_name(workload, report))
+        print(cdf)
 
         capacity = report.get("capacity") or {}
         if capacity:
