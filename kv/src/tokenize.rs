@@ -343,6 +343,30 @@ pub struct PromptTokenizer {
     special_tokens: std::sync::Arc<SpecialTokens>,
     /// Tells this tokenizer apart from every other loaded in the process (cache keys).
     instance: u64,
+    /// The same for every process that loads the same `tokenizer.json` with this build: pieces
+    /// tokenized by one such tokenizer are another's ([`PromptTokenizer::adopt_pieces`]).
+    fingerprint: u64,
+    /// Pieces newly tokenized here, for other gateway replicas (from the first
+    /// [`PromptTokenizer::new_pieces`] on; nothing is kept before anyone asks).
+    outbox: std::sync::Mutex<Outbox>,
+}
+
+/// One piece of prompt text's tokens, by its key in the segment cache (a hash of the text, not
+/// the text): what one gateway replica tokenized, and another need not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Piece {
+    pub key: u64,
+    pub tokens: std::sync::Arc<[u32]>,
+}
+
+/// Pieces tokenized since the last [`PromptTokenizer::new_pieces`], oldest first, at most
+/// [`OUTBOX_TOKENS`] tokens of them.
+#[derive(Debug, Default)]
+struct Outbox {
+    /// Whether anyone takes them (set by the first [`PromptTokenizer::new_pieces`]).
+    open: bool,
+    pieces: std::collections::VecDeque<Piece>,
+    tokens: usize,
 }
 
 /// Most special tokens [`SpecialTokens::around`] takes before (or after) a text.
@@ -410,6 +434,10 @@ const MAX_REMEMBERED_WORD_BYTES: usize = 128;
 const MAX_NEW_RUNS: usize = 8;
 /// One in this many texts tokenized word by word is also tokenized whole and compared.
 const WORD_CHECK_EVERY: u64 = 64;
+/// Tokens of new pieces kept for other replicas until they are taken; the oldest go first.
+const OUTBOX_TOKENS: usize = 65_536;
+/// A piece longer than this (text that could not be cut) is neither offered nor adopted.
+pub const MAX_SHARED_PIECE_TOKENS: usize = 8_192;
 
 /// Tokens of prompt pieces, by a hash of their text, so a prompt that repeats an earlier one's
 /// text (a system prompt, the earlier turns of a conversation) tokenizes only what is new.
@@ -451,14 +479,16 @@ impl SegmentCache {
         }
     }
 
-    fn put(&self, key: u64, tokens: &[u32]) {
+    /// Remember `tokens` under `key`: the entry, when it is new.
+    fn put(&self, key: u64, tokens: &[u32]) -> Option<std::sync::Arc<[u32]>> {
         let Ok(mut entries) = self.entries.lock() else {
-            return;
+            return None;
         };
         if entries.by_key.contains_key(&key) {
-            return;
+            return None;
         }
-        entries.by_key.insert(key, tokens.into());
+        let entry: std::sync::Arc<[u32]> = tokens.into();
+        entries.by_key.insert(key, entry.clone());
         entries.order.push_back(key);
         entries.tokens += tokens.len().max(1);
         while entries.tokens > self.limit {
@@ -469,6 +499,7 @@ impl SegmentCache {
                 entries.tokens -= gone.len().max(1);
             }
         }
+        Some(entry)
     }
 }
 
@@ -694,6 +725,7 @@ impl PromptTokenizer {
                 if let Some(segments) = &self.segments {
                     segments.clear();
                 }
+                self.forget_new_pieces();
                 return Ok(whole);
             }
         }
@@ -1048,6 +1080,11 @@ impl PromptTokenizer {
             word_cuts: std::sync::atomic::AtomicBool::new(false),
             special_tokens: std::sync::Arc::default(),
             instance: INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            fingerprint: xxhash_rust::xxh3::xxh3_64_with_seed(
+                tokenizer_json,
+                xxhash_rust::xxh3::xxh3_64(env!("CARGO_PKG_VERSION").as_bytes()),
+            ),
+            outbox: std::sync::Mutex::default(),
         };
         prompt_tokenizer.special_tokens =
             std::sync::Arc::new(prompt_tokenizer.added_special_tokens());
@@ -1159,7 +1196,7 @@ impl PromptTokenizer {
                 Some(tokens) => out.extend_from_slice(&tokens),
                 None => {
                     let tokens = self.encode_new(piece)?;
-                    cache.put(key, &tokens);
+                    self.remember(cache, key, &tokens);
                     out.extend(tokens);
                 }
             }
@@ -1174,7 +1211,7 @@ impl PromptTokenizer {
             None => {
                 let tokens = self.encode_new(last)?;
                 if ends_on_cut {
-                    cache.put(key, &tokens);
+                    self.remember(cache, key, &tokens);
                 }
                 out.extend(tokens);
             }
@@ -1198,6 +1235,87 @@ impl PromptTokenizer {
     /// tokenizer's.
     pub fn instance(&self) -> u64 {
         self.instance
+    }
+
+    /// A hash of the `tokenizer.json` this tokenizer was loaded from and of this build's
+    /// version: equal in every process that tokenizes text alike, so another replica's pieces
+    /// ([`Self::new_pieces`]) are this tokenizer's only under the same fingerprint.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Remember a piece in the segment cache and, when it is new and someone takes new pieces,
+    /// offer it to them.
+    fn remember(&self, cache: &SegmentCache, key: u64, tokens: &[u32]) {
+        let Some(entry) = cache.put(key, tokens) else {
+            return;
+        };
+        let Ok(mut outbox) = self.outbox.lock() else {
+            return;
+        };
+        if !outbox.open || entry.len() > MAX_SHARED_PIECE_TOKENS {
+            return;
+        }
+        outbox.tokens += entry.len();
+        outbox.pieces.push_back(Piece { key, tokens: entry });
+        while outbox.tokens > OUTBOX_TOKENS {
+            let Some(old) = outbox.pieces.pop_front() else {
+                break;
+            };
+            outbox.tokens -= old.tokens.len();
+        }
+    }
+
+    /// The pieces this tokenizer tokenized and remembered since the last call, oldest first,
+    /// up to `max_tokens` tokens of them (one piece at least), and whether more are left: what
+    /// a gateway replica sends the others, so that a prompt one of them tokenized costs the
+    /// rest lookups ([`Self::adopt_pieces`]). New pieces are kept only from the first call on,
+    /// [`OUTBOX_TOKENS`] at most (the oldest go first).
+    pub fn new_pieces(&self, max_tokens: usize) -> (Vec<Piece>, bool) {
+        let Ok(mut outbox) = self.outbox.lock() else {
+            return (Vec::new(), false);
+        };
+        outbox.open = self.segments.is_some();
+        let mut taken = Vec::new();
+        let mut tokens = 0;
+        while let Some(piece) = outbox.pieces.front() {
+            if !taken.is_empty() && tokens + piece.tokens.len() > max_tokens {
+                break;
+            }
+            tokens += piece.tokens.len();
+            outbox.tokens -= piece.tokens.len();
+            taken.extend(outbox.pieces.pop_front());
+        }
+        (taken, !outbox.pieces.is_empty())
+    }
+
+    /// Drop the pieces not taken yet (they may be wrong: see [`Self::encode_words`]).
+    fn forget_new_pieces(&self) {
+        if let Ok(mut outbox) = self.outbox.lock() {
+            outbox.pieces.clear();
+            outbox.tokens = 0;
+        }
+    }
+
+    /// Remember pieces another replica's tokenizer of the same [`Self::fingerprint`] tokenized
+    /// ([`Self::new_pieces`]), as if this one had: the text they cover is then looked up, not
+    /// tokenized. A piece with a token id outside the vocabulary, or none, or more than
+    /// [`MAX_SHARED_PIECE_TOKENS`], is skipped, and so are all when this tokenizer keeps no
+    /// pieces. Adopted pieces are not offered again. How many were new here.
+    pub fn adopt_pieces(&self, pieces: &[Piece]) -> usize {
+        let Some(cache) = &self.segments else {
+            return 0;
+        };
+        let vocabulary = self.tokenizer.get_vocab_size(true);
+        pieces
+            .iter()
+            .filter(|piece| {
+                !piece.tokens.is_empty()
+                    && piece.tokens.len() <= MAX_SHARED_PIECE_TOKENS
+                    && piece.tokens.iter().all(|id| (*id as usize) < vocabulary)
+            })
+            .filter(|piece| cache.put(piece.key, &piece.tokens).is_some())
+            .count()
     }
 
     /// What the post-processor puts around a text: the ids of a sample with special tokens,
@@ -1309,6 +1427,13 @@ mod tests {
         assert_eq!(SpecialTokens::around(&[], &[1]), None);
         let special = SpecialTokens::around(&ids, &[1, 5, 6, 7]).unwrap();
         assert_eq!(special.wrap(vec![9]), vec![1, 9]);
+    }
+
+    impl PromptTokenizer {
+        fn clear_caches_for_test(&self) {
+            self.segments.as_ref().unwrap().clear();
+            self.words.as_ref().unwrap().clear();
+        }
     }
 
     /// Tokens the segment cache holds.
@@ -1667,6 +1792,90 @@ mod tests {
         assert!(segments.entries.lock().unwrap().by_key.is_empty());
         // From now on texts are tokenized whole.
         assert_eq!(tokenizer.encode(text).unwrap(), whole);
+    }
+
+    #[test]
+    fn another_replicas_pieces_are_looked_up_not_tokenized() {
+        // Two replicas' tokenizers: the same tokenizer.json, two processes' instances.
+        let (sender, receiver) = (shipped(), shipped());
+        assert_eq!(sender.fingerprint(), receiver.fingerprint());
+        assert_ne!(sender.instance(), receiver.instance());
+        let mut other_json = SHIPPED_TOKENIZER_JSON.to_vec();
+        other_json.push(b'\n');
+        let other = PromptTokenizer::new(&other_json, SHIPPED_CHAT_TEMPLATE).unwrap();
+        assert_ne!(other.fingerprint(), sender.fingerprint());
+
+        let system: String = (0..300)
+            .map(|i| format!("Rule {i}: answer the river question in garden terms.\n"))
+            .collect();
+        let prompt = format!("{system}What grows by the river?");
+        // Nothing is kept for other replicas until someone asks.
+        sender
+            .encode(&format!("{system}An earlier question"))
+            .unwrap();
+        assert_eq!(sender.new_pieces(usize::MAX), (Vec::new(), false));
+        sender.clear_caches_for_test();
+        let whole = sender.encode(&prompt).unwrap();
+        let (pieces, more) = sender.new_pieces(usize::MAX);
+        assert!(!more);
+        assert!(pieces.len() >= 20, "{}", pieces.len());
+        let offered: usize = pieces.iter().map(|p| p.tokens.len()).sum();
+        // All but the last piece (the question's: not kept).
+        assert!(
+            offered < whole.len() && offered > whole.len() * 9 / 10,
+            "{offered} of {}",
+            whole.len()
+        );
+        // Taken once.
+        assert_eq!(sender.new_pieces(usize::MAX), (Vec::new(), false));
+
+        // The other replica tokenizes the same prompt from those pieces: the same tokens, and
+        // nothing of the system prompt new to it (it would offer it on otherwise).
+        receiver.new_pieces(usize::MAX);
+        assert_eq!(receiver.adopt_pieces(&pieces), pieces.len());
+        assert_eq!(receiver.adopt_pieces(&pieces), 0, "held already");
+        assert_eq!(receiver.encode(&prompt).unwrap(), whole);
+        assert_eq!(receiver.new_pieces(usize::MAX), (Vec::new(), false));
+        // A head of it runs through them too, as far as the question.
+        let (mut head, mut bytes) = receiver.encode_first_head(&prompt, 64).unwrap();
+        receiver.extend_cached(&prompt, &mut head, &mut bytes);
+        assert!(bytes + 600 > system.len(), "{bytes} of {}", system.len());
+        assert_eq!(head, whole[..head.len()]);
+
+        // An adopted piece is what the receiver's lookups find (these tokens are not the
+        // text's), and ids outside the vocabulary are refused.
+        let fresh = shipped();
+        let first = &pieces[0];
+        let vocabulary = fresh.tokenizer.get_vocab_size(true) as u32;
+        let refused = [
+            Piece {
+                key: first.key,
+                tokens: vec![vocabulary].into(),
+            },
+            Piece {
+                key: first.key,
+                tokens: Vec::new().into(),
+            },
+            Piece {
+                key: first.key,
+                tokens: vec![1; MAX_SHARED_PIECE_TOKENS + 1].into(),
+            },
+        ];
+        assert_eq!(fresh.adopt_pieces(&refused), 0);
+        let planted = Piece {
+            key: first.key,
+            tokens: vec![5, 6, 7].into(),
+        };
+        assert_eq!(fresh.adopt_pieces(&[planted]), 1);
+        assert_eq!(fresh.encode(&prompt).unwrap()[..3], [5, 6, 7]);
+
+        // Taken a budget at a time, one piece at least.
+        let budgeted = shipped();
+        budgeted.new_pieces(usize::MAX);
+        budgeted.encode(&prompt).unwrap();
+        let (one, more) = budgeted.new_pieces(1);
+        assert_eq!((one.len(), more), (1, true));
+        assert_eq!(one[0], pieces[0]);
     }
 
     #[test]

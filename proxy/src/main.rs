@@ -90,6 +90,12 @@ struct Args {
     /// the peers' names resolve to.
     #[arg(long, env = "SWITCHYARD_PEERS_KEY_FILE")]
     peers_key_file: Option<PathBuf>,
+    /// Whether replicas send each other the token ids of prompt pieces they tokenized (with
+    /// `--peers`), so that a long prompt another replica routed first is looked up, not
+    /// tokenized again on a request's path. The ids are the prompts' content in another form:
+    /// `false` keeps prompt content out of the datagrams (they then carry counts and hashes).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "SWITCHYARD_PEER_PROMPT_PIECES")]
+    peer_prompt_pieces: bool,
     /// Responses API: how many response ids the gateway remembers the worker of (each
     /// `previous_response_id` and `/v1/responses/{id}` goes to the worker that made it).
     #[arg(long, default_value_t = 100_000)]
@@ -269,7 +275,9 @@ fn main() -> anyhow::Result<()> {
                 },
                 interval: Duration::from_millis(args.peer_interval_ms.max(10)),
                 key: peers_key,
+                prompt_pieces: args.peer_prompt_pieces,
                 datagrams: metrics.peer_datagrams(),
+                pieces: metrics.peer_pieces(),
             },
         ));
     }

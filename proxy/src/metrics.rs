@@ -38,7 +38,7 @@ use prometheus_client::registry::{Registry, Unit};
 use crate::accounting::Usage;
 use crate::config::ConfigStore;
 use crate::kv::{PoolKv, StreamStats};
-use crate::peers::PeerDatagrams;
+use crate::peers::PeerCounts;
 use crate::routing::RoutingTable;
 
 /// The `Content-Type` of `GET /metrics`: OpenMetrics text 1.0.0, which Prometheus scrapes.
@@ -166,7 +166,8 @@ pub struct Metrics {
     client_disconnects: Counter,
     open_connections: Gauge,
     connections_refused: Family<RefusalLabels, Counter>,
-    peer_datagrams: PeerDatagrams,
+    peer_datagrams: PeerCounts,
+    peer_pieces: PeerCounts,
     tenants: Arc<TenantFamilies>,
     rejections: CappedFamily<RejectionLabels>,
     series: RwLock<SeriesCache>,
@@ -211,7 +212,7 @@ impl Metrics {
              client_limit, head_timeout, head_too_large, malformed_head",
             connections_refused.clone(),
         );
-        let peer_datagrams = PeerDatagrams::default();
+        let peer_datagrams = PeerCounts::default();
         registry.register(
             "switchyard_peer_datagrams",
             "Ledger datagrams received from other gateway replicas (--peers), by outcome: \
@@ -219,6 +220,15 @@ impl Metrics {
              under this replica's --peers-key-file key), stale (sent over 30 s ago: a replay, or \
              the hosts' clocks apart), malformed",
             peer_datagrams.family(),
+        );
+        let peer_pieces = PeerCounts::default();
+        registry.register(
+            "switchyard_peer_prompt_pieces",
+            "Prompt pieces (token ids of prompt text, --peer-prompt-pieces) exchanged with other \
+             gateway replicas, by outcome: sent (by this replica), adopted (heard and new to a \
+             tokenizer here: that text is looked up, not tokenized), known (heard, held \
+             already), unused (heard for a tokenizer no pool here has)",
+            peer_pieces.family(),
         );
         let tenants = TenantFamilies {
             requests: Family::default(),
@@ -275,6 +285,7 @@ impl Metrics {
             open_connections,
             connections_refused,
             peer_datagrams,
+            peer_pieces,
             tenants: Arc::new(tenants),
             rejections,
             series: RwLock::default(),
@@ -298,8 +309,13 @@ impl Metrics {
     }
 
     /// The family the peer service counts the other replicas' datagrams in.
-    pub fn peer_datagrams(&self) -> PeerDatagrams {
+    pub fn peer_datagrams(&self) -> PeerCounts {
         self.peer_datagrams.clone()
+    }
+
+    /// The family the peer service counts the prompt pieces sent and heard in.
+    pub fn peer_pieces(&self) -> PeerCounts {
+        self.peer_pieces.clone()
     }
 
     /// Count a connection the gateway refused or closed for `reason` (a fixed label).

@@ -18,7 +18,10 @@
 //! cache is known only from what the replicas sent it, [`crate::history`]). And what
 //! it learned from its answers ([`crate::calibration`]): how fast each worker answers, and its
 //! latest answers themselves, which the others' pool models learn from once each; each replica
-//! sees only its share of the answers, and alone would learn that much later.
+//! sees only its share of the answers, and alone would learn that much later. And the prompt
+//! pieces it tokenized (`--peer-prompt-pieces`, on by default): token ids under a hash of their
+//! text, which the others' tokenizers adopt, so a long prompt another replica routed first is
+//! looked up rather than tokenized whole on the path of the first request for it here.
 //!
 //! Why pushed, and why datagrams: a ledger read every interval is an interval late, and two
 //! replicas deciding within it both take the same best worker; one pushed at each change is
@@ -60,6 +63,7 @@ use tokio::net::UdpSocket;
 
 use switchyard_kv::hash::SequenceHash;
 use switchyard_kv::index::WorkerId;
+use switchyard_kv::tokenize::Piece;
 use switchyard_snapshot::snapshot::PoolId;
 
 use crate::calibration::{Coefficients, Observation, PrefillWork, Speed};
@@ -94,6 +98,13 @@ const MAX_REPLICAS: usize = 256;
 /// Largest ledger sent in one datagram (a keyed one is its tag longer); a ledger longer than
 /// this (well over a thousand busy workers) keeps its busiest workers and says so in the log.
 const MAX_DATAGRAM: usize = 60_000;
+
+/// Tokens of new prompt pieces sent in one datagram at most (about 6 bytes each as JSON); the
+/// rest go in the next, sent at once.
+const PIECE_TOKENS_PER_DATAGRAM: usize = 4_096;
+
+/// Tokens of pieces heard and not yet adopted kept at most (the oldest go first).
+const UNADOPTED_TOKENS: usize = 65_536;
 
 /// The format's version: a datagram of another version is ignored.
 const VERSION: u32 = 1;
@@ -187,19 +198,27 @@ pub(crate) struct OutcomeLabels {
     outcome: &'static str,
 }
 
-/// The other replicas' datagrams received, by what became of them: a handle on the family
-/// `/metrics` encodes (`switchyard_peer_datagrams_total{outcome}`, [`crate::metrics`]).
+/// Things the other replicas sent, by what became of them: a handle on a family `/metrics`
+/// encodes ([`crate::metrics`]): their datagrams received
+/// (`switchyard_peer_datagrams_total{outcome}`), the prompt pieces sent and heard
+/// (`switchyard_peer_prompt_pieces_total{outcome}`).
 #[derive(Debug, Clone, Default)]
-pub struct PeerDatagrams(Family<OutcomeLabels, Counter>);
+pub struct PeerCounts(Family<OutcomeLabels, Counter>);
 
-impl PeerDatagrams {
+impl PeerCounts {
     /// The family, to register.
     pub(crate) fn family(&self) -> Family<OutcomeLabels, Counter> {
         self.0.clone()
     }
 
     fn count(&self, outcome: &'static str) {
-        self.0.get_or_create(&OutcomeLabels { outcome }).inc();
+        self.add(outcome, 1);
+    }
+
+    fn add(&self, outcome: &'static str, n: usize) {
+        self.0
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc_by(n as u64);
     }
 }
 
@@ -218,7 +237,7 @@ impl Refused {
 }
 
 /// Count one datagram received, and say once per kind why datagrams are being dropped.
-fn count_received(counts: &PeerDatagrams, outcome: Result<(), Refused>) {
+fn count_received(counts: &PeerCounts, outcome: Result<(), Refused>) {
     static UNAUTHENTICATED: OnceLock<()> = OnceLock::new();
     static STALE: OnceLock<()> = OnceLock::new();
     match outcome {
@@ -276,6 +295,15 @@ pub struct ReplicaLedger {
     /// ([`crate::kv::Predictions::recent_frees`]); assumed held once each when heard, never
     /// summed.
     pub freed: HashMap<String, Vec<Freed>>,
+    /// Prompt pieces the replica tokenized since its last datagram, by its tokenizers'
+    /// [`fingerprint`](switchyard_kv::tokenize::PromptTokenizer::fingerprint): a replica with
+    /// the same tokenizer adopts them ([`PromptTokenizer::adopt_pieces`]), and the first
+    /// request it sees for a prompt another replica sent (a shared system prompt) is looked up
+    /// instead of tokenized whole on its path. Sent once each, never summed; a lost datagram
+    /// loses only that saving.
+    ///
+    /// [`PromptTokenizer::adopt_pieces`]: switchyard_kv::tokenize::PromptTokenizer::adopt_pieces
+    pub pieces: HashMap<u64, Vec<Piece>>,
 }
 
 /// One request that ended at a worker without KV events: its number, the worker's address,
@@ -369,6 +397,36 @@ impl ReplicaLedger {
         }
         own
     }
+
+    /// Take the prompt pieces this replica's tokenizers tokenized since the last call, up to
+    /// [`PIECE_TOKENS_PER_DATAGRAM`] tokens of them: whether more are left.
+    fn take_pieces(&mut self, table: &RoutingTable) -> bool {
+        let mut budget = PIECE_TOKENS_PER_DATAGRAM;
+        let mut more = false;
+        let mut seen = Vec::new();
+        for tokenizer in table.pools().filter_map(|pool| pool.tokenizer.as_ref()) {
+            // Pools with the same tokenizer share one.
+            if seen.contains(&Arc::as_ptr(tokenizer)) {
+                continue;
+            }
+            seen.push(Arc::as_ptr(tokenizer));
+            if budget == 0 {
+                more = true;
+                break;
+            }
+            let (pieces, left) = tokenizer.new_pieces(budget);
+            more |= left;
+            let tokens: usize = pieces.iter().map(|piece| piece.tokens.len()).sum();
+            budget = budget.saturating_sub(tokens);
+            if !pieces.is_empty() {
+                self.pieces
+                    .entry(tokenizer.fingerprint())
+                    .or_default()
+                    .extend(pieces);
+            }
+        }
+        more
+    }
 }
 
 /// One datagram: a replica's whole ledger, numbered.
@@ -407,6 +465,10 @@ struct Datagram {
     /// that ended at a worker without KV events.
     #[serde(default)]
     freed: Vec<PoolFreed>,
+    /// `[tokenizer fingerprint, piece key, tokens]` of the prompt pieces the sender tokenized
+    /// since its last datagram (each sent once).
+    #[serde(default)]
+    pieces: Vec<(u64, u64, Vec<u32>)>,
 }
 
 impl Datagram {
@@ -479,6 +541,15 @@ impl Datagram {
             .collect();
         ranked.sort_by(|(a, x), (b, y)| (a, &x.0).cmp(&(b, &y.0)));
         let freed: Vec<PoolFreed> = ranked.into_iter().map(|(_, end)| end).collect();
+        let pieces = ledger
+            .pieces
+            .iter()
+            .flat_map(|(fingerprint, pieces)| {
+                pieces
+                    .iter()
+                    .map(|piece| (*fingerprint, piece.key, piece.tokens.to_vec()))
+            })
+            .collect();
         let mut datagram = Datagram {
             v: VERSION,
             instance: instance_id().to_owned(),
@@ -492,11 +563,17 @@ impl Datagram {
             observations,
             observation_pairs,
             freed,
+            pieces,
         };
         loop {
             let bytes = serde_json::to_vec(&datagram).unwrap_or_default();
             if bytes.len() <= MAX_DATAGRAM {
                 return bytes;
+            }
+            if !datagram.pieces.is_empty() {
+                // Only a saving: the receivers tokenize what they do not get.
+                datagram.pieces.truncate(datagram.pieces.len() / 2);
+                continue;
             }
             if !datagram.freed.is_empty() {
                 // The oldest of each pool go first: earlier datagrams carried them as the latest.
@@ -643,6 +720,13 @@ impl Datagram {
                 .or_default()
                 .push((*n, address.clone(), samples.clone()));
         }
+        let mut pieces: HashMap<u64, Vec<Piece>> = HashMap::new();
+        for (fingerprint, key, tokens) in &self.pieces {
+            pieces.entry(*fingerprint).or_default().push(Piece {
+                key: *key,
+                tokens: tokens.as_slice().into(),
+            });
+        }
         ReplicaLedger {
             workers,
             arrival_rates,
@@ -650,6 +734,7 @@ impl Datagram {
             speeds,
             observations,
             freed,
+            pieces,
         }
     }
 }
@@ -681,6 +766,9 @@ struct Replicas {
     /// The latest end heard from each replica (instance id) for each pool (id): those numbered
     /// up to it are not taken again, whatever the datagrams in between carried.
     ends_heard: HashMap<(String, String), u64>,
+    /// Prompt pieces they tokenized that this replica's tokenizers have not adopted yet (by
+    /// tokenizer fingerprint), [`UNADOPTED_TOKENS`] tokens at most.
+    unadopted: Vec<(u64, Piece)>,
 }
 
 impl Replicas {
@@ -705,7 +793,23 @@ impl Replicas {
                 }
             }
         }
-        let ledger = datagram.ledger();
+        let mut ledger = datagram.ledger();
+        // Pieces come once each: adopted, not kept with the ledger.
+        for (fingerprint, pieces) in std::mem::take(&mut ledger.pieces) {
+            self.unadopted
+                .extend(pieces.into_iter().map(|piece| (fingerprint, piece)));
+        }
+        let mut over = self
+            .unadopted
+            .iter()
+            .map(|(_, piece)| piece.tokens.len())
+            .sum::<usize>()
+            .saturating_sub(UNADOPTED_TOKENS);
+        self.unadopted.retain(|(_, piece)| {
+            let drop = over > 0;
+            over = over.saturating_sub(piece.tokens.len());
+            !drop
+        });
         // Each answer teaches once: those numbered past the last this replica heard.
         let taught = |pool: &str| {
             self.heard
@@ -785,6 +889,11 @@ impl Replicas {
         std::mem::take(&mut self.unheld)
     }
 
+    /// The prompt pieces heard of since the last call, to adopt once.
+    fn unadopted(&mut self) -> Vec<(u64, Piece)> {
+        std::mem::take(&mut self.unadopted)
+    }
+
     /// Every replica's ledger summed as of `now`: a worker's time on the oldest pending prefill
     /// grows by the time since its replica reported it (their observations are not summed).
     fn total(&self, now: Instant) -> ReplicaLedger {
@@ -807,6 +916,38 @@ impl Replicas {
     }
 }
 
+/// Give every tokenizer of `table` the pieces heard of that were tokenized by one of its
+/// fingerprint, and count them: `adopted` (new to one), `known` (every tokenizer of that
+/// fingerprint held them, or refused them), `unused` (no tokenizer of theirs here).
+fn adopt_pieces(table: &RoutingTable, heard: &[(u64, Piece)], counts: &PeerCounts) {
+    if heard.is_empty() {
+        return;
+    }
+    let mut used = 0;
+    let mut adopted = 0;
+    let mut seen = Vec::new();
+    for tokenizer in table.pools().filter_map(|pool| pool.tokenizer.as_ref()) {
+        if seen.contains(&Arc::as_ptr(tokenizer)) {
+            continue;
+        }
+        seen.push(Arc::as_ptr(tokenizer));
+        let fingerprint = tokenizer.fingerprint();
+        let pieces: Vec<Piece> = heard
+            .iter()
+            .filter(|(of, _)| *of == fingerprint)
+            .map(|(_, piece)| piece.clone())
+            .collect();
+        if !pieces.is_empty() {
+            used += pieces.len();
+            adopted += tokenizer.adopt_pieces(&pieces);
+        }
+    }
+    // (Two pools with tokenizers of one fingerprint each count a piece.)
+    counts.add("adopted", adopted);
+    counts.add("known", used.saturating_sub(adopted));
+    counts.add("unused", heard.len().saturating_sub(used));
+}
+
 /// Sends this replica's ledger to the peers and counts theirs in the live table's workers.
 pub struct PeerService {
     pub store: Arc<ConfigStore>,
@@ -818,8 +959,14 @@ pub struct PeerService {
     /// The key every replica's datagrams are tagged with (`--peers-key-file`); `None`: they are
     /// believed from any host the peers resolve to.
     pub key: Option<PeerKey>,
+    /// Whether prompt pieces are sent and adopted (`--peer-prompt-pieces`,
+    /// [`ReplicaLedger::pieces`]).
+    pub prompt_pieces: bool,
     /// Where the datagrams received are counted (`switchyard_peer_datagrams_total`).
-    pub datagrams: PeerDatagrams,
+    pub datagrams: PeerCounts,
+    /// Where the prompt pieces sent and heard are counted
+    /// (`switchyard_peer_prompt_pieces_total`).
+    pub pieces: PeerCounts,
 }
 
 /// Sampled block hashes of prompts in prefill, by worker address.
@@ -862,16 +1009,24 @@ impl PeerService {
     }
 
     fn apply(&self, shared: &Shared) {
-        let (peers, untaught, unheld) = {
+        let (peers, untaught, unheld, unadopted) = {
             let mut replicas = crate::lock(&shared.replicas);
             let now = Instant::now();
             replicas.forget_silent(now, self.interval * SILENT_INTERVALS);
-            (replicas.total(now), replicas.untaught(), replicas.unheld())
+            (
+                replicas.total(now),
+                replicas.untaught(),
+                replicas.unheld(),
+                replicas.unadopted(),
+            )
         };
         // (Before the first table the answers heard teach nothing, and are not kept.)
         let Some(table) = self.store.current() else {
             return;
         };
+        if self.prompt_pieces {
+            adopt_pieces(&table, &unadopted, &self.pieces);
+        }
         // The other replicas' answers teach this replica's pool models too: each sees only
         // its share of them.
         for (id, observation) in &untaught {
@@ -944,6 +1099,8 @@ impl PeerService {
     }
 
     /// Sends at every change of the ledger and every interval; resolves the peers every interval.
+    /// New prompt pieces ride along, as many as fit; what is left goes out in the next datagram,
+    /// at once.
     async fn send(&self, socket: &UdpSocket, shared: &Shared) {
         let mut ticker = tokio::time::interval(self.interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -960,11 +1117,21 @@ impl PeerService {
             }
             // Before the first table this replica counts nothing, and says so: the peers learn
             // its address from it.
+            let mut more_pieces = false;
             let own = self
                 .store
                 .current()
-                .map(|table| ReplicaLedger::own(&table))
+                .map(|table| {
+                    let mut own = ReplicaLedger::own(&table);
+                    more_pieces = self.prompt_pieces && own.take_pieces(&table);
+                    own
+                })
                 .unwrap_or_default();
+            if more_pieces {
+                crate::worker::ledger_changed();
+            }
+            self.pieces
+                .add("sent", own.pieces.values().map(Vec::len).sum());
             seq += 1;
             let bytes = Datagram::seal(
                 Datagram::encode(&own, seq, self.interval),
@@ -1170,6 +1337,134 @@ mod tests {
         assert!(replicas.total(now).freed.is_empty());
     }
 
+    /// A table with one cache-aware pool, built as one process would (its own tokenizer).
+    fn cache_aware_table() -> RoutingTable {
+        let yaml = "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {name: p}\n\
+                    spec: {model: m, loadBalancing: cache-aware, endpoints: [\"127.0.0.1:1\"]}\n";
+        let snapshot = switchyard_snapshot::load_str("test", yaml).unwrap();
+        RoutingTable::build(
+            Arc::new(snapshot),
+            &crate::routing::EndpointRegistry::default(),
+            &crate::kv::KvRegistry::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn another_replicas_prompt_pieces_are_adopted_once_each() {
+        let one: SocketAddr = "10.0.0.1:9090".parse().unwrap();
+        let now = Instant::now();
+        let (sender, receiver) = (cache_aware_table(), cache_aware_table());
+        let tokenizer =
+            |table: &RoutingTable| table.pools().next().unwrap().tokenizer.clone().unwrap();
+        let (sent_by, heard_by) = (tokenizer(&sender), tokenizer(&receiver));
+        assert!(!Arc::ptr_eq(&sent_by, &heard_by));
+        // Both offer what they tokenize from now on.
+        sent_by.new_pieces(0);
+        heard_by.new_pieces(0);
+        let system: String = (0..200)
+            .map(|i| format!("Rule {i}: the river runs by the garden wall.\n"))
+            .collect();
+        let prompt = format!("{system}Which wall?");
+        let tokens = sent_by.encode(&prompt).unwrap();
+
+        // The sender's next datagram carries the new pieces, a budget at a time.
+        let mut replica = ReplicaLedger::default();
+        assert!(!replica.take_pieces(&sender));
+        let sent: Vec<Piece> = replica.pieces.values().flatten().cloned().collect();
+        assert!(sent.len() > 10, "{}", sent.len());
+        assert_eq!(
+            replica.pieces.keys().copied().collect::<Vec<_>>(),
+            [sent_by.fingerprint()]
+        );
+        let mut again = ReplicaLedger::default();
+        assert!(!again.take_pieces(&sender));
+        assert!(again.pieces.is_empty(), "each piece is sent once");
+
+        let mut replicas = Replicas::default();
+        assert!(replicas.hear(from("r1", 1, &replica), one, now));
+        // Not kept with the ledger (never summed); handed over once.
+        assert!(replicas.total(now).pieces.is_empty());
+        let heard = replicas.unadopted();
+        assert_eq!(heard.len(), sent.len());
+        assert!(replicas.unadopted().is_empty());
+        // A pool whose tokenizer has another fingerprint takes none of them.
+        let other: Vec<(u64, Piece)> = heard
+            .iter()
+            .map(|(fingerprint, piece)| (fingerprint ^ 1, piece.clone()))
+            .collect();
+        let counts = PeerCounts::default();
+        let count = |outcome| counts.0.get_or_create(&OutcomeLabels { outcome }).get() as usize;
+        adopt_pieces(&receiver, &other, &counts);
+        assert_eq!(count("unused"), heard.len());
+        assert_eq!(heard_by.encode(&prompt).unwrap(), tokens);
+        let (own, _) = heard_by.new_pieces(usize::MAX);
+        assert_eq!(own.len(), sent.len(), "tokenized for itself");
+
+        // Adopted, the same prompt at a fresh receiver is looked up: nothing of it is new there.
+        let receiver = cache_aware_table();
+        let heard_by = tokenizer(&receiver);
+        heard_by.new_pieces(0);
+        adopt_pieces(&receiver, &heard, &counts);
+        assert_eq!(heard_by.encode(&prompt).unwrap(), tokens);
+        assert_eq!(heard_by.new_pieces(usize::MAX), (Vec::new(), false));
+        assert_eq!((count("adopted"), count("known")), (heard.len(), 0));
+        adopt_pieces(&receiver, &heard, &counts);
+        assert_eq!(
+            (count("adopted"), count("known")),
+            (heard.len(), heard.len())
+        );
+    }
+
+    #[test]
+    fn pieces_heard_and_not_adopted_yet_keep_the_latest() {
+        let one: SocketAddr = "10.0.0.1:9090".parse().unwrap();
+        let mut replicas = Replicas::default();
+        for seq in 1..=40 {
+            let replica = ReplicaLedger {
+                pieces: HashMap::from([(
+                    9,
+                    vec![Piece {
+                        key: seq,
+                        tokens: vec![1; 4_000].into(),
+                    }],
+                )]),
+                ..Default::default()
+            };
+            assert!(replicas.hear(from("r1", seq, &replica), one, Instant::now()));
+        }
+        let kept: Vec<u64> = replicas.unadopted().iter().map(|(_, p)| p.key).collect();
+        assert_eq!(kept, (25..=40).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_ledger_too_long_for_one_datagram_gives_up_prompt_pieces_first() {
+        let pieces: Vec<Piece> = (0..40)
+            .map(|key| Piece {
+                key,
+                tokens: vec![151_000; 400].into(),
+            })
+            .collect();
+        let replica = ReplicaLedger {
+            workers: HashMap::from([("w".to_owned(), ledger(5, 0))]),
+            prefixes: HashMap::from([("w".to_owned(), vec![7, 11])]),
+            pieces: HashMap::from([(9, pieces.clone())]),
+            ..Default::default()
+        };
+        let bytes = Datagram::encode(&replica, 1, Duration::from_millis(100));
+        assert!(bytes.len() <= MAX_DATAGRAM);
+        let kept = serde_json::from_slice::<Datagram>(&bytes).unwrap().ledger();
+        assert_eq!(kept.workers.len(), 1);
+        assert_eq!(kept.prefixes, replica.prefixes);
+        let kept = &kept.pieces[&9];
+        assert!(
+            !kept.is_empty() && kept.len() < pieces.len(),
+            "{}",
+            kept.len()
+        );
+        assert_eq!(kept[..], pieces[..kept.len()], "the first ones, whole");
+    }
+
     #[test]
     fn a_ledger_too_long_for_one_datagram_gives_up_the_oldest_ends_of_each_pool_first() {
         let samples: Vec<(usize, u64)> = (1..=500).map(|b| (b * 4, u64::MAX - b as u64)).collect();
@@ -1232,6 +1527,13 @@ mod tests {
             freed: HashMap::from([(
                 "default/a".to_owned(),
                 vec![(9, "10.0.0.2:8000".to_owned(), vec![(4, u64::MAX), (6, 5)])],
+            )]),
+            pieces: HashMap::from([(
+                u64::MAX,
+                vec![Piece {
+                    key: u64::MAX - 1,
+                    tokens: vec![0, 151_000].into(),
+                }],
             )]),
         };
         let bytes = Datagram::encode(&replica, 7, Duration::from_millis(100));

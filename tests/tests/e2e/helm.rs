@@ -311,6 +311,25 @@ fn chart_lints_renders_and_keeps_its_promises() {
         "{proxy_command}"
     );
     assert!(!proxy_command.contains("--log-json"), "{proxy_command}");
+    // Prompt pieces travel with the ledgers unless turned off.
+    assert!(
+        !proxy_command.contains("--peer-prompt-pieces"),
+        "{proxy_command}"
+    );
+    let no_pieces = documents(&run_helm(&[
+        "template",
+        "gw",
+        "helm/switchyard",
+        "--set",
+        "proxy.sharePromptPieces=false",
+    ]));
+    let command = of_kind(&no_pieces, "Deployment")[0]["spec"]["template"]["spec"]["containers"][1]
+        ["command"]
+        .to_string();
+    assert!(
+        command.contains(r#""--peer-prompt-pieces","false""#),
+        "{command}"
+    );
     let env = proxy["env"].to_string();
     assert!(
         env.contains("OTEL_EXPORTER_OTLP_ENDPOINT") && env.contains("collector.observability:4317"),

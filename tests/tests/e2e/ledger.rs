@@ -862,6 +862,16 @@ async fn a_replica_follows_a_prefix_another_replica_had_a_worker_without_events_
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     assert_eq!(matched_at(&second, &probe, &other.endpoint()).await, 0);
+    // The first replica tokenized the whole prompt and sent its pieces along: the second
+    // looked its own up rather than tokenizing the system prompt again.
+    // (It had tokenized the head of its probe, the first few pieces, before.)
+    let sent = prompt_pieces(&first, "sent").await;
+    let adopted = prompt_pieces(&second, "adopted").await;
+    let known = prompt_pieces(&second, "known").await;
+    assert!(
+        sent >= 8 && adopted >= sent / 2 && adopted + known == sent,
+        "{sent} sent, {adopted} adopted, {known} known"
+    );
 
     // Past the first token a worker's KV events would tell where the prompt is; these publish
     // none, so the first replica goes on telling while the request runs...
@@ -884,6 +894,17 @@ async fn a_replica_follows_a_prefix_another_replica_had_a_worker_without_events_
     assert!(assumed_blocks(&first).await >= system_blocks);
     assert!(matched_at(&second, &probe, &holder.endpoint()).await + 4 > system_blocks);
     assert_eq!(matched_at(&second, &probe, &other.endpoint()).await, 0);
+}
+
+/// `switchyard_peer_prompt_pieces_total{outcome}` of `proxy` (0 before the first).
+async fn prompt_pieces(proxy: &Proxy, outcome: &str) -> u64 {
+    let series = format!("switchyard_peer_prompt_pieces_total{{outcome=\"{outcome}\"}} ");
+    proxy
+        .metrics()
+        .await
+        .lines()
+        .find_map(|line| line.strip_prefix(series.as_str()))
+        .map_or(0, |value| value.parse().unwrap())
 }
 
 /// Blocks `proxy` assumes the workers of the pool `pair` hold (they publish no KV events).
