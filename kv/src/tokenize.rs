@@ -437,7 +437,7 @@ const WORD_CHECK_EVERY: u64 = 64;
 /// Tokens of new pieces kept for other replicas until they are taken; the oldest go first.
 const OUTBOX_TOKENS: usize = 65_536;
 /// A piece longer than this (text that could not be cut) is neither offered nor adopted.
-pub const MAX_SHARED_PIECE_TOKENS: usize = 8_192;
+pub const MAX_SHARED_PIECE_TOKENS: usize = 4_096;
 
 /// Tokens of prompt pieces, by a hash of their text, so a prompt that repeats an earlier one's
 /// text (a system prompt, the earlier turns of a conversation) tokenizes only what is new.
@@ -719,13 +719,7 @@ impl PromptTokenizer {
         if calls.is_multiple_of(WORD_CHECK_EVERY) {
             let whole = self.encode_whole(text)?;
             if whole != out {
-                // Pieces tokenized word by word may hold the same error: forget them too.
-                self.stop_cutting_words();
-                words.clear();
-                if let Some(segments) = &self.segments {
-                    segments.clear();
-                }
-                self.forget_new_pieces();
+                self.distrust_word_cuts();
                 return Ok(whole);
             }
         }
@@ -1033,6 +1027,21 @@ impl PromptTokenizer {
             .store(false, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Stop cutting between words, and forget every word and piece remembered (and not yet
+    /// offered to other replicas): a text tokenized word by word came out otherwise than
+    /// whole, here or (for a tokenizer of this [`Self::fingerprint`]) at another replica, so
+    /// what was tokenized word by word may hold the same error.
+    pub fn distrust_word_cuts(&self) {
+        self.stop_cutting_words();
+        if let Some(words) = &self.words {
+            words.clear();
+        }
+        if let Some(segments) = &self.segments {
+            segments.clear();
+        }
+        self.forget_new_pieces();
+    }
+
     /// Whether this tokenizer remembers the tokens of prompt pieces (see [`SegmentCache`]).
     pub fn caches_segments(&self) -> bool {
         self.segments.is_some()
@@ -1080,12 +1089,10 @@ impl PromptTokenizer {
             word_cuts: std::sync::atomic::AtomicBool::new(false),
             special_tokens: std::sync::Arc::default(),
             instance: INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            fingerprint: xxhash_rust::xxh3::xxh3_64_with_seed(
-                tokenizer_json,
-                xxhash_rust::xxh3::xxh3_64(env!("CARGO_PKG_VERSION").as_bytes()),
-            ),
+            fingerprint: 0,
             outbox: std::sync::Mutex::default(),
         };
+        prompt_tokenizer.fingerprint = prompt_tokenizer.fingerprint_of(tokenizer_json);
         prompt_tokenizer.special_tokens =
             std::sync::Arc::new(prompt_tokenizer.added_special_tokens());
         let mut names = tokenizer_config
@@ -1237,11 +1244,24 @@ impl PromptTokenizer {
         self.instance
     }
 
-    /// A hash of the `tokenizer.json` this tokenizer was loaded from and of this build's
-    /// version: equal in every process that tokenizes text alike, so another replica's pieces
-    /// ([`Self::new_pieces`]) are this tokenizer's only under the same fingerprint.
+    /// A hash of the `tokenizer.json` this tokenizer was loaded from, of the crate's version
+    /// and of the ids it gives the texts its cuts are checked on at load: equal in processes
+    /// that tokenize text alike (a build whose `tokenizers` library tokenizes those texts
+    /// otherwise has another), so another replica's pieces ([`Self::new_pieces`]) are this
+    /// tokenizer's only under the same fingerprint.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
+    }
+
+    fn fingerprint_of(&self, tokenizer_json: &[u8]) -> u64 {
+        let version = xxhash_rust::xxh3::xxh3_64(env!("CARGO_PKG_VERSION").as_bytes());
+        let mut fingerprint = xxhash_rust::xxh3::xxh3_64_with_seed(tokenizer_json, version);
+        for text in CUT_CHECKS.iter().chain(WORD_CUT_CHECKS) {
+            let ids = self.encode_whole(text).unwrap_or_default();
+            let bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+            fingerprint = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, fingerprint);
+        }
+        fingerprint
     }
 
     /// Remember a piece in the segment cache and, when it is new and someone takes new pieces,
@@ -1267,10 +1287,10 @@ impl PromptTokenizer {
     }
 
     /// The pieces this tokenizer tokenized and remembered since the last call, oldest first,
-    /// up to `max_tokens` tokens of them (one piece at least), and whether more are left: what
-    /// a gateway replica sends the others, so that a prompt one of them tokenized costs the
-    /// rest lookups ([`Self::adopt_pieces`]). New pieces are kept only from the first call on,
-    /// [`OUTBOX_TOKENS`] at most (the oldest go first).
+    /// up to `max_tokens` tokens of them (a piece has [`MAX_SHARED_PIECE_TOKENS`] at most), and
+    /// whether more are left: what a gateway replica sends the others, so that a prompt one of
+    /// them tokenized costs the rest lookups ([`Self::adopt_pieces`]). New pieces are kept only
+    /// from the first call on, [`OUTBOX_TOKENS`] at most (the oldest go first).
     pub fn new_pieces(&self, max_tokens: usize) -> (Vec<Piece>, bool) {
         let Ok(mut outbox) = self.outbox.lock() else {
             return (Vec::new(), false);
@@ -1279,7 +1299,7 @@ impl PromptTokenizer {
         let mut taken = Vec::new();
         let mut tokens = 0;
         while let Some(piece) = outbox.pieces.front() {
-            if !taken.is_empty() && tokens + piece.tokens.len() > max_tokens {
+            if tokens + piece.tokens.len() > max_tokens {
                 break;
             }
             tokens += piece.tokens.len();
@@ -1869,13 +1889,25 @@ mod tests {
         assert_eq!(fresh.adopt_pieces(&[planted]), 1);
         assert_eq!(fresh.encode(&prompt).unwrap()[..3], [5, 6, 7]);
 
-        // Taken a budget at a time, one piece at least.
+        // Taken a budget at a time.
         let budgeted = shipped();
         budgeted.new_pieces(usize::MAX);
         budgeted.encode(&prompt).unwrap();
-        let (one, more) = budgeted.new_pieces(1);
+        assert_eq!(
+            budgeted.new_pieces(pieces[0].tokens.len() - 1),
+            (Vec::new(), true)
+        );
+        let (one, more) = budgeted.new_pieces(pieces[0].tokens.len());
         assert_eq!((one.len(), more), (1, true));
         assert_eq!(one[0], pieces[0]);
+
+        // Word cuts found wrong at another replica: this tokenizer stops cutting words and
+        // forgets what it tokenized word by word, adopted pieces with it.
+        assert!(receiver.cuts_words());
+        receiver.distrust_word_cuts();
+        assert!(!receiver.cuts_words());
+        assert_eq!(cached_tokens(&receiver), 0);
+        assert_eq!(receiver.encode(&prompt).unwrap(), whole);
     }
 
     #[test]

@@ -227,7 +227,7 @@ impl Metrics {
             "Prompt pieces (token ids of prompt text, --peer-prompt-pieces) exchanged with other \
              gateway replicas, by outcome: sent (by this replica), adopted (heard and new to a \
              tokenizer here: that text is looked up, not tokenized), known (heard, held \
-             already), unused (heard for a tokenizer no pool here has)",
+             already or refused), unused (heard for a tokenizer no pool here has)",
             peer_pieces.family(),
         );
         let tenants = TenantFamilies {

@@ -63,7 +63,7 @@ use tokio::net::UdpSocket;
 
 use switchyard_kv::hash::SequenceHash;
 use switchyard_kv::index::WorkerId;
-use switchyard_kv::tokenize::Piece;
+use switchyard_kv::tokenize::{Piece, PromptTokenizer};
 use switchyard_snapshot::snapshot::PoolId;
 
 use crate::calibration::{Coefficients, Observation, PrefillWork, Speed};
@@ -304,6 +304,10 @@ pub struct ReplicaLedger {
     ///
     /// [`PromptTokenizer::adopt_pieces`]: switchyard_kv::tokenize::PromptTokenizer::adopt_pieces
     pub pieces: HashMap<u64, Vec<Piece>>,
+    /// Fingerprints of the replica's tokenizers that no longer cut text between words (one
+    /// found a text tokenized word by word otherwise than whole): a replica's tokenizer of the
+    /// same fingerprint stops too, and forgets the pieces it had, adopted ones with them.
+    pub word_cuts_off: Vec<u64>,
 }
 
 /// One request that ended at a worker without KV events: its number, the worker's address,
@@ -399,20 +403,21 @@ impl ReplicaLedger {
     }
 
     /// Take the prompt pieces this replica's tokenizers tokenized since the last call, up to
-    /// [`PIECE_TOKENS_PER_DATAGRAM`] tokens of them: whether more are left.
-    fn take_pieces(&mut self, table: &RoutingTable) -> bool {
+    /// [`PIECE_TOKENS_PER_DATAGRAM`] tokens of them, the tokenizers in turn from the
+    /// `turn`th (none takes all of every datagram): whether more are left. And say which of
+    /// them no longer cut between words.
+    fn take_pieces(&mut self, table: &RoutingTable, turn: usize) -> bool {
         let mut budget = PIECE_TOKENS_PER_DATAGRAM;
         let mut more = false;
-        let mut seen = Vec::new();
-        for tokenizer in table.pools().filter_map(|pool| pool.tokenizer.as_ref()) {
-            // Pools with the same tokenizer share one.
-            if seen.contains(&Arc::as_ptr(tokenizer)) {
-                continue;
-            }
-            seen.push(Arc::as_ptr(tokenizer));
-            if budget == 0 {
-                more = true;
-                break;
+        let tokenizers = distinct_tokenizers(table);
+        let start = turn % tokenizers.len().max(1);
+        for tokenizer in tokenizers
+            .iter()
+            .skip(start)
+            .chain(tokenizers.iter().take(start))
+        {
+            if !tokenizer.cuts_words() && !self.word_cuts_off.contains(&tokenizer.fingerprint()) {
+                self.word_cuts_off.push(tokenizer.fingerprint());
             }
             let (pieces, left) = tokenizer.new_pieces(budget);
             more |= left;
@@ -469,12 +474,23 @@ struct Datagram {
     /// since its last datagram (each sent once).
     #[serde(default)]
     pieces: Vec<(u64, u64, Vec<u32>)>,
+    /// Fingerprints of the sender's tokenizers that no longer cut between words.
+    #[serde(default)]
+    word_cuts_off: Vec<u64>,
 }
 
 impl Datagram {
-    /// The ledger as one datagram's bytes. When it must be cut, the prompts' samples go first
-    /// (their longest prefixes, half at a time), then the least busy workers.
+    /// The ledger as one datagram's bytes.
+    #[cfg(test)]
     fn encode(ledger: &ReplicaLedger, seq: u64, interval: Duration) -> Vec<u8> {
+        Self::encode_counting(ledger, seq, interval).0
+    }
+
+    /// The ledger as one datagram's bytes, and how many of its prompt pieces they carry. When
+    /// it must be cut, the pieces go first, then the ends at workers without KV events, the
+    /// prompts' samples (their longest prefixes), the speeds and the answers (each half at a
+    /// time), then the least busy workers.
+    fn encode_counting(ledger: &ReplicaLedger, seq: u64, interval: Duration) -> (Vec<u8>, usize) {
         let mut workers: Vec<_> = ledger
             .workers
             .iter()
@@ -564,11 +580,12 @@ impl Datagram {
             observation_pairs,
             freed,
             pieces,
+            word_cuts_off: ledger.word_cuts_off.clone(),
         };
         loop {
             let bytes = serde_json::to_vec(&datagram).unwrap_or_default();
             if bytes.len() <= MAX_DATAGRAM {
-                return bytes;
+                return (bytes, datagram.pieces.len());
             }
             if !datagram.pieces.is_empty() {
                 // Only a saving: the receivers tokenize what they do not get.
@@ -599,7 +616,7 @@ impl Datagram {
                 continue;
             }
             if datagram.workers.is_empty() {
-                return bytes;
+                return (bytes, 0);
             }
             static WARNED: OnceLock<()> = OnceLock::new();
             WARNED.get_or_init(|| {
@@ -735,6 +752,7 @@ impl Datagram {
             observations,
             freed,
             pieces,
+            word_cuts_off: self.word_cuts_off.clone(),
         }
     }
 }
@@ -769,6 +787,8 @@ struct Replicas {
     /// Prompt pieces they tokenized that this replica's tokenizers have not adopted yet (by
     /// tokenizer fingerprint), [`UNADOPTED_TOKENS`] tokens at most.
     unadopted: Vec<(u64, Piece)>,
+    /// Fingerprints of tokenizers some replica no longer cuts between words.
+    word_cuts_off: Vec<u64>,
 }
 
 impl Replicas {
@@ -795,6 +815,11 @@ impl Replicas {
         }
         let mut ledger = datagram.ledger();
         // Pieces come once each: adopted, not kept with the ledger.
+        for fingerprint in std::mem::take(&mut ledger.word_cuts_off) {
+            if !self.word_cuts_off.contains(&fingerprint) {
+                self.word_cuts_off.push(fingerprint);
+            }
+        }
         for (fingerprint, pieces) in std::mem::take(&mut ledger.pieces) {
             self.unadopted
                 .extend(pieces.into_iter().map(|piece| (fingerprint, piece)));
@@ -889,9 +914,13 @@ impl Replicas {
         std::mem::take(&mut self.unheld)
     }
 
-    /// The prompt pieces heard of since the last call, to adopt once.
-    fn unadopted(&mut self) -> Vec<(u64, Piece)> {
-        std::mem::take(&mut self.unadopted)
+    /// The prompt pieces heard of since the last call, to adopt once, and the fingerprints of
+    /// the tokenizers some replica no longer cuts between words.
+    fn unadopted(&mut self) -> (Vec<(u64, Piece)>, Vec<u64>) {
+        (
+            std::mem::take(&mut self.unadopted),
+            self.word_cuts_off.clone(),
+        )
     }
 
     /// Every replica's ledger summed as of `now`: a worker's time on the oldest pending prefill
@@ -916,6 +945,17 @@ impl Replicas {
     }
 }
 
+/// The tokenizers of `table`'s pools, each once (pools with the same tokenizer share one).
+fn distinct_tokenizers(table: &RoutingTable) -> Vec<&Arc<PromptTokenizer>> {
+    let mut tokenizers: Vec<&Arc<PromptTokenizer>> = Vec::new();
+    for tokenizer in table.pools().filter_map(|pool| pool.tokenizer.as_ref()) {
+        if !tokenizers.iter().any(|seen| Arc::ptr_eq(seen, tokenizer)) {
+            tokenizers.push(tokenizer);
+        }
+    }
+    tokenizers
+}
+
 /// Give every tokenizer of `table` the pieces heard of that were tokenized by one of its
 /// fingerprint, and count them: `adopted` (new to one), `known` (every tokenizer of that
 /// fingerprint held them, or refused them), `unused` (no tokenizer of theirs here).
@@ -925,12 +965,7 @@ fn adopt_pieces(table: &RoutingTable, heard: &[(u64, Piece)], counts: &PeerCount
     }
     let mut used = 0;
     let mut adopted = 0;
-    let mut seen = Vec::new();
-    for tokenizer in table.pools().filter_map(|pool| pool.tokenizer.as_ref()) {
-        if seen.contains(&Arc::as_ptr(tokenizer)) {
-            continue;
-        }
-        seen.push(Arc::as_ptr(tokenizer));
+    for tokenizer in distinct_tokenizers(table) {
         let fingerprint = tokenizer.fingerprint();
         let pieces: Vec<Piece> = heard
             .iter()
@@ -1025,7 +1060,16 @@ impl PeerService {
             return;
         };
         if self.prompt_pieces {
-            adopt_pieces(&table, &unadopted, &self.pieces);
+            let (pieces, word_cuts_off) = unadopted;
+            for tokenizer in distinct_tokenizers(&table) {
+                if tokenizer.cuts_words() && word_cuts_off.contains(&tokenizer.fingerprint()) {
+                    tracing::warn!(
+                        "another replica found this pool tokenizer's cuts between words inexact: routing no longer cuts prompts between words"
+                    );
+                    tokenizer.distrust_word_cuts();
+                }
+            }
+            adopt_pieces(&table, &pieces, &self.pieces);
         }
         // The other replicas' answers teach this replica's pool models too: each sees only
         // its share of them.
@@ -1123,20 +1167,17 @@ impl PeerService {
                 .current()
                 .map(|table| {
                     let mut own = ReplicaLedger::own(&table);
-                    more_pieces = self.prompt_pieces && own.take_pieces(&table);
+                    more_pieces = self.prompt_pieces && own.take_pieces(&table, seq as usize);
                     own
                 })
                 .unwrap_or_default();
             if more_pieces {
                 crate::worker::ledger_changed();
             }
-            self.pieces
-                .add("sent", own.pieces.values().map(Vec::len).sum());
             seq += 1;
-            let bytes = Datagram::seal(
-                Datagram::encode(&own, seq, self.interval),
-                self.key.as_ref(),
-            );
+            let (body, pieces) = Datagram::encode_counting(&own, seq, self.interval);
+            self.pieces.add("sent", pieces);
+            let bytes = Datagram::seal(body, self.key.as_ref());
             let mut targets = crate::lock(&shared.resolved).clone();
             targets.extend(crate::lock(&shared.replicas).addresses());
             targets.sort();
@@ -1370,7 +1411,7 @@ mod tests {
 
         // The sender's next datagram carries the new pieces, a budget at a time.
         let mut replica = ReplicaLedger::default();
-        assert!(!replica.take_pieces(&sender));
+        assert!(!replica.take_pieces(&sender, 0));
         let sent: Vec<Piece> = replica.pieces.values().flatten().cloned().collect();
         assert!(sent.len() > 10, "{}", sent.len());
         assert_eq!(
@@ -1378,16 +1419,17 @@ mod tests {
             [sent_by.fingerprint()]
         );
         let mut again = ReplicaLedger::default();
-        assert!(!again.take_pieces(&sender));
+        assert!(!again.take_pieces(&sender, 1));
         assert!(again.pieces.is_empty(), "each piece is sent once");
 
         let mut replicas = Replicas::default();
         assert!(replicas.hear(from("r1", 1, &replica), one, now));
         // Not kept with the ledger (never summed); handed over once.
         assert!(replicas.total(now).pieces.is_empty());
-        let heard = replicas.unadopted();
+        let (heard, word_cuts_off) = replicas.unadopted();
         assert_eq!(heard.len(), sent.len());
-        assert!(replicas.unadopted().is_empty());
+        assert!(word_cuts_off.is_empty());
+        assert!(replicas.unadopted().0.is_empty());
         // A pool whose tokenizer has another fingerprint takes none of them.
         let other: Vec<(u64, Piece)> = heard
             .iter()
@@ -1414,6 +1456,20 @@ mod tests {
             (count("adopted"), count("known")),
             (heard.len(), heard.len())
         );
+
+        // A sender whose tokenizer found its cuts between words inexact says so in every
+        // datagram (the receivers' tokenizers of that fingerprint stop cutting words too, and
+        // forget what they adopted).
+        assert!(replica.word_cuts_off.is_empty());
+        sent_by.distrust_word_cuts();
+        for seq in [2, 3] {
+            let mut told = ReplicaLedger::default();
+            told.take_pieces(&sender, seq as usize);
+            assert_eq!(told.word_cuts_off, [sent_by.fingerprint()]);
+            assert!(replicas.hear(from("r1", seq, &told), one, now));
+            assert_eq!(replicas.unadopted().1, [sent_by.fingerprint()]);
+        }
+        assert!(replicas.total(now).word_cuts_off.is_empty());
     }
 
     #[test]
@@ -1433,8 +1489,25 @@ mod tests {
             };
             assert!(replicas.hear(from("r1", seq, &replica), one, Instant::now()));
         }
-        let kept: Vec<u64> = replicas.unadopted().iter().map(|(_, p)| p.key).collect();
+        let kept: Vec<u64> = replicas.unadopted().0.iter().map(|(_, p)| p.key).collect();
         assert_eq!(kept, (25..=40).collect::<Vec<_>>());
+    }
+
+    /// `long` (lists too long for one datagram) beside a worker's counts and a prompt in
+    /// prefill, through one datagram: what is left of it. The worker and the prompt stay: the
+    /// longer lists go first.
+    fn through_one_datagram(long: ReplicaLedger) -> ReplicaLedger {
+        let replica = ReplicaLedger {
+            workers: HashMap::from([("w".to_owned(), ledger(5, 0))]),
+            prefixes: HashMap::from([("w".to_owned(), vec![7, 11])]),
+            ..long
+        };
+        let bytes = Datagram::encode(&replica, 1, Duration::from_millis(100));
+        assert!(bytes.len() <= MAX_DATAGRAM);
+        let kept = serde_json::from_slice::<Datagram>(&bytes).unwrap().ledger();
+        assert_eq!(kept.workers.len(), 1);
+        assert_eq!(kept.prefixes, replica.prefixes);
+        kept
     }
 
     #[test]
@@ -1445,17 +1518,10 @@ mod tests {
                 tokens: vec![151_000; 400].into(),
             })
             .collect();
-        let replica = ReplicaLedger {
-            workers: HashMap::from([("w".to_owned(), ledger(5, 0))]),
-            prefixes: HashMap::from([("w".to_owned(), vec![7, 11])]),
+        let kept = through_one_datagram(ReplicaLedger {
             pieces: HashMap::from([(9, pieces.clone())]),
             ..Default::default()
-        };
-        let bytes = Datagram::encode(&replica, 1, Duration::from_millis(100));
-        assert!(bytes.len() <= MAX_DATAGRAM);
-        let kept = serde_json::from_slice::<Datagram>(&bytes).unwrap().ledger();
-        assert_eq!(kept.workers.len(), 1);
-        assert_eq!(kept.prefixes, replica.prefixes);
+        });
         let kept = &kept.pieces[&9];
         assert!(
             !kept.is_empty() && kept.len() < pieces.len(),
@@ -1474,21 +1540,13 @@ mod tests {
                 .map(|n| (n, "w".to_owned(), samples.clone()))
                 .collect()
         };
-        let replica = ReplicaLedger {
-            workers: HashMap::from([("w".to_owned(), ledger(5, 0))]),
-            prefixes: HashMap::from([("w".to_owned(), vec![7, 11])]),
+        let kept = through_one_datagram(ReplicaLedger {
             freed: HashMap::from([
                 ("default/a".to_owned(), ends(1..=4)),
                 ("default/b".to_owned(), ends(101..=104)),
             ]),
             ..Default::default()
-        };
-        let bytes = Datagram::encode(&replica, 1, Duration::from_millis(100));
-        assert!(bytes.len() <= MAX_DATAGRAM);
-        let kept = serde_json::from_slice::<Datagram>(&bytes).unwrap().ledger();
-        assert_eq!(kept.workers.len(), 1);
-        // The prompts in prefill stay: the ends go first.
-        assert_eq!(kept.prefixes, replica.prefixes);
+        });
         let numbers = |pool: &str| {
             let mut numbers: Vec<u64> = kept.freed[pool].iter().map(|f| f.0).collect();
             numbers.sort();
@@ -1535,6 +1593,7 @@ mod tests {
                     tokens: vec![0, 151_000].into(),
                 }],
             )]),
+            word_cuts_off: vec![u64::MAX - 2],
         };
         let bytes = Datagram::encode(&replica, 7, Duration::from_millis(100));
         assert_eq!(decode(&bytes), None, "this process's own");

@@ -604,37 +604,38 @@ async fn wait_scored(proxy: &Proxy, worker: &str, wanted: impl Fn((u64, u64)) ->
 /// their host: it learns of the second's port from the datagram the second sends when it
 /// starts, to the first's operator port (and to a port nobody listens on).
 async fn two_replicas(config: &str) -> (Proxy, Proxy) {
+    two_replicas_with(config, &[]).await
+}
+
+/// [`two_replicas`], both started with `extra` flags too.
+async fn two_replicas_with(config: &str, extra: &[&str]) -> (Proxy, Proxy) {
     let key = key_file("the two replicas' shared secret");
     let key = key.path().to_str().unwrap();
     let minute = "60000";
-    let first = Proxy::start(
-        config,
-        &[
+    let args = |peers: &str| -> Vec<String> {
+        let mut args: Vec<String> = [
             "--peers",
-            "127.0.0.1:1",
+            peers,
             "--peer-interval-ms",
             minute,
             "--peers-key-file",
             key,
-        ],
-    )
-    .await;
+        ]
+        .map(str::to_owned)
+        .into();
+        args.extend(extra.iter().map(|arg| (*arg).to_owned()));
+        args
+    };
+    let first_args = args("127.0.0.1:1");
+    let first_args: Vec<&str> = first_args.iter().map(String::as_str).collect();
+    let first = Proxy::start(config, &first_args).await;
     let peers = format!(
         "{},127.0.0.1:1",
         first.admin_url().trim_start_matches("http://")
     );
-    let second = Proxy::start(
-        config,
-        &[
-            "--peers",
-            &peers,
-            "--peer-interval-ms",
-            minute,
-            "--peers-key-file",
-            key,
-        ],
-    )
-    .await;
+    let second_args = args(&peers);
+    let second_args: Vec<&str> = second_args.iter().map(String::as_str).collect();
+    let second = Proxy::start(config, &second_args).await;
     // (The key is read at start: the file may go.)
     (first, second)
 }
@@ -894,6 +895,55 @@ async fn a_replica_follows_a_prefix_another_replica_had_a_worker_without_events_
     assert!(assumed_blocks(&first).await >= system_blocks);
     assert!(matched_at(&second, &probe, &holder.endpoint()).await + 4 > system_blocks);
     assert_eq!(matched_at(&second, &probe, &other.endpoint()).await, 0);
+}
+
+#[tokio::test]
+async fn replicas_with_prompt_pieces_off_share_their_ledgers_and_no_prompt_content() {
+    let (one, two) = (
+        three_chunks("one", false).await,
+        three_chunks("two", false).await,
+    );
+    let config = format!(
+        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: pair}}\nspec: {{model: m, blockSize: 16, endpoints: [\"{}\", \"{}\"]}}\n---\n\
+         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: pair}}\nspec: {{modelName: pair, targets: [{{pool: pair}}]}}\n",
+        one.endpoint(),
+        two.endpoint()
+    );
+    let (first, second) = two_replicas_with(&config, &["--peer-prompt-pieces", "false"]).await;
+    let system = "Answer as the handbook of the switchyard says, citing the numbers of its rules. "
+        .repeat(70);
+    let chat = |question: &str| {
+        json!({"model": "pair", "stream": true, "max_tokens": 8, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question}]})
+    };
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", first.url()))
+        .json(&chat("What does rule 1 say?"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.bytes().await.unwrap();
+    let holder = if one.received().is_empty() {
+        &two
+    } else {
+        &one
+    };
+    // The second replica learns where the prompt went (the end at a worker without KV events
+    // travels in the ledger) ...
+    let probe = chat("What does rule 7 say?");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while matched_at(&second, &probe, &holder.endpoint()).await < 40 {
+        assert!(std::time::Instant::now() < deadline, "the end not told");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // ... and tokenized it itself: no piece went either way.
+    for proxy in [&first, &second] {
+        for outcome in ["sent", "adopted", "known", "unused"] {
+            assert_eq!(prompt_pieces(proxy, outcome).await, 0, "{outcome}");
+        }
+    }
 }
 
 /// `switchyard_peer_prompt_pieces_total{outcome}` of `proxy` (0 before the first).
