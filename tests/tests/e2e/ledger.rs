@@ -794,42 +794,67 @@ async fn matched_at(proxy: &Proxy, body: &serde_json::Value, worker: &str) -> u6
         .unwrap_or_else(|| panic!("{worker} not scored: {explained}"))
 }
 
-#[tokio::test]
-async fn a_replica_follows_a_prefix_another_replica_had_a_worker_without_events_prefill() {
-    // Two workers that publish no KV events: what one replica sent where, the other can learn
-    // only from that replica.
+/// Two workers that publish no KV events (`gated`: they answer only when released), one
+/// and two, behind two replicas (both started with `extra` flags too) in one pool `pair`.
+async fn pair_behind_two_replicas(
+    gated: bool,
+    extra: &[&str],
+) -> (Upstream, Upstream, Proxy, Proxy) {
     let (one, two) = (
-        three_chunks("one", true).await,
-        three_chunks("two", true).await,
+        three_chunks("one", gated).await,
+        three_chunks("two", gated).await,
     );
-    let config = format!(
+    let (first, second) = two_replicas_with(&pair_config(&one, &two), extra).await;
+    (one, two, first, second)
+}
+
+/// One pool `pair` of the workers `one` and `two` (blocks of 16 tokens), model `pair`.
+fn pair_config(one: &Upstream, two: &Upstream) -> String {
+    format!(
         "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: pair}}\nspec: {{model: m, blockSize: 16, endpoints: [\"{}\", \"{}\"]}}\n---\n\
          apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: pair}}\nspec: {{modelName: pair, targets: [{{pool: pair}}]}}\n",
         one.endpoint(),
         two.endpoint()
-    );
-    let (first, second) = two_replicas(&config).await;
-    // A system prompt of about a thousand tokens, far longer than the head a prompt nobody
-    // holds is first known by.
-    let system = "Answer as the handbook of the switchyard says, citing the numbers of its rules. "
-        .repeat(70);
-    let chat = |question: &str| {
-        json!({"model": "pair", "stream": true, "max_tokens": 8, "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": question}]})
-    };
+    )
+}
+
+/// `body` posted to `proxy`'s chat completions.
+async fn post_chat(proxy: &Proxy, body: &serde_json::Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// A system prompt of about a thousand tokens, far longer than the head a prompt nobody holds
+/// is first known by.
+fn handbook() -> String {
+    "Answer as the handbook of the switchyard says, citing the numbers of its rules. ".repeat(70)
+}
+
+/// A streamed chat with model `pair`: `question` after `system`.
+fn pair_chat(system: &str, question: &str) -> serde_json::Value {
+    json!({"model": "pair", "stream": true, "max_tokens": 8, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": question}]})
+}
+
+#[tokio::test]
+async fn a_replica_follows_a_prefix_another_replica_had_a_worker_without_events_prefill() {
+    // Two workers that publish no KV events: what one replica sent where, the other can learn
+    // only from that replica.
+    let (one, two, first, second) = pair_behind_two_replicas(true, &[]).await;
+    let system = handbook();
+    let chat = |question: &str| pair_chat(&system, question);
     let probe = chat("What does rule 7 say?");
     for worker in [one.endpoint(), two.endpoint()] {
         assert_eq!(matched_at(&second, &probe, &worker).await, 0);
     }
 
     // A request through the first replica, before its first token...
-    let response = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", first.url()))
-        .json(&chat("What does rule 1 say?"))
-        .send()
-        .await
-        .unwrap();
+    let response = post_chat(&first, &chat("What does rule 1 say?")).await;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while one.received().len() + two.received().len() == 0 {
         assert!(std::time::Instant::now() < deadline, "nothing sent");
@@ -899,30 +924,11 @@ async fn a_replica_follows_a_prefix_another_replica_had_a_worker_without_events_
 
 #[tokio::test]
 async fn replicas_with_prompt_pieces_off_share_their_ledgers_and_no_prompt_content() {
-    let (one, two) = (
-        three_chunks("one", false).await,
-        three_chunks("two", false).await,
-    );
-    let config = format!(
-        "apiVersion: switchyard.dev/v1alpha1\nkind: InferencePool\nmetadata: {{name: pair}}\nspec: {{model: m, blockSize: 16, endpoints: [\"{}\", \"{}\"]}}\n---\n\
-         apiVersion: switchyard.dev/v1alpha1\nkind: InferenceModel\nmetadata: {{name: pair}}\nspec: {{modelName: pair, targets: [{{pool: pair}}]}}\n",
-        one.endpoint(),
-        two.endpoint()
-    );
-    let (first, second) = two_replicas_with(&config, &["--peer-prompt-pieces", "false"]).await;
-    let system = "Answer as the handbook of the switchyard says, citing the numbers of its rules. "
-        .repeat(70);
-    let chat = |question: &str| {
-        json!({"model": "pair", "stream": true, "max_tokens": 8, "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": question}]})
-    };
-    let response = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", first.url()))
-        .json(&chat("What does rule 1 say?"))
-        .send()
-        .await
-        .unwrap();
+    let (one, two, first, second) =
+        pair_behind_two_replicas(false, &["--peer-prompt-pieces", "false"]).await;
+    let system = handbook();
+    let chat = |question: &str| pair_chat(&system, question);
+    let response = post_chat(&first, &chat("What does rule 1 say?")).await;
     assert_eq!(response.status(), 200);
     response.bytes().await.unwrap();
     let holder = if one.received().is_empty() {
