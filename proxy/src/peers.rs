@@ -814,7 +814,8 @@ impl Replicas {
             }
         }
         let mut ledger = datagram.ledger();
-        // Pieces come once each: adopted, not kept with the ledger.
+        // Word cuts found inexact stay so (for every replica's tokenizer of that fingerprint);
+        // pieces come once each: adopted, not kept with the ledger.
         for fingerprint in std::mem::take(&mut ledger.word_cuts_off) {
             if !self.word_cuts_off.contains(&fingerprint) {
                 self.word_cuts_off.push(fingerprint);

@@ -649,12 +649,23 @@ fn key_file(secret: &str) -> tempfile::NamedTempFile {
 
 /// `switchyard_peer_datagrams_total{outcome}` of `proxy` (0 before the first such datagram).
 async fn datagrams(proxy: &Proxy, outcome: &str) -> u64 {
+    peer_count(proxy, "switchyard_peer_datagrams", outcome).await
+}
+
+/// `switchyard_peer_prompt_pieces_total{outcome}` of `proxy` (0 before the first).
+async fn prompt_pieces(proxy: &Proxy, outcome: &str) -> u64 {
+    peer_count(proxy, "switchyard_peer_prompt_pieces", outcome).await
+}
+
+/// `{family}_total{outcome}` of `proxy`, a counter family it always exports (0 before the
+/// first count).
+async fn peer_count(proxy: &Proxy, family: &str, outcome: &str) -> u64 {
     let metrics = proxy.metrics().await;
     assert!(
-        metrics.contains("# TYPE switchyard_peer_datagrams counter"),
+        metrics.contains(&format!("# TYPE {family} counter")),
         "{metrics}"
     );
-    let series = format!("switchyard_peer_datagrams_total{{outcome=\"{outcome}\"}} ");
+    let series = format!("{family}_total{{outcome=\"{outcome}\"}} ");
     metrics
         .lines()
         .find_map(|line| line.strip_prefix(series.as_str()))
@@ -950,17 +961,6 @@ async fn replicas_with_prompt_pieces_off_share_their_ledgers_and_no_prompt_conte
             assert_eq!(prompt_pieces(proxy, outcome).await, 0, "{outcome}");
         }
     }
-}
-
-/// `switchyard_peer_prompt_pieces_total{outcome}` of `proxy` (0 before the first).
-async fn prompt_pieces(proxy: &Proxy, outcome: &str) -> u64 {
-    let series = format!("switchyard_peer_prompt_pieces_total{{outcome=\"{outcome}\"}} ");
-    proxy
-        .metrics()
-        .await
-        .lines()
-        .find_map(|line| line.strip_prefix(series.as_str()))
-        .map_or(0, |value| value.parse().unwrap())
 }
 
 /// Blocks `proxy` assumes the workers of the pool `pair` hold (they publish no KV events).
