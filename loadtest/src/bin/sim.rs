@@ -88,7 +88,8 @@ struct Args {
     /// KV cache capacity per worker, in blocks (vLLM's null block included; default: the card's).
     #[arg(long)]
     num_blocks: Option<usize>,
-    /// Tokens per KV block (default: vLLM's 64).
+    /// Tokens per KV block (default: vLLM's 64). Without --num-blocks, the card's KV memory is
+    /// cut into blocks of this size, as vLLM sizes its pool.
     #[arg(long)]
     block_size: Option<usize>,
     /// Default: the card's (256 on an L40S, 1,024 on H100/H200).
@@ -146,14 +147,14 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     anyhow::ensure!(args.time_scale > 0.0, "--time-scale must be positive");
-    let mut engine = args.gpu.engine_config();
+    // The card's KV memory in blocks of the size asked for, unless --num-blocks says how many.
+    let mut engine = args
+        .gpu
+        .engine_config_with_block_size(args.block_size.unwrap_or(sim::DEFAULT_BLOCK_SIZE));
     engine.time_scale = args.time_scale;
     engine.hash_seed = args.hash_seed;
     if let Some(num_blocks) = args.num_blocks {
         engine.num_blocks = num_blocks;
-    }
-    if let Some(block_size) = args.block_size {
-        engine.block_size = block_size;
     }
     if let Some(max_num_seqs) = args.max_num_seqs {
         engine.max_num_seqs = max_num_seqs;

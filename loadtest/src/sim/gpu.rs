@@ -165,11 +165,18 @@ impl GpuProfile {
 
     /// The engine vLLM would run on this card, before any flag overrides it.
     pub fn engine_config(self) -> EngineConfig {
+        self.engine_config_with_block_size(DEFAULT_BLOCK_SIZE)
+    }
+
+    /// The engine vLLM would run on this card with `--block-size block_size`: the same KV
+    /// memory, cut into blocks of that size (vLLM sizes its pool in bytes, so 16-token blocks
+    /// are four times as many as 64-token ones).
+    pub fn engine_config_with_block_size(self, block_size: usize) -> EngineConfig {
         let model = ModelShape::DENSE_27B;
         let (max_num_batched_tokens, max_num_seqs) = self.scheduler_budget();
         EngineConfig {
-            num_blocks: self.num_blocks(&model, DEFAULT_BLOCK_SIZE),
-            block_size: DEFAULT_BLOCK_SIZE,
+            num_blocks: self.num_blocks(&model, block_size),
+            block_size,
             max_num_seqs,
             max_num_batched_tokens,
             latency: self.latency(&model),
@@ -220,5 +227,17 @@ mod tests {
         assert!((55_000..60_000).contains(&blocks(GpuProfile::L40s48gb)));
         assert!((160_000..170_000).contains(&blocks(GpuProfile::H100_80gb)));
         assert!((375_000..385_000).contains(&blocks(GpuProfile::H200_141gb)));
+    }
+
+    #[test]
+    fn a_smaller_block_size_cuts_the_same_memory_into_more_blocks() {
+        let gpu = GpuProfile::L40s48gb;
+        let tokens = |config: &EngineConfig| (config.num_blocks - 1) * config.block_size;
+        let default = gpu.engine_config();
+        let small = gpu.engine_config_with_block_size(16);
+        assert_eq!(small.block_size, 16);
+        assert!(small.num_blocks > 3 * default.num_blocks, "{small:?} {default:?}");
+        // The same tokens of KV, give or take the last partial block.
+        assert!(tokens(&default).abs_diff(tokens(&small)) < default.block_size);
     }
 }

@@ -22,7 +22,7 @@ use switchyard_kv::tokenize::PromptTokenizer;
 use tokio::sync::mpsc;
 
 pub use engine::{EngineConfig, EngineHandle, LatencyModel, Output, Prediction, StepShape};
-pub use gpu::GpuProfile;
+pub use gpu::{DEFAULT_BLOCK_SIZE, GpuProfile};
 pub use publisher::PublisherConfig;
 
 /// Everything one simulated worker needs.
