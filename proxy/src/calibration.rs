@@ -45,8 +45,9 @@
 //! cancels out instead of pushing every prediction around, and a worker that is avoided for a
 //! while keeps its relative speed rather than drifting.
 //!
-//! Used only by pools with `scoring.learnWorkerSpeed` (off by default: on equal workers it
-//! gains nothing, and the ratios still differ a little with each worker's traffic mix).
+//! Used unless the pool sets `scoring.learnWorkerSpeed: false`. On equal workers the ratios
+//! still differ a little with each worker's traffic mix, so a speed counts only after a full
+//! window of answers, and one within [`SAME_SPEED`] of the pool's is taken as equal.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;

@@ -24,9 +24,10 @@
 //! - Running requests are this proxy's decoding ones plus others' as last scraped. This proxy's
 //!   own requests therefore count at once, not a scrape interval late, and several gateway
 //!   replicas still see each other's load.
-//! - The relative speed (pools with `scoring.learnWorkerSpeed`, else 1) is learned per worker
-//!   from observed first tokens, relative to the pool's median worker ([`crate::calibration`]):
-//!   a worker slower than the rest is predicted slower; an error all workers share cancels out.
+//! - The relative speed is learned per worker from observed first tokens, relative to the
+//!   pool's median worker ([`crate::calibration`]): a worker slower than the rest is predicted
+//!   slower; an error all workers share cancels out. A pool with
+//!   `scoring.learnWorkerSpeed: false` predicts every worker at 1.
 //!
 //! A worker whose KV cache cannot hold the request now would leave it waiting, or preempt a
 //! running request to make room: it is chosen only when no healthy worker has room. The request
@@ -1027,7 +1028,8 @@ mod tests {
 
     #[test]
     fn a_worker_learned_to_be_slow_gets_less_of_the_work() {
-        let table = table_with(", scoring: {learnWorkerSpeed: true}");
+        // Learned by default.
+        let table = table();
         let pool = table.pools().next().unwrap();
         let lookup = overlap(pool, &[1, 2, 3, 4]);
         // Cold prompts of 1,000 tokens and more, nothing queued ahead.
@@ -1062,8 +1064,8 @@ mod tests {
         assert!(slow.predicted_ttft_s > slow.formula_ttft_s);
         assert!(decision.explain(pool).contains("relative_speed=1.50"));
 
-        // Without the pool setting the speed is observed (explain shows it) but not used.
-        let plain = super::tests::table();
+        // With the pool setting off the speed is observed (explain shows it) but not used.
+        let plain = table_with(", scoring: {learnWorkerSpeed: false}");
         let pool = plain.pools().next().unwrap();
         for i in 0..10 {
             pool.workers[0].ttft.observe(answer(i, 1.5), &model);

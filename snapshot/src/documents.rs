@@ -141,9 +141,11 @@ pub struct ScoringSpec {
     #[serde(default = "default_tie_micros")]
     pub tie_tolerance_micros: u32,
     /// Learn each worker's speed relative to the pool from its observed first tokens and scale
-    /// its predictions by it (for fleets of unequal cards). Off by default: on equal workers it
-    /// measured worse (the learned differences follow the traffic mix, not the hardware).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    /// its predictions by it (a fleet of unequal cards, a throttled card, a node shared with
+    /// another job). On by default: a speed counts after nine cold answers, and one within 20%
+    /// of the pool's is taken as equal, so equal workers stay equal; `false` predicts every
+    /// worker at the pool's speed.
+    #[serde(default = "default_true")]
     pub learn_worker_speed: bool,
     /// Learn the pool's coefficients online from its streamed answers (their time to first
     /// token and the cached tokens the worker reports), starting from the configured ones. On
@@ -182,7 +184,7 @@ impl Default for ScoringSpec {
             running_request_micros: default_running_micros(),
             attention_context_tokens: default_attention_context_tokens(),
             tie_tolerance_micros: default_tie_micros(),
-            learn_worker_speed: false,
+            learn_worker_speed: true,
             learn_coefficients: true,
             replicate_shared_prefixes: true,
         }

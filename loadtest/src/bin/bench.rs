@@ -160,10 +160,10 @@ struct CompareArgs {
     /// (`1,1,1.5`: the third worker is 1.5x slower).
     #[arg(long, value_delimiter = ',')]
     worker_speed: Vec<f64>,
-    /// Switchyard's pool learns each worker's speed relative to the pool
-    /// (`scoring.learnWorkerSpeed`, off by default).
+    /// Switchyard's pool predicts every worker at the pool's speed instead of learning each
+    /// one's (`scoring.learnWorkerSpeed: false`).
     #[arg(long)]
-    learn_worker_speed: bool,
+    no_learn_worker_speed: bool,
     /// Switchyard's pool keeps its configured coefficients instead of learning them from its
     /// answers (`scoring.learnCoefficients: false`).
     #[arg(long)]
@@ -611,7 +611,7 @@ async fn compare_bench(mut args: CompareArgs) -> anyhow::Result<()> {
                 worker_speed: kind
                     .worker_speeds(args.workers)
                     .unwrap_or_else(|| args.worker_speed.clone()),
-                learn_worker_speed: args.learn_worker_speed,
+                learn_worker_speed: !args.no_learn_worker_speed,
                 learn_coefficients: !args.no_learn_coefficients,
                 replicate_shared_prefixes: !args.no_replicate_shared_prefixes,
                 scoring_error: args.scoring_error,
