@@ -236,7 +236,10 @@ mod tests {
         let default = gpu.engine_config();
         let small = gpu.engine_config_with_block_size(16);
         assert_eq!(small.block_size, 16);
-        assert!(small.num_blocks > 3 * default.num_blocks, "{small:?} {default:?}");
+        assert!(
+            small.num_blocks > 3 * default.num_blocks,
+            "{small:?} {default:?}"
+        );
         // The same tokens of KV, give or take the last partial block.
         assert!(tokens(&default).abs_diff(tokens(&small)) < default.block_size);
     }
